@@ -1,0 +1,30 @@
+# Everything a fresh machine needs: `make run` and `make test` set up the virtual environment first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch that this environment keeps on disk; the package itself accepts a range.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/diloco sim $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/strategies.py
+
+clean:
+	rm -rf $(VENV) runs

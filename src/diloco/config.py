@@ -1,0 +1,273 @@
+"""Typed run configuration: dataclasses loaded from TOML and overridden with `--set key=value`.
+
+Every key is checked against the dataclass field types, then against the rules in `validate()`.
+A problem raises `ConfigError` with a one-line message that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from diloco.errors import ConfigError
+
+Strategy = Literal["ddp", "diloco", "streaming"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+
+
+@dataclass
+class TrainConfig:
+    tokens: int = 1_200_000
+    """Total token budget, summed over all learners."""
+    batch_size: int = 16
+    """Sequences per inner step, per learner."""
+    seq_len: int = 64
+    lr: float = 3e-3
+    """Peak learning rate of each learner's inner AdamW."""
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Follows each learner's own step count, never the wall-clock."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 turns clipping off."""
+    eval_points: int = 8
+    """How many times the global model is evaluated during the run (the last one at the end)."""
+    eval_batches: int = 8
+
+
+@dataclass
+class LearnersConfig:
+    count: int = 4
+    speeds: list[float] = field(default_factory=list)
+    """Relative speeds, one per learner; empty means all 1. Setting it alone sets `count` too."""
+    jitter: float = 0.0
+    """Relative standard deviation of each step time (0.1 = 10%)."""
+    step_time_s: float = 0.25
+    """Virtual seconds of one inner step at speed 1."""
+
+
+@dataclass
+class OuterConfig:
+    H: int = 50
+    """Inner steps between two syncs of the same fragment."""
+    fragments: int = 1
+    tau: int = 0
+    """Inner steps a learner keeps training between sending a fragment and merging the answer."""
+    alpha: float = 0.0
+    """Mixing: θ ← α·θ + (1 − α)·Θ̃ when merging; 0 overwrites."""
+    lr: float = 0.7
+    momentum: float = 0.9
+
+
+@dataclass
+class LinkConfig:
+    bandwidth_mbit: float = 100.0
+    """Each learner's link, per direction."""
+    latency_ms: float = 50.0
+
+
+@dataclass
+class ModelConfig:
+    layers: int = 2
+    width: int = 128
+    heads: int = 4
+    context: int = 0
+    """Longest sequence the model accepts; 0 means train.seq_len."""
+    dropout: float = 0.0
+    factory: str = ""
+    """`module:callable` returning any nn.Module whose forward(inputs, targets) is a scalar loss."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "shakespeare"
+    """`shakespeare` (bundled, byte-level) or the path of a flat binary file of token ids."""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of a token file, as nanoGPT writes them."""
+    vocab_size: int = 0
+    """Vocabulary of a token file; 0 means the largest id in it plus one."""
+    eval_fraction: float = 0.05
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    strategy: Strategy = "streaming"
+    train: TrainConfig = field(default_factory=TrainConfig)
+    learners: LearnersConfig = field(default_factory=LearnersConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def speeds(self) -> list[float]:
+        return list(self.learners.speeds) or [1.0] * self.learners.count
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the TOML file, then each `key=value` override, then validation."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    return config_from_dict(raw)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=value`: the value is read as TOML; a bare word that is not TOML is taken as a string."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set expects key=value, got {item!r}")
+    text = text.strip()
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return key, value
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    config = _build(Config, raw, prefix="")
+    learners_raw = raw.get("learners", {})
+    if isinstance(learners_raw, dict) and "speeds" in learners_raw and "count" not in learners_raw:
+        config.learners.count = len(config.learners.speeds)
+    validate(config)
+    return config
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.')}' must be a section (a table)")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            where = f"'{prefix}{key}'"
+            raise ConfigError(f"unknown config key {where} (known here: {', '.join(sorted(names))})")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        hint = hints[f.name]
+        key = prefix + f.name
+        if dataclasses.is_dataclass(hint):
+            values[f.name] = _build(hint, raw[f.name], prefix=key + ".")
+        else:
+            values[f.name] = _coerce(raw[f.name], hint, key)
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = get_origin(hint)
+    if origin is Literal:
+        choices = get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin in (list, typing.List):
+        (item_hint,) = get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' must be a list, e.g. [1, 1, 0.5]; got {value!r}")
+        return [_coerce(v, item_hint, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"unsupported config type for {key}: {hint}")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' must be true or false; got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}' must be an integer; got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{key}' must be a number; got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{key}' must be a string; got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type for {key}: {hint}")
+
+
+# ---------------------------------------------------------------- rules
+
+
+def _require(ok: bool, key: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' {rule}; got {value!r}")
+
+
+def validate(config: Config) -> None:
+    """Rules the types cannot say. Each failure names its key."""
+    t, lc, o, ln, m, d = config.train, config.learners, config.outer, config.link, config.model, config.data
+    positive_ints = {
+        "train.tokens": t.tokens, "train.batch_size": t.batch_size, "train.seq_len": t.seq_len,
+        "train.eval_points": t.eval_points, "train.eval_batches": t.eval_batches,
+        "learners.count": lc.count, "outer.H": o.H, "outer.fragments": o.fragments,
+        "model.layers": m.layers, "model.width": m.width, "model.heads": m.heads,
+    }
+    for key, value in positive_ints.items():
+        _require(value > 0, key, "must be positive", value)
+    _require(config.seed >= 0, "seed", "must be zero or positive", config.seed)
+    _require(t.lr > 0, "train.lr", "must be positive", t.lr)
+    _require(t.weight_decay >= 0, "train.weight_decay", "must be zero or positive", t.weight_decay)
+    _require(t.warmup_steps >= 0, "train.warmup_steps", "must be zero or positive", t.warmup_steps)
+    _require(t.grad_clip >= 0, "train.grad_clip", "must be zero or positive (0 turns clipping off)", t.grad_clip)
+    if lc.speeds:
+        _require(len(lc.speeds) == lc.count, "learners.speeds",
+                 f"must have one entry per learner (learners.count = {lc.count})", lc.speeds)
+        for i, s in enumerate(lc.speeds):
+            _require(s > 0, f"learners.speeds[{i}]", "must be positive", s)
+    _require(0 <= lc.jitter < 1, "learners.jitter", "must be in [0, 1)", lc.jitter)
+    _require(lc.step_time_s > 0, "learners.step_time_s", "must be positive", lc.step_time_s)
+    _require(o.fragments <= o.H or config.strategy != "streaming", "outer.fragments",
+             f"must be at most outer.H ({o.H}) so that fragments sync on distinct steps", o.fragments)
+    _require(0 <= o.tau < o.H, "outer.tau", f"must be in [0, outer.H) = [0, {o.H})", o.tau)
+    _require(0 <= o.alpha <= 1, "outer.alpha", "must be in [0, 1]", o.alpha)
+    _require(o.lr > 0, "outer.lr", "must be positive", o.lr)
+    _require(0 <= o.momentum < 1, "outer.momentum", "must be in [0, 1)", o.momentum)
+    _require(ln.bandwidth_mbit > 0, "link.bandwidth_mbit", "must be positive", ln.bandwidth_mbit)
+    _require(ln.latency_ms >= 0, "link.latency_ms", "must be zero or positive", ln.latency_ms)
+    _require(m.width % m.heads == 0, "model.heads", f"must divide model.width ({m.width})", m.heads)
+    _require(m.context == 0 or m.context >= t.seq_len, "model.context",
+             f"must be 0 or at least train.seq_len ({t.seq_len})", m.context)
+    _require(0 <= m.dropout < 1, "model.dropout", "must be in [0, 1)", m.dropout)
+    _require(m.factory == "" or ":" in m.factory, "model.factory", "must look like 'package.module:callable'",
+             m.factory)
+    _require(0 < d.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)", d.eval_fraction)
+    _require(d.vocab_size >= 0, "data.vocab_size", "must be zero or positive", d.vocab_size)
+    tokens_per_round = lc.count * t.batch_size * t.seq_len
+    _require(t.tokens >= tokens_per_round, "train.tokens",
+             f"must cover at least one step of every learner ({tokens_per_round} tokens)", t.tokens)

@@ -1,0 +1,10 @@
+"""Sans-I/O state machines: they take events and return actions; no sockets, threads or sleeps.
+
+The simulated driver (virtual clock) and the real driver (processes, network) run the same cores.
+"""
+
+from diloco.core.learner import LearnerCore, Poll
+from diloco.core.messages import Push, Update, tensors_wire_bytes
+from diloco.core.syncer import ProtocolError, SyncerCore
+
+__all__ = ["LearnerCore", "Poll", "Push", "Update", "SyncerCore", "ProtocolError", "tensors_wire_bytes"]

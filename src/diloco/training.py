@@ -1,0 +1,81 @@
+"""One learner's inner training: a model, its AdamW, its data shard and its own schedule.
+
+Shared by the simulated and the real drivers. `compute_gradients` and `apply_gradients` are separate
+so that data-parallel training can all-reduce the gradients in between.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from diloco.config import TrainConfig
+from diloco.data.shards import Batch, ShardSampler
+from diloco.models.factory import check_loss
+
+
+def learning_rate(cfg: TrainConfig, step: int, planned_steps: int) -> float:
+    """Linear warm-up, then cosine to 10% (or constant), by this learner's own step count."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, planned_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on biases, norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95))
+
+
+class Replica:
+    def __init__(self, model: nn.Module, cfg: TrainConfig, sampler: ShardSampler, planned_steps: int) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.sampler = sampler
+        self.planned_steps = planned_steps
+        self.optimizer = make_optimizer(model, cfg)
+        self.steps = 0
+
+    def named_params(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def compute_gradients(self) -> int:
+        """Forward and backward on the next batch; returns the tokens it took."""
+        inputs, targets = self.sampler.next_batch()
+        self.model.train()
+        loss = check_loss(self.model(inputs, targets))
+        loss.backward()
+        return targets.numel()
+
+    def apply_gradients(self) -> None:
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        lr = learning_rate(self.cfg, self.steps, self.planned_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+
+    def train_step(self) -> int:
+        tokens = self.compute_gradients()
+        self.apply_gradients()
+        return tokens
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[Batch]) -> float:
+    was_training = model.training
+    model.eval()
+    total = sum(float(check_loss(model(x, y), need_grad=False)) for x, y in batches)
+    model.train(was_training)
+    return total / len(batches)
+
