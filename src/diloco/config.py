@@ -55,10 +55,10 @@ class LearnersConfig:
 class OuterConfig:
     H: int = 50
     """Inner steps between two syncs of the same fragment."""
-    fragments: int = 1
-    tau: int = 0
+    fragments: int = 4
+    tau: int = 2
     """Inner steps a learner keeps training between sending a fragment and merging the answer."""
-    alpha: float = 0.0
+    alpha: float = 0.5
     """Mixing: θ ← α·θ + (1 − α)·Θ̃ when merging; 0 overwrites."""
     lr: float = 0.7
     momentum: float = 0.9

@@ -25,17 +25,20 @@ class Fragment:
 
 
 def embedding_names(model: nn.Module) -> set[str]:
-    """Input embeddings (nn.Embedding weights) and output embeddings (a Linear whose weight has an
-    input embedding's shape, i.e. vocab x width, as an LM head does)."""
+    """Input embeddings (every nn.Embedding weight) and the output embedding: the model's last
+    nn.Linear, when its weight has an input embedding's shape (vocab x width), as an LM head does."""
     names: set[str] = set()
     shapes: set[tuple[int, ...]] = set()
+    last_linear: tuple[str, nn.Linear] | None = None
     for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
         if isinstance(module, nn.Embedding):
-            names.add(f"{module_name}.weight" if module_name else "weight")
+            names.add(prefix + "weight")
             shapes.add(tuple(module.weight.shape))
-    for module_name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and tuple(module.weight.shape) in shapes:
-            names.add(f"{module_name}.weight" if module_name else "weight")
+        elif isinstance(module, nn.Linear):
+            last_linear = (prefix + "weight", module)
+    if last_linear is not None and tuple(last_linear[1].weight.shape) in shapes:
+        names.add(last_linear[0])
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     return names & trainable
 

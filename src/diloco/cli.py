@@ -1,0 +1,132 @@
+"""The `diloco` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from diloco import __version__
+from diloco.config import load_config
+from diloco.errors import DilocoError
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def results_table(result) -> Table:
+    table = Table(title=f"diloco sim: {result.strategy}, {result.learners} learners")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("tokens", f"{result.tokens:,}"),
+        ("final eval loss", f"{result.final_eval_loss:.4f}"),
+        ("virtual wall-clock", f"{result.virtual_wall_clock_s:.1f} s"),
+        ("goodput", f"{result.goodput:.3f}"),
+        ("wire bytes up", _human_bytes(result.wire_bytes_up)),
+        ("wire bytes down", _human_bytes(result.wire_bytes_down)),
+        ("peak bytes per sync", _human_bytes(result.peak_sync_bytes)),
+        ("rounds", str(result.rounds)),
+        ("parameters", f"{result.parameters:,}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def learners_table(result) -> Table:
+    table = Table(title="per learner")
+    for col in ("learner", "speed", "tokens", "steps", "busy fraction", "bytes up", "bytes down"):
+        table.add_column(col, justify="right")
+    for r in result.per_learner:
+        table.add_row(str(r.learner), f"{r.speed:g}", f"{r.tokens:,}", str(r.steps), f"{r.busy_fraction:.3f}",
+                      _human_bytes(r.bytes_up), _human_bytes(r.bytes_down))
+    return table
+
+
+def cmd_sim(args: argparse.Namespace, console: Console) -> int:
+    from diloco.sim import simulate  # torch loads here, not for `--help`
+
+    config = load_config(args.config, args.set or [])
+    out = Path(args.out) if args.out else Path("runs") / f"sim-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.quiet:
+        result = simulate(config)
+    else:
+        columns = [TextColumn(f"[bold]{config.strategy}[/]"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} tokens"),
+                   TimeElapsedColumn()]
+        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("train", total=config.train.tokens)
+            result = simulate(config, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    if not args.quiet:
+        console.print(results_table(result))
+        console.print(learners_table(result))
+    console.print(f"summary: {out / 'summary.json'}")
+    return 0
+
+
+def cmd_goodput(args: argparse.Namespace, console: Console) -> int:
+    from diloco.goodput.command import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diloco", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"diloco {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and more detail")
+        p.add_argument("-q", "--quiet", action="store_true", help="print only the summary path")
+
+    sim = sub.add_parser("sim", help="compare strategies in the simulator (virtual clock, real training)")
+    sim.add_argument("config", nargs="?", help="TOML config; the built-in default when omitted")
+    sim.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    sim.add_argument("--out", metavar="DIR", help="output folder for summary.json (default: runs/sim-...)")
+    common(sim)
+    sim.set_defaults(handler=cmd_sim)
+
+    goodput = sub.add_parser("goodput", help="goodput of a job of many chips under failures, by policy")
+    try:
+        from diloco.goodput.command import add_arguments
+    except ImportError:  # pragma: no cover - the goodput model is part of the package
+        add_arguments = None
+    if add_arguments is not None:
+        add_arguments(goodput)
+    common(goodput)
+    goodput.set_defaults(handler=cmd_goodput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        return args.handler(args, console)
+    except DilocoError as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"diloco: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("diloco: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

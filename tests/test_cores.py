@@ -1,0 +1,165 @@
+"""The sans-I/O cores driven by hand: no simulator, no clock, just events in and actions out."""
+
+import pytest
+import torch
+
+from diloco.core import LearnerCore, ProtocolError, Push, SyncerCore
+from diloco.fragments import Fragment, Schedule
+
+
+def make_params():
+    return {"a": torch.zeros(3), "b": torch.zeros(2, 2)}
+
+
+FRAGMENTS = [Fragment(0, ("a",), 3, False), Fragment(1, ("b",), 4, False)]
+
+
+def learner(index, params, *, H=4, tau=0, alpha=0.0, wait=True):
+    return LearnerCore(index, params, FRAGMENTS, Schedule(H, 2), tau=tau, alpha=alpha, wait_for_updates=wait)
+
+
+def syncer(members=(0, 1), lr=1.0, momentum=0.0):
+    return SyncerCore(make_params(), FRAGMENTS, members, outer_lr=lr, momentum=momentum, merge_rule="mean")
+
+
+def train(params, amount):
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(amount)
+
+
+def test_push_carries_anchor_minus_theta_and_counters():
+    params = make_params()
+    core = learner(0, params)
+    train(params, 0.5)
+    assert core.on_step(tokens=10) == []  # fragment 1 is due at step 2 (offset 2), fragment 0 at 4
+    train(params, 0.5)
+    (push,) = core.on_step(tokens=10)
+    assert push.fragment == 1 and push.base_version == 0
+    torch.testing.assert_close(push.deltas["b"], torch.full((2, 2), -1.0))  # anchor 0 − θ 1
+    assert (push.tokens, push.steps) == (20, 2)
+    assert core.tokens_since[1] == 0 and core.tokens_since[0] == 20
+
+
+def test_outer_step_with_eta_one_lands_on_the_learner_mean():
+    params = [make_params(), make_params()]
+    cores = [learner(m, params[m]) for m in range(2)]
+    hub = syncer()
+    train(params[0], 1.0)
+    train(params[1], 3.0)
+    publishes = []
+    for core in cores:
+        core.on_step(5)
+        for push in core.on_step(5):
+            publishes += hub.on_push(push)
+    (publish,) = publishes
+    assert publish.recipients == (0, 1) and publish.update.version == 1
+    torch.testing.assert_close(hub.theta["b"], torch.full((2, 2), 2.0))
+    torch.testing.assert_close(hub.theta["a"], torch.zeros(3))  # fragment 0 not synced yet
+
+
+def test_synchronous_learner_waits_and_anchor_is_what_was_sent_bit_for_bit():
+    params = [make_params(), make_params()]
+    cores = [learner(m, params[m]) for m in range(2)]
+    hub = syncer(lr=0.7, momentum=0.9)
+    for step in range(1, 9):
+        publishes = []
+        for m, core in enumerate(cores):
+            train(params[m], 0.1 * (m + 1) * step)
+            for push in core.on_step(7):
+                publishes += hub.on_push(push)
+        for core in cores:
+            due = core.schedule.due(step)
+            assert core.poll().waiting_for == tuple(due)
+        sent = {}
+        for publish in publishes:
+            sent[publish.update.fragment] = {n: v.clone() for n, v in publish.update.values.items()}
+            for m in publish.recipients:
+                cores[m].on_update(publish.update)
+        for core in cores:
+            assert core.poll().waiting_for == ()
+            for p, values in sent.items():
+                assert core.anchor_versions[p] == hub.version(p)
+                for name, value in values.items():
+                    assert torch.equal(core.anchors[p][name], value)
+                    assert torch.equal(core.params[name], value)  # α = 0 overwrites
+    # Later outer steps must not reach into what a learner holds.
+    anchor_before = cores[0].anchors[1]["b"].clone()
+    hub.theta["b"].add_(1.0)
+    assert torch.equal(cores[0].anchors[1]["b"], anchor_before)
+
+
+def test_overlap_merges_tau_steps_after_sending_with_alpha():
+    params = make_params()
+    core = learner(0, params, H=4, tau=2, alpha=0.5)
+    hub = syncer(members=(0,))
+    core.on_step(1)
+    (push,) = core.on_step(1)  # fragment 1 due at step 2
+    (publish,) = hub.on_push(push)
+    core.on_update(publish.update)
+    assert core.poll().waiting_for == ()
+    assert core.anchor_versions[1] == 0  # received, but not merged before step 2 + τ
+    train(params, 1.0)
+    core.on_step(1)
+    core.poll()
+    assert core.anchor_versions[1] == 0
+    before = params["b"].clone()
+    core.on_step(1)
+    core.poll()
+    assert core.anchor_versions[1] == 1
+    torch.testing.assert_close(params["b"], 0.5 * before + 0.5 * publish.update.values["b"])
+    assert torch.equal(core.anchors[1]["b"], publish.update.values["b"])
+
+
+def test_late_answer_blocks_a_synchronous_learner_but_not_a_decoupled_one():
+    for wait in (True, False):
+        core = learner(0, make_params(), H=4, tau=1, wait=wait)
+        core.on_step(1)
+        core.on_step(1)  # push fragment 1
+        core.on_step(1)  # step 3 = 2 + τ: the answer is due now
+        assert core.poll().waiting_for == ((1,) if wait else ())
+
+
+def test_finish_merges_in_flight_then_drains_remaining_progress():
+    params = make_params()
+    core = learner(0, params, H=4, tau=1)
+    hub = syncer(members=(0,))
+    pushes = core.on_step(3) + core.on_step(3)
+    core.on_step(3)
+    core.finish()
+    poll = core.poll()
+    assert poll.waiting_for == (1,) and not poll.done
+    for push in pushes:
+        for publish in hub.on_push(push):
+            core.on_update(publish.update)
+    poll = core.poll()
+    assert poll.done
+    assert sorted(p.fragment for p in poll.pushes) == [0, 1]
+    by_fragment = {p.fragment: p for p in poll.pushes}
+    # Every token is reported exactly once per fragment.
+    assert by_fragment[0].tokens == 9
+    assert pushes[0].tokens + by_fragment[1].tokens == 9
+    with pytest.raises(RuntimeError):
+        core.on_step(3)
+
+
+def test_syncer_rejects_bad_pushes_and_changes_nothing():
+    hub = syncer()
+    good = Push(0, 1, 0, 1, {"b": torch.ones(2, 2)}, 10, 2)
+    before = {n: t.clone() for n, t in hub.theta.items()}
+    bad_pushes = [
+        Push(5, 1, 0, 1, {"b": torch.ones(2, 2)}, 10, 2),             # not a member
+        Push(0, 7, 0, 1, {"b": torch.ones(2, 2)}, 10, 2),             # no such fragment
+        Push(0, 1, 3, 1, {"b": torch.ones(2, 2)}, 10, 2),             # wrong version
+        Push(0, 1, 0, 1, {"b": torch.ones(4)}, 10, 2),                # wrong shape
+        Push(0, 1, 0, 1, {"b": torch.ones(2, 2), "a": torch.ones(3)}, 10, 2),  # outside the fragment
+    ]
+    for push in bad_pushes:
+        with pytest.raises(ProtocolError):
+            hub.on_push(push)
+    assert hub.ledger[0].pushes == 0 and not hub.fragments[1].pending
+    assert hub.on_push(good) == []
+    assert hub.on_push(good) == []  # a retry of the same push is counted once
+    assert hub.ledger[0].pushes == 1 and hub.ledger[0].duplicates == 1
+    for name, value in before.items():
+        assert torch.equal(hub.theta[name], value)
