@@ -16,6 +16,7 @@ from rich.table import Table
 from diloco import __version__
 from diloco.config import load_config
 from diloco.errors import DilocoError
+from diloco.goodput.command import add_arguments as add_goodput_arguments
 
 
 def _human_bytes(n: float) -> str:
@@ -101,12 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(handler=cmd_sim)
 
     goodput = sub.add_parser("goodput", help="goodput of a job of many chips under failures, by policy")
-    try:
-        from diloco.goodput.command import add_arguments
-    except ImportError:  # pragma: no cover - the goodput model is part of the package
-        add_arguments = None
-    if add_arguments is not None:
-        add_arguments(goodput)
+    add_goodput_arguments(goodput)
     common(goodput)
     goodput.set_defaults(handler=cmd_goodput)
     return parser
