@@ -48,7 +48,7 @@ def run_cli(*args):
     (["sim", "--set", "outer.typo=1"], "unknown config key 'outer.typo'"),
     (["sim", "/nonexistent/run.toml"], "config file not found"),
     (["sim", *sets(*TINY, "data.source=/nonexistent/tokens.bin")], "data file not found"),
-    (["sim", *sets(*TINY, "model.factory=toy_models:returns_logits")], "must return a scalar loss"),
+    (["sim", *sets(*TINY, "strategy=diloco", "model.factory=toy_models:returns_logits")], "must return a scalar loss"),
     (["sim", *sets(*TINY, "model.factory=toy_models:not_a_module")], "not a torch.nn.Module"),
     (["sim", *sets(*TINY, "model.factory=no_such_module:f")], "cannot import"),
 ])

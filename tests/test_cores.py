@@ -1,10 +1,13 @@
 """The sans-I/O cores driven by hand: no simulator, no clock, just events in and actions out."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from diloco.core import LearnerCore, ProtocolError, Push, SyncerCore
 from diloco.fragments import Fragment, Schedule
+from diloco.outer import Nesterov
 
 
 def make_params():
@@ -18,8 +21,9 @@ def learner(index, params, *, H=4, tau=0, alpha=0.0, wait=True):
     return LearnerCore(index, params, FRAGMENTS, Schedule(H, 2), tau=tau, alpha=alpha, wait_for_updates=wait)
 
 
-def syncer(members=(0, 1), lr=1.0, momentum=0.0):
-    return SyncerCore(make_params(), FRAGMENTS, members, outer_lr=lr, momentum=momentum, merge_rule="mean")
+def syncer(members=(0, 1), lr=1.0, momentum=0.0, **kwargs):
+    kwargs.setdefault("merge_rule", "mean")
+    return SyncerCore(make_params(), FRAGMENTS, members, optimizer=lambda: Nesterov(lr, momentum), **kwargs)
 
 
 def train(params, amount):
@@ -51,7 +55,7 @@ def test_outer_step_with_eta_one_lands_on_the_learner_mean():
     for core in cores:
         core.on_step(5)
         for push in core.on_step(5):
-            publishes += hub.on_push(push)
+            publishes += hub.on_push(push, 0.0)
     (publish,) = publishes
     assert publish.recipients == (0, 1) and publish.update.version == 1
     torch.testing.assert_close(hub.theta["b"], torch.full((2, 2), 2.0))
@@ -67,7 +71,7 @@ def test_synchronous_learner_waits_and_anchor_is_what_was_sent_bit_for_bit():
         for m, core in enumerate(cores):
             train(params[m], 0.1 * (m + 1) * step)
             for push in core.on_step(7):
-                publishes += hub.on_push(push)
+                publishes += hub.on_push(push, 0.0)
         for core in cores:
             due = core.schedule.due(step)
             assert core.poll().waiting_for == tuple(due)
@@ -75,7 +79,7 @@ def test_synchronous_learner_waits_and_anchor_is_what_was_sent_bit_for_bit():
         for publish in publishes:
             sent[publish.update.fragment] = {n: v.clone() for n, v in publish.update.values.items()}
             for m in publish.recipients:
-                cores[m].on_update(publish.update)
+                assert cores[m].on_update(publish.update_for(m))
         for core in cores:
             assert core.poll().waiting_for == ()
             for p, values in sent.items():
@@ -95,8 +99,8 @@ def test_overlap_merges_tau_steps_after_sending_with_alpha():
     hub = syncer(members=(0,))
     core.on_step(1)
     (push,) = core.on_step(1)  # fragment 1 due at step 2
-    (publish,) = hub.on_push(push)
-    core.on_update(publish.update)
+    (publish,) = hub.on_push(push, 0.0)
+    assert core.on_update(publish.update_for(0))
     assert core.poll().waiting_for == ()
     assert core.anchor_versions[1] == 0  # received, but not merged before step 2 + τ
     train(params, 1.0)
@@ -120,27 +124,39 @@ def test_late_answer_blocks_a_synchronous_learner_but_not_a_decoupled_one():
         assert core.poll().waiting_for == ((1,) if wait else ())
 
 
-def test_finish_merges_in_flight_then_drains_remaining_progress():
+def test_finish_pushes_all_unpushed_progress_without_waiting():
     params = make_params()
     core = learner(0, params, H=4, tau=1)
-    hub = syncer(members=(0,))
-    pushes = core.on_step(3) + core.on_step(3)
+    (sent,) = core.on_step(3) + core.on_step(3)  # fragment 1 goes out at step 2
+    train(params, 1.0)
     core.on_step(3)
-    core.finish()
-    poll = core.poll()
-    assert poll.waiting_for == (1,) and not poll.done
-    for push in pushes:
-        for publish in hub.on_push(push):
-            core.on_update(publish.update)
-    poll = core.poll()
-    assert poll.done
-    assert sorted(p.fragment for p in poll.pushes) == [0, 1]
-    by_fragment = {p.fragment: p for p in poll.pushes}
-    # Every token is reported exactly once per fragment.
-    assert by_fragment[0].tokens == 9
-    assert pushes[0].tokens + by_fragment[1].tokens == 9
+    pushes = {p.fragment: p for p in core.finish()}
+    assert sorted(pushes) == [0, 1]
+    assert pushes[0].tokens == 9 and pushes[0].steps == 3
+    # Fragment 1 is still in flight: only what was trained since sending it, relative to the same anchor.
+    assert sent.tokens + pushes[1].tokens == 9
+    assert pushes[1].base_version == sent.base_version
+    torch.testing.assert_close(sent.deltas["b"] + pushes[1].deltas["b"], core.anchors[1]["b"] - params["b"])
+    torch.testing.assert_close(pushes[1].deltas["b"], torch.full((2, 2), -1.0))
     with pytest.raises(RuntimeError):
         core.on_step(3)
+
+
+def test_a_fragment_due_again_while_in_flight_is_pushed_once_its_answer_is_merged():
+    core = learner(0, make_params(), H=2, tau=0, wait=False)
+    hub = syncer(members=(0,))
+    assert [p.fragment for p in core.on_step(1)] == [1]  # offsets: fragment 0 at 0, fragment 1 at 1
+    (first,) = core.on_step(1)
+    assert first.fragment == 0
+    assert core.on_step(1) == []  # step 3: fragment 1 due again, still in flight
+    assert core.on_step(1) == []  # step 4: fragment 0 too
+    assert core.overdue == {0, 1}
+    for publish in hub.on_push(first, 0.0):
+        assert core.on_update(publish.update_for(0))
+    poll = core.poll()
+    assert [p.fragment for p in poll.pushes] == [0]
+    assert core.overdue == {1}
+    assert poll.pushes[0].steps == 2 and poll.waiting_for == ()
 
 
 def test_syncer_rejects_bad_pushes_and_changes_nothing():
@@ -156,10 +172,23 @@ def test_syncer_rejects_bad_pushes_and_changes_nothing():
     ]
     for push in bad_pushes:
         with pytest.raises(ProtocolError):
-            hub.on_push(push)
+            hub.on_push(push, 0.0)
     assert hub.ledger[0].pushes == 0 and not hub.fragments[1].pending
-    assert hub.on_push(good) == []
-    assert hub.on_push(good) == []  # a retry of the same push is counted once
+    assert hub.on_push(good, 0.0) == []
+    assert hub.on_push(good, 0.0) == []  # a retry of the same push is counted once
     assert hub.ledger[0].pushes == 1 and hub.ledger[0].duplicates == 1
     for name, value in before.items():
         assert torch.equal(hub.theta[name], value)
+
+
+def test_an_answer_to_an_older_push_is_dropped():
+    core = learner(0, make_params(), H=4)
+    hub = syncer(members=(0,))
+    core.on_step(1)
+    (push,) = core.on_step(1)
+    (publish,) = hub.on_push(push, 0.0)
+    stale = dataclasses.replace(publish.update, ack_seq=push.seq - 1)
+    assert not core.on_update(stale)
+    assert core.stale_updates == 1 and core.in_flight[1].update is None
+    assert core.on_update(publish.update_for(0))
+    assert not core.on_update(publish.update_for(0))  # a second copy

@@ -3,6 +3,7 @@
 import pytest
 
 from conftest import tiny_config
+from diloco.core.messages import MESSAGE_HEADER_BYTES
 from diloco.sim import simulate
 from diloco.sim.driver import Simulation
 from diloco.training import evaluate
@@ -39,7 +40,10 @@ def test_diloco_moves_the_model_once_per_round_and_counts_each_byte():
     assert model_bytes > 4 * result.parameters  # fp32 payload plus headers
     assert result.rounds == rounds
     for report in result.per_learner:
-        assert report.bytes_up == report.bytes_down == rounds * model_bytes
+        # Up: every round, then the announcement that it leaves. Down: every answer but the last,
+        # which nobody needs any more.
+        assert report.bytes_up == rounds * model_bytes + MESSAGE_HEADER_BYTES
+        assert report.bytes_down == (rounds - 1) * model_bytes
     # Each round costs an upload and a download on a 10 Mbit/s link with 100 ms each way; the run is
     # over when the last round is merged into Θ, before its answer travels back.
     one_way = 0.1 + model_bytes * 8 / 10e6

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from diloco.errors import ConfigError
 
-Strategy = Literal["ddp", "diloco", "streaming"]
+Strategy = Literal["ddp", "diloco", "streaming", "async", "async-dn", "decoupled"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
@@ -62,6 +62,48 @@ class OuterConfig:
     """Mixing: θ ← α·θ + (1 − α)·Θ̃ when merging; 0 overwrites."""
     lr: float = 0.7
     momentum: float = 0.9
+    quorum: int = 1
+    """Minimum learners K in a round of a fragment (decoupled); 0 means all learners alive."""
+    grace: float = 1.0
+    """γ: share of the measured slack spent waiting for more learners after quorum; 0 turns it off."""
+    grace_cap_steps: float = 2.0
+    """Upper bound of the grace window, in the fastest participant's step times."""
+    merge: Literal["mean", "weighted", "rda"] = "rda"
+    """How the decoupled syncer merges a round (DiLoCo and Streaming DiLoCo use the mean)."""
+    dn_buffer: int = 0
+    """Delayed Nesterov: arrivals per momentum update; 0 means the number of learners."""
+
+
+@dataclass
+class CrashConfig:
+    learner: int = 0
+    at_s: float = 0.0
+    """Virtual time of the crash."""
+
+
+@dataclass
+class OutageConfig:
+    learner: int = 0
+    at_s: float = 0.0
+    duration_s: float = 0.0
+
+
+@dataclass
+class FailuresConfig:
+    crashes: list[CrashConfig] = field(default_factory=list)
+    """Crashes at given times, e.g. [{learner = 2, at_s = 60}]."""
+    mtbf_s: float = 0.0
+    """Mean time between random crashes of each learner; 0 turns random crashes off."""
+    recovery_s: float = 30.0
+    """From a crash until the learner is back and asks for Θ."""
+    detect_s: float = 5.0
+    """From a crash until the syncer stops counting on the learner (missed heartbeats)."""
+    restore: Literal["checkpoint", "fresh"] = "checkpoint"
+    """Inner-optimizer state after a crash: the learner's own last checkpoint, or a fresh AdamW."""
+    checkpoint_every: int = 25
+    """Inner steps between a learner's checkpoints of its optimizer state and data position."""
+    outages: list[OutageConfig] = field(default_factory=list)
+    """Link outages, e.g. [{learner = 1, at_s = 30, duration_s = 20}]: nothing crosses that link meanwhile."""
 
 
 @dataclass
@@ -104,6 +146,7 @@ class Config:
     link: LinkConfig = field(default_factory=LinkConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    failures: FailuresConfig = field(default_factory=FailuresConfig)
 
     def speeds(self) -> list[float]:
         return list(self.learners.speeds) or [1.0] * self.learners.count
@@ -199,6 +242,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         (item_hint,) = get_args(hint)
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}' must be a list, e.g. [1, 1, 0.5]; got {value!r}")
+        if dataclasses.is_dataclass(item_hint):
+            return [_build(item_hint, v, prefix=f"{key}[{i}].") for i, v in enumerate(value)]
         return [_coerce(v, item_hint, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         raise TypeError(f"unsupported config type for {key}: {hint}")
@@ -252,12 +297,28 @@ def validate(config: Config) -> None:
             _require(s > 0, f"learners.speeds[{i}]", "must be positive", s)
     _require(0 <= lc.jitter < 1, "learners.jitter", "must be in [0, 1)", lc.jitter)
     _require(lc.step_time_s > 0, "learners.step_time_s", "must be positive", lc.step_time_s)
-    _require(o.fragments <= o.H or config.strategy != "streaming", "outer.fragments",
+    _require(o.fragments <= o.H or config.strategy not in ("streaming", "decoupled"), "outer.fragments",
              f"must be at most outer.H ({o.H}) so that fragments sync on distinct steps", o.fragments)
     _require(0 <= o.tau < o.H, "outer.tau", f"must be in [0, outer.H) = [0, {o.H})", o.tau)
     _require(0 <= o.alpha <= 1, "outer.alpha", "must be in [0, 1]", o.alpha)
     _require(o.lr > 0, "outer.lr", "must be positive", o.lr)
     _require(0 <= o.momentum < 1, "outer.momentum", "must be in [0, 1)", o.momentum)
+    _require(0 <= o.quorum <= lc.count, "outer.quorum", f"must be in [0, learners.count] = [0, {lc.count}]", o.quorum)
+    _require(o.grace >= 0, "outer.grace", "must be zero or positive (0 turns the grace window off)", o.grace)
+    _require(o.grace_cap_steps >= 0, "outer.grace_cap_steps", "must be zero or positive", o.grace_cap_steps)
+    _require(o.dn_buffer >= 0, "outer.dn_buffer", "must be zero or positive", o.dn_buffer)
+    f = config.failures
+    for kind, events in (("crashes", f.crashes), ("outages", f.outages)):
+        for i, event in enumerate(events):
+            key = f"failures.{kind}[{i}]"
+            _require(0 <= event.learner < lc.count, f"{key}.learner", f"must be in [0, {lc.count})", event.learner)
+            _require(event.at_s >= 0, f"{key}.at_s", "must be zero or positive", event.at_s)
+    for i, outage in enumerate(f.outages):
+        _require(outage.duration_s > 0, f"failures.outages[{i}].duration_s", "must be positive", outage.duration_s)
+    _require(f.mtbf_s >= 0, "failures.mtbf_s", "must be zero or positive (0: no random crashes)", f.mtbf_s)
+    _require(f.recovery_s >= 0, "failures.recovery_s", "must be zero or positive", f.recovery_s)
+    _require(f.detect_s >= 0, "failures.detect_s", "must be zero or positive", f.detect_s)
+    _require(f.checkpoint_every > 0, "failures.checkpoint_every", "must be positive", f.checkpoint_every)
     _require(ln.bandwidth_mbit > 0, "link.bandwidth_mbit", "must be positive", ln.bandwidth_mbit)
     _require(ln.latency_ms >= 0, "link.latency_ms", "must be zero or positive", ln.latency_ms)
     _require(m.width % m.heads == 0, "model.heads", f"must divide model.width ({m.width})", m.heads)

@@ -5,6 +5,6 @@ The simulated driver (virtual clock) and the real driver (processes, network) ru
 
 from diloco.core.learner import LearnerCore, Poll
 from diloco.core.messages import Push, Update, tensors_wire_bytes
-from diloco.core.syncer import ProtocolError, SyncerCore
+from diloco.core.syncer import Publish, ProtocolError, SyncerCore, Timer
 
-__all__ = ["LearnerCore", "Poll", "Push", "Update", "SyncerCore", "ProtocolError", "tensors_wire_bytes"]
+__all__ = ["LearnerCore", "Poll", "Push", "Update", "SyncerCore", "ProtocolError", "Publish", "Timer", "tensors_wire_bytes"]

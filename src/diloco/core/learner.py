@@ -5,8 +5,15 @@ The driver runs inner steps and reports each one (`on_step`), hands over updates
 due, computes their outer gradients Δ = anchor − θ, merges answers τ steps after sending with
 θ ← α·θ + (1 − α)·Θ̃, and re-anchors on exactly the values received.
 
-Token and step counters for a fragment restart when it is *sent*, not when its answer is merged: the
-τ steps taken in between belong to the next push of that fragment, so each token is reported once.
+- Counters for a fragment restart when it is *sent*, not when its answer is merged: the τ steps
+  taken in between belong to the next push of that fragment, so each token is reported once.
+- A fragment has at most one push in flight. If it falls due again before its answer came back
+  (a slow syncer or link), it is pushed as soon as that answer is merged; the learner does not stop.
+- A learner that waits (`wait_for_updates`, synchronous strategies) stops at step t + τ until the
+  answer to what it sent at t is in. One that does not wait merges answers whenever they arrive.
+- `finish` never waits: what was trained since each fragment's last push is pushed as it is; for a
+  fragment still in flight, only the progress made since sending it (θ_sent − θ), so nothing is
+  counted twice.
 """
 
 from __future__ import annotations
@@ -18,98 +25,137 @@ import torch
 from diloco.core.messages import Push, Update
 from diloco.fragments import Fragment, Schedule
 
+STEP_TIME_EMA = 0.2
+
 
 @dataclass
 class InFlight:
-    base_version: int
+    push: Push
     merge_at_step: int
     update: Update | None = None
 
 
 @dataclass(frozen=True)
 class Poll:
-    """What the driver should do now: send `pushes`, then wait, stop, or take the next step."""
+    """What the driver should do now: send `pushes`, then wait for `waiting_for` or take the next step."""
 
     pushes: list[Push] = field(default_factory=list)
     waiting_for: tuple[int, ...] = ()
-    """Fragments whose answer the learner must merge before its next step (synchronous strategies)."""
-    done: bool = False
+    """Fragments whose answer the learner must merge before its next step (waiting strategies)."""
 
 
 class LearnerCore:
     def __init__(self, learner: int, params: dict[str, torch.Tensor], fragments: list[Fragment],
-                 schedule: Schedule, *, tau: int, alpha: float, wait_for_updates: bool) -> None:
+                 schedule: Schedule, *, tau: int, alpha: float, wait_for_updates: bool,
+                 versions: list[int] | None = None, step: int = 0, first_seq: int = 0) -> None:
+        """`params` are the live model tensors; they are the anchors too, at `versions` (a fresh start
+        or a rejoin from the syncer's current Θ). `step` resumes the fragment schedule."""
         self.learner = learner
         self.params = params
         self.fragments = fragments
         self.schedule = schedule
         self.tau, self.alpha, self.wait_for_updates = tau, alpha, wait_for_updates
-        self.step = 0
-        self.seq = 0
+        self.step = step
+        self.seq = first_seq
         self.anchors = [{n: params[n].detach().to(torch.float32).clone() for n in f.names} for f in fragments]
-        self.anchor_versions = [0] * len(fragments)
+        self.anchor_versions = list(versions) if versions is not None else [0] * len(fragments)
         self.tokens_since = [0] * len(fragments)
         self.steps_since = [0] * len(fragments)
         self.in_flight: dict[int, InFlight] = {}
-        self.finishing = False
-        self.drained = False
+        self.overdue: set[int] = set()
+        self.step_time_s = 0.0
+        self.now: float | None = None
+        self.finished = False
+        self.stale_updates = 0
 
     # ------------------------------------------------------------ events
 
-    def on_step(self, tokens: int) -> list[Push]:
+    def on_step(self, tokens: int, *, step_time_s: float = 0.0, now: float | None = None) -> list[Push]:
         """One inner step is done: count it, and push every fragment that is now due."""
-        if self.finishing:
+        if self.finished:
             raise RuntimeError(f"learner {self.learner} reported a step after finish()")
         self.step += 1
+        self.now = now
+        if step_time_s > 0:
+            old = self.step_time_s
+            self.step_time_s = step_time_s if old == 0 else old + STEP_TIME_EMA * (step_time_s - old)
         for p in range(len(self.fragments)):
             self.tokens_since[p] += tokens
             self.steps_since[p] += 1
-        return [self._push(p) for p in self.schedule.due(self.step)]
+        pushes = []
+        for p in self.schedule.due(self.step):
+            if p in self.in_flight:
+                self.overdue.add(p)
+            else:
+                pushes.append(self._push(p))
+        return pushes
 
-    def on_update(self, update: Update) -> None:
+    def on_update(self, update: Update) -> bool:
+        """Keep an answer to the push in flight; drop (and return False) one that answers none, such as
+        an answer to a push sent before a crash and restart."""
         flight = self.in_flight.get(update.fragment)
-        if flight is None or flight.update is not None:
-            raise RuntimeError(f"learner {self.learner} got an unexpected update of fragment {update.fragment}")
+        if flight is None or flight.update is not None or update.ack_seq < flight.push.seq:
+            self.stale_updates += 1
+            return False
         flight.update = update
+        return True
 
-    def finish(self) -> None:
-        """No more inner steps: merge what is in flight, then push whatever progress is left."""
-        self.finishing = True
-
-    def poll(self) -> Poll:
-        """Merge every answer whose time has come; say whether the next step may start."""
+    def poll(self, now: float | None = None) -> Poll:
+        """Merge every answer whose time has come; push what fell due meanwhile; say whether to wait."""
+        if now is not None:
+            self.now = now
+        pushes = []
         for p, flight in sorted(self.in_flight.items()):
-            due = self.finishing or self.step >= flight.merge_at_step
-            if flight.update is not None and due:
+            if flight.update is not None and self.step >= flight.merge_at_step:
                 self._merge(p, flight.update)
                 del self.in_flight[p]
-        if self.finishing:
-            if self.in_flight:
-                return Poll(waiting_for=tuple(sorted(self.in_flight)))
-            if self.drained:
-                return Poll(done=True)
-            self.drained = True
-            pushes = [self._push(p) for p in range(len(self.fragments)) if self.steps_since[p] > 0]
-            return Poll(pushes=pushes, done=True)
+                if p in self.overdue:
+                    self.overdue.discard(p)
+                    pushes.append(self._push(p))
         if self.wait_for_updates:
             blocking = tuple(p for p, f in sorted(self.in_flight.items()) if self.step >= f.merge_at_step)
-            if blocking:
-                return Poll(waiting_for=blocking)
-        return Poll()
+            return Poll(pushes, waiting_for=blocking)
+        return Poll(pushes)
+
+    def finish(self, now: float | None = None) -> list[Push]:
+        """No more inner steps: push whatever progress no push has carried yet."""
+        if now is not None:
+            self.now = now
+        pushes = []
+        for p in range(len(self.fragments)):
+            if self.steps_since[p] == 0:
+                continue
+            flight = self.in_flight.get(p)
+            if flight is None:
+                pushes.append(self._push(p))
+            else:
+                sent = flight.push
+                deltas = {n: d - sent.deltas[n] for n, d in self._deltas(p).items()}
+                pushes.append(self._make_push(p, sent.base_version, deltas))
+        self.finished = True
+        return pushes
+
+    def unpushed_tokens(self) -> list[int]:
+        """Per fragment, tokens trained that no push has carried: what a crash now would lose."""
+        return list(self.tokens_since)
 
     # ------------------------------------------------------------ tensor work
 
     @torch.no_grad()
-    def _push(self, p: int) -> Push:
-        if p in self.in_flight:
-            raise RuntimeError(f"learner {self.learner}: fragment {p} is due again before its answer was merged")
+    def _deltas(self, p: int) -> dict[str, torch.Tensor]:
         anchor = self.anchors[p]
-        deltas = {n: anchor[n] - self.params[n].detach().to(torch.float32) for n in self.fragments[p].names}
+        return {n: anchor[n] - self.params[n].detach().to(torch.float32) for n in self.fragments[p].names}
+
+    def _make_push(self, p: int, base_version: int, deltas: dict[str, torch.Tensor]) -> Push:
         self.seq += 1
-        push = Push(self.learner, p, self.anchor_versions[p], self.seq, deltas,
-                    self.tokens_since[p], self.steps_since[p])
-        self.in_flight[p] = InFlight(self.anchor_versions[p], merge_at_step=self.step + self.tau)
+        push = Push(self.learner, p, base_version, self.seq, deltas, self.tokens_since[p], self.steps_since[p],
+                    step_time_s=self.step_time_s, sent_at=self.now)
         self.tokens_since[p] = self.steps_since[p] = 0
+        return push
+
+    def _push(self, p: int) -> Push:
+        push = self._make_push(p, self.anchor_versions[p], self._deltas(p))
+        self.in_flight[p] = InFlight(push, merge_at_step=self.step + self.tau)
         return push
 
     @torch.no_grad()

@@ -31,6 +31,10 @@ class Push:
     tokens: int
     """Tokens the learner trained on since its previous push of this fragment."""
     steps: int
+    step_time_s: float = 0.0
+    """The learner's recent inner-step time, as it measured it: the syncer sizes grace windows with it."""
+    sent_at: float | None = None
+    """When the learner sent it, by its clock: the syncer estimates transfer times with it."""
 
     def wire_bytes(self) -> int:
         return tensors_wire_bytes(self.deltas)
@@ -43,6 +47,8 @@ class Update:
     fragment: int
     version: int
     values: dict[str, torch.Tensor]
+    ack_seq: int = 0
+    """The recipient's newest push that this version includes: an answer to an older push is stale."""
 
     def wire_bytes(self) -> int:
         return tensors_wire_bytes(self.values)

@@ -1,69 +1,153 @@
 """The syncer's side of outer synchronisation, as a sans-I/O state machine.
 
-It keeps the global parameters Θ in fp32 with one outer optimizer per fragment, collects the
-learners' pushes for each fragment's current round, merges them when the round closes, takes the
-outer step and publishes the next version of that fragment. Rounds here are synchronous: a round
-closes once every member has pushed.
+It keeps the global parameters Θ in fp32 with one outer optimizer per fragment. Each fragment has one
+open round at a time that collects pushes; the round closes, is merged, takes an outer step and
+publishes the next version of the fragment to the learners that took part.
+
+When a round closes:
+- it needs at least K contributions (K = `quorum`; None means every learner alive: synchronous);
+- once K are in, it closes at once if every learner alive has pushed, or if the grace window is off;
+- otherwise it waits a grace window, grace = clamp(γ·ξ_slack, 0, cap·ξ_step), with
+  ξ_slack = τ·ξ_step − (ξ_quorum + ξ_sync): ξ_step is the fastest participant's step time (reported
+  in its pushes), ξ_quorum the time since the round's first arrival, ξ_sync the measured one-way trip
+  of a push (the answer takes about as long back) plus the measured merge time. The answer then still
+  reaches the fastest learner by the time it needs it, τ steps after sending.
+
+A push is never thrown away. One that arrives after the round it was based on has closed (its base
+version is behind) joins the round now open; its Δ is the learner's progress since its own anchor,
+which no merge has counted yet, so nothing is counted twice. Its tokens are accounted as *late*.
+Several pushes from one learner in one round add up to one contribution.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterable
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Protocol
 
 import torch
 
 from diloco.core.messages import Push, Update
 from diloco.fragments import Fragment
 from diloco.outer.merge import MergeRule, merge_fragment
-from diloco.outer.nesterov import Nesterov
+
+EMA = 0.3
+"""Weight of the newest sample in the running estimates of ξ_step and ξ_sync."""
 
 
 class ProtocolError(Exception):
     """A message that breaks the protocol; the syncer's state is left as it was."""
 
 
+class OuterOptimizer(Protocol):
+    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor]) -> None: ...
+
+
 @dataclass(frozen=True)
 class Publish:
     update: Update
     recipients: tuple[int, ...]
+    acks: dict[int, int] = field(default_factory=dict)
+    """Per recipient, the sequence number of its newest push merged in this version."""
+
+    def update_for(self, learner: int) -> Update:
+        return replace(self.update, ack_seq=self.acks.get(learner, 0))
+
+
+@dataclass(frozen=True)
+class Timer:
+    """Call `on_timer` at (or after) this time: a grace window ends."""
+
+    at: float
+
+
+Action = Publish | Timer
 
 
 @dataclass
 class LedgerEntry:
-    """What the syncer has counted from one learner."""
+    """What the syncer has counted from one learner, per fragment."""
 
     pushes: int = 0
-    tokens_merged: int = 0
+    merged: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Tokens merged in the round their push was based on."""
+    late: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Tokens of pushes that arrived after their round closed, merged in a later one."""
     steps_merged: int = 0
     duplicates: int = 0
     last_seq: int = 0
 
+    @property
+    def tokens_merged(self) -> int:
+        """Merged on time or late, summed over fragments."""
+        return sum(self.merged.values()) + sum(self.late.values())
 
-def token_weight(push: Push) -> float:
+
+@dataclass(frozen=True)
+class RoundRecord:
+    fragment: int
+    version: int
+    opened_at: float
+    closed_at: float
+    participants: tuple[int, ...]
+    late: int
+    grace_s: float
+
+
+def token_weight(tokens: int, steps: int) -> float:
     """Quantity × quality: more tokens, and more tokens per step (larger batches), weigh more."""
-    return push.tokens * (push.tokens / push.steps) if push.steps else 0.0
+    return tokens * (tokens / steps) if steps else 0.0
+
+
+@dataclass
+class Contribution:
+    learner: int
+    base_version: int
+    deltas: dict[str, torch.Tensor]
+    tokens: int
+    steps: int
+    last_seq: int
+
+    def add(self, push: Push) -> None:
+        self.last_seq = max(self.last_seq, push.seq)
+        for name, delta in push.deltas.items():
+            self.deltas[name] = self.deltas[name] + delta
+        self.base_version = min(self.base_version, push.base_version)
+        self.tokens += push.tokens
+        self.steps += push.steps
 
 
 @dataclass
 class FragmentState:
     fragment: Fragment
-    optimizer: Nesterov
+    optimizer: OuterOptimizer
     version: int = 0
-    pending: dict[int, Push] = field(default_factory=dict)
+    pending: dict[int, Contribution] = field(default_factory=dict)
+    first_arrival: float | None = None
+    deadline: float | None = None
+    grace_s: float = 0.0
 
 
 class SyncerCore:
     def __init__(self, params: dict[str, torch.Tensor], fragments: list[Fragment], members: Iterable[int], *,
-                 outer_lr: float, momentum: float, merge_rule: MergeRule,
-                 embeddings: Iterable[str] = ()) -> None:
+                 optimizer: Callable[[], OuterOptimizer], merge_rule: MergeRule, embeddings: Iterable[str] = (),
+                 quorum: int | None = None, grace: float = 0.0, grace_cap_steps: float = 2.0,
+                 tau: int = 0) -> None:
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
-        self.fragments = [FragmentState(f, Nesterov(outer_lr, momentum)) for f in fragments]
-        self.members = set(members)
+        self.fragments = [FragmentState(f, optimizer()) for f in fragments]
+        self.alive = set(members)
         self.merge_rule = merge_rule
         self.embeddings = frozenset(embeddings)
-        self.ledger = {m: LedgerEntry() for m in self.members}
-        self.rounds_closed = 0
+        self.quorum, self.grace, self.grace_cap_steps, self.tau = quorum, grace, grace_cap_steps, tau
+        self.ledger = {m: LedgerEntry() for m in self.alive}
+        self.step_time: dict[int, float] = {}
+        self.one_way_s: float | None = None
+        self.merge_s = 0.0
+        self.rounds: list[RoundRecord] = []
+
+    @property
+    def rounds_closed(self) -> int:
+        return len(self.rounds)
 
     def version(self, p: int) -> int:
         return self.fragments[p].version
@@ -71,55 +155,137 @@ class SyncerCore:
     def snapshot(self, p: int) -> dict[str, torch.Tensor]:
         return {n: self.theta[n].clone() for n in self.fragments[p].fragment.names}
 
+    def full_state(self) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Θ and every fragment's version: what a (re)joining learner starts from."""
+        return {n: t.clone() for n, t in self.theta.items()}, [s.version for s in self.fragments]
+
+    # ------------------------------------------------------------ membership
+
+    def join(self, learner: int, now: float) -> None:
+        self.alive.add(learner)
+        self.ledger.setdefault(learner, LedgerEntry())
+
+    def leave(self, learner: int, now: float) -> list[Action]:
+        """A learner left or was found dead: rounds stop counting on it (its pushes already in stay)."""
+        self.alive.discard(learner)
+        return self._evaluate_all(now)
+
     # ------------------------------------------------------------ events
 
-    def on_push(self, push: Push) -> list[Publish]:
-        """Take one push; return what to publish (nothing until its round closes)."""
+    def on_push(self, push: Push, now: float) -> list[Action]:
+        """Take one push; return what to publish and when to call back."""
         self._check(push)
         entry = self.ledger[push.learner]
         if push.seq <= entry.last_seq:
             entry.duplicates += 1  # a retry of a push already taken: counted once
             return []
         state = self.fragments[push.fragment]
-        if push.learner in state.pending:
-            raise ProtocolError(f"learner {push.learner} pushed fragment {push.fragment} twice in one round")
         entry.last_seq = push.seq
         entry.pushes += 1
-        state.pending[push.learner] = push
-        if self.members <= state.pending.keys():
-            return [self._close_round(state)]
+        if push.step_time_s > 0:
+            old = self.step_time.get(push.learner)
+            self.step_time[push.learner] = push.step_time_s if old is None else old + EMA * (push.step_time_s - old)
+        if push.sent_at is not None and now >= push.sent_at:
+            trip = now - push.sent_at
+            self.one_way_s = trip if self.one_way_s is None else self.one_way_s + EMA * (trip - self.one_way_s)
+        if state.first_arrival is None:
+            state.first_arrival = now
+        held = state.pending.get(push.learner)
+        if held is None:
+            state.pending[push.learner] = Contribution(push.learner, push.base_version,
+                                                       dict(push.deltas), push.tokens, push.steps, push.seq)
+        else:
+            held.add(push)
+        return self._evaluate(state, now)
+
+    def on_timer(self, now: float) -> list[Action]:
+        return self._evaluate_all(now)
+
+    def flush(self, now: float) -> list[Action]:
+        """Close every round that holds anything, whatever the quorum: the run is over."""
+        return [self._close(s, now) for s in self.fragments if s.pending]
+
+    def record_merge_time(self, seconds: float) -> None:
+        """The driver measures how long a merge and its answer took to leave; it feeds ξ_sync."""
+        self.merge_s += EMA * (seconds - self.merge_s)
+
+    # ------------------------------------------------------------ rounds
+
+    def needed(self) -> int:
+        """Pushes a round needs before it may close: K, or fewer when fewer learners are alive."""
+        return max(1, min(self.quorum or len(self.alive), len(self.alive)))
+
+    def grace_window(self, state: FragmentState, now: float) -> float:
+        """clamp(γ·ξ_slack, 0, cap·ξ_step), from what was measured so far."""
+        steps = [self.step_time[m] for m in state.pending if m in self.step_time]
+        if not steps or self.grace <= 0:
+            return 0.0
+        step = min(steps)
+        sync = (self.one_way_s or 0.0) + self.merge_s
+        waited = now - state.first_arrival if state.first_arrival is not None else 0.0
+        slack = self.tau * step - (waited + sync)
+        return min(max(self.grace * slack, 0.0), self.grace_cap_steps * step)
+
+    def _evaluate_all(self, now: float) -> list[Action]:
+        return [a for s in self.fragments for a in self._evaluate(s, now)]
+
+    def _evaluate(self, state: FragmentState, now: float) -> list[Action]:
+        if not state.pending:
+            return []
+        everyone = self.alive <= state.pending.keys()
+        if self.quorum is None:  # synchronous: every learner alive is in every round
+            return [self._close(state, now)] if everyone else []
+        if len(state.pending) < self.needed():
+            return []
+        if everyone:
+            return [self._close(state, now)]
+        if state.deadline is None:
+            state.grace_s = self.grace_window(state, now)
+            state.deadline = now + state.grace_s
+            if state.grace_s > 0:
+                return [Timer(state.deadline)]
+        if now >= state.deadline:
+            return [self._close(state, now)]
         return []
 
     def _check(self, push: Push) -> None:
-        if push.learner not in self.members:
-            raise ProtocolError(f"push from learner {push.learner}, which is not a member")
+        if push.learner not in self.ledger:
+            raise ProtocolError(f"push from learner {push.learner}, which never joined")
         if not 0 <= push.fragment < len(self.fragments):
             raise ProtocolError(f"push for fragment {push.fragment}, which does not exist")
         state = self.fragments[push.fragment]
-        if push.base_version != state.version:
-            raise ProtocolError(f"push of fragment {push.fragment} from version {push.base_version}, "
-                                f"but the round open is for version {state.version}")
-        for name in state.fragment.names:
-            delta = push.deltas.get(name)
-            if delta is None or delta.shape != self.theta[name].shape:
-                raise ProtocolError(f"push of fragment {push.fragment} lacks tensor {name!r} or has a wrong shape")
+        if not 0 <= push.base_version <= state.version:
+            raise ProtocolError(f"push of fragment {push.fragment} based on version {push.base_version}, "
+                                f"but the latest is {state.version}")
+        if push.tokens < 0 or push.steps < 0:
+            raise ProtocolError(f"push of fragment {push.fragment} with negative counters")
         if set(push.deltas) != set(state.fragment.names):
-            raise ProtocolError(f"push of fragment {push.fragment} carries tensors outside the fragment")
+            raise ProtocolError(f"push of fragment {push.fragment} does not carry exactly the fragment's tensors")
+        for name, delta in push.deltas.items():
+            if delta.shape != self.theta[name].shape:
+                raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} has shape "
+                                    f"{tuple(delta.shape)}, expected {tuple(self.theta[name].shape)}")
 
-    def _close_round(self, state: FragmentState) -> Publish:
-        pushes = [state.pending[m] for m in sorted(state.pending)]
-        weights = [token_weight(p) for p in pushes]
+    def _close(self, state: FragmentState, now: float) -> Publish:
+        contributions = [state.pending[m] for m in sorted(state.pending)]
+        weights = [token_weight(c.tokens, c.steps) for c in contributions]
         if sum(weights) <= 0:
-            weights = [1.0] * len(pushes)
-        merged = merge_fragment([p.deltas for p in pushes], weights, self.merge_rule, self.embeddings)
+            weights = [1.0] * len(contributions)
+        merged = merge_fragment([c.deltas for c in contributions], weights, self.merge_rule, self.embeddings)
         names = state.fragment.names
         state.optimizer.step({n: self.theta[n] for n in names}, merged)
+        late = 0
+        for c in contributions:
+            entry = self.ledger[c.learner]
+            if c.base_version < state.version:
+                entry.late[state.fragment.index] += c.tokens
+                late += 1
+            else:
+                entry.merged[state.fragment.index] += c.tokens
+            entry.steps_merged += c.steps
+        self.rounds.append(RoundRecord(state.fragment.index, state.version + 1, state.first_arrival or now, now,
+                                       tuple(c.learner for c in contributions), late, state.grace_s))
         state.version += 1
-        for push in pushes:
-            entry = self.ledger[push.learner]
-            entry.tokens_merged += push.tokens
-            entry.steps_merged += push.steps
-        state.pending = {}
-        self.rounds_closed += 1
+        state.pending, state.first_arrival, state.deadline, state.grace_s = {}, None, None, 0.0
         update = Update(state.fragment.index, state.version, self.snapshot(state.fragment.index))
-        return Publish(update, tuple(p.learner for p in pushes))
+        return Publish(update, tuple(c.learner for c in contributions), {c.learner: c.last_seq for c in contributions})

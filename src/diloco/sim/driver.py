@@ -3,7 +3,8 @@
 One process runs all learners. Each inner step takes a virtual duration from its learner's step
 timer; the real forward and backward pass runs when the step's end event is processed, so events
 interleave exactly as they would in time. Messages take `latency + bytes / bandwidth` on their
-learner's link. The same seed gives the same run, event for event.
+learner's link, queued behind each other, held up by outages. Learners crash and come back as the
+failure plan says. The same seed gives the same run, event for event.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from torch import nn
 
 from diloco.config import Config
 from diloco.core.learner import LearnerCore
-from diloco.core.messages import Push, Update
-from diloco.core.syncer import SyncerCore
+from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, Update, tensors_wire_bytes
+from diloco.core.syncer import Action, Publish, SyncerCore, Timer
 from diloco.data import EvalBatches, ShardSampler, load_corpus
-from diloco.fragments import Schedule, embedding_names, partition
+from diloco.fragments import Fragment, Schedule, embedding_names, partition
 from diloco.models.factory import ModelFactory, build_model
+from diloco.outer import DelayedNesterov, Nesterov
 from diloco.sim.clock import EventQueue
+from diloco.sim.failures import CrashPlan, outage_windows
 from diloco.sim.link import Link
 from diloco.sim.timing import StepTimer
 from diloco.strategies import StrategySpec, build_strategy
-from diloco.training import Replica, evaluate
+from diloco.training import Replica, evaluate, make_optimizer
 
 Progress = Callable[[int, int], None]
 """Called with (tokens trained so far, token budget) as the run goes."""
@@ -37,10 +40,15 @@ class LearnerReport:
     learner: int
     speed: float
     tokens: int
+    """Tokens this learner trained on (including any a crash later lost)."""
     steps: int
     busy_s: float
     waiting_s: float
+    down_s: float
     busy_fraction: float
+    crashes: int
+    tokens_lost: float
+    """Tokens trained but never pushed because of a crash (averaged over the model's parameters)."""
     bytes_up: int
     bytes_down: int
 
@@ -60,12 +68,25 @@ class RunResult:
     """Largest single sync message one learner sent (for data-parallel: one step's all-reduce share)."""
     rounds: int
     parameters: int
+    tokens_merged: float
+    tokens_late: float
+    tokens_lost: float
+    """Token accounting of the syncer, averaged over the model's parameters: trained = merged + late + lost."""
     per_learner: list[LearnerReport]
     eval_curve: list[dict[str, float]]
     config: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class Checkpoint:
+    """What a learner saves of its own: inner-optimizer state, data position, step count."""
+
+    optimizer: dict[str, Any]
+    data: dict[str, Any]
+    steps: int
 
 
 @dataclass
@@ -80,8 +101,18 @@ class SimLearner:
     tokens: int = 0
     busy_s: float = 0.0
     waiting_s: float = 0.0
+    down_s: float = 0.0
     waiting_since: float | None = None
+    step_ends_at: float | None = None
+    incarnation: int = 0
+    """Bumped at every crash: events meant for an earlier life are dropped."""
+    alive: bool = True
+    down_since: float | None = None
     finished: bool = False
+    crashes: int = 0
+    last_seq: int = 0
+    lost_tokens: list[int] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None
 
     def wait(self, now: float) -> None:
         if self.waiting_since is None:
@@ -91,6 +122,13 @@ class SimLearner:
         if self.waiting_since is not None:
             self.waiting_s += now - self.waiting_since
             self.waiting_since = None
+
+    def abort_step(self, now: float) -> None:
+        """A step in progress is cut short: the time it would still have taken was never spent."""
+        if self.step_ends_at is not None:
+            self.busy_s -= self.step_ends_at - now
+            self.step_ends_at = None
+        self.incarnation += 1
 
 
 class Simulation:
@@ -107,22 +145,30 @@ class Simulation:
         self.eval_model = copy.deepcopy(base)
         speeds = config.speeds()
         count = len(speeds)
-        steps = t.tokens // (count * t.batch_size * t.seq_len)
+        tokens_per_step = t.batch_size * t.seq_len
+        equal_steps = t.tokens // (count * tokens_per_step)
+        self.budget = equal_steps * count * tokens_per_step
+        self.crash_plan = CrashPlan(config.failures, count, config.seed)
         self.queue = EventQueue()
-        self.learners = []
+        self.learners: list[SimLearner] = []
         for m, speed in enumerate(speeds):
+            # With a shared budget a learner's schedule plans for its share of the tokens at its speed.
+            planned = round(self.budget * speed / sum(speeds) / tokens_per_step) if self.spec.shared_budget \
+                else equal_steps
             sampler = ShardSampler(corpus.train, learner=m, learners=count, seq_len=t.seq_len,
                                    batch_size=t.batch_size, seed=config.seed)
+            link = Link(config.link.bandwidth_mbit, config.link.latency_ms, outage_windows(config.failures, m))
             self.learners.append(SimLearner(
-                index=m, speed=speed, replica=Replica(copy.deepcopy(base), t, sampler, steps),
+                index=m, speed=speed, replica=Replica(copy.deepcopy(base), t, sampler, max(1, planned)),
                 timer=StepTimer(config.learners.step_time_s, speed, config.learners.jitter, config.seed, m),
-                link=Link(config.link.bandwidth_mbit, config.link.latency_ms), planned_steps=steps))
+                link=link, planned_steps=equal_steps))
         self.parameters = sum(p.numel() for p in base.parameters() if p.requires_grad)
         self.syncer: SyncerCore | None = None
+        self.fragments: list[Fragment] = []
         if self.spec.exchange == "outer":
             self._build_cores(base)
-        self.budget = steps * count * t.batch_size * t.seq_len
         self.tokens_trained = 0
+        self.stopped = False
         self.eval_curve: list[dict[str, float]] = []
         self._eval_marks = [self.budget * k // t.eval_points for k in range(1, t.eval_points)]
         self.last_event_s = 0.0
@@ -131,26 +177,47 @@ class Simulation:
     def _build_cores(self, base: nn.Module) -> None:
         spec = self.spec
         embeddings = embedding_names(base)
-        fragments = partition(base, spec.fragments, embeddings)
-        schedule = Schedule(spec.H, spec.fragments)
+        self.fragments = partition(base, spec.fragments, embeddings)
         for learner in self.learners:
-            learner.core = LearnerCore(learner.index, learner.replica.named_params(), fragments, schedule,
-                                       tau=spec.tau, alpha=spec.alpha, wait_for_updates=spec.wait_for_updates)
+            learner.core = self._learner_core(learner, versions=None, step=0)
+            learner.lost_tokens = [0] * len(self.fragments)
+        if spec.optimizer == "delayed-nesterov":
+            def optimizer(): return DelayedNesterov(spec.outer_lr, spec.outer_momentum, spec.dn_buffer)
+        else:
+            def optimizer(): return Nesterov(spec.outer_lr, spec.outer_momentum)
         params = {n: p for n, p in base.named_parameters() if p.requires_grad}
-        self.syncer = SyncerCore(params, fragments, range(len(self.learners)), outer_lr=spec.outer_lr,
-                                 momentum=spec.outer_momentum, merge_rule=spec.merge_rule, embeddings=embeddings)
+        self.syncer = SyncerCore(params, self.fragments, range(len(self.learners)), optimizer=optimizer,
+                                 merge_rule=spec.merge_rule, embeddings=embeddings, quorum=spec.quorum,
+                                 grace=spec.grace, grace_cap_steps=spec.grace_cap_steps, tau=spec.tau)
+
+    def _learner_core(self, learner: SimLearner, versions: list[int] | None, step: int) -> LearnerCore:
+        spec = self.spec
+        schedule = Schedule(spec.period(learner.index), len(self.fragments))
+        return LearnerCore(learner.index, learner.replica.named_params(), self.fragments, schedule, tau=spec.tau,
+                           alpha=spec.alpha, wait_for_updates=spec.wait_for_updates, versions=versions, step=step,
+                           first_seq=learner.last_seq)
 
     # ------------------------------------------------------------ the event loop
 
     def run(self) -> RunResult:
         torch.manual_seed(self.config.seed)
+        for at, m in self.crash_plan.fixed:
+            self.queue.schedule(at, ("crash", m))
         for learner in self.learners:
+            self._schedule_random_crash(learner)
+            if self.crash_plan.any:
+                self._save_checkpoint(learner)
             self._start_step(learner)
         handlers = {"step_end": self._on_step_end, "push": self._on_push, "update": self._on_update,
-                    "allreduce_done": self._on_allreduce_done}
-        while self.queue:
-            kind, payload = self.queue.pop()
-            handlers[kind](payload)
+                    "timer": self._on_timer, "allreduce_done": self._on_allreduce_done, "crash": self._on_crash,
+                    "detect": self._on_detect, "leave": self._on_leave, "recover": self._on_recover, "rejoin": self._on_rejoin}
+        while True:
+            while self.queue:
+                kind, payload = self.queue.pop()
+                handlers[kind](payload)
+            # Everyone has stopped and every message has landed: close what is still open.
+            if self.syncer is None or not self._handle(self.syncer.flush(self.now)):
+                break
         return self._result()
 
     @property
@@ -160,10 +227,15 @@ class Simulation:
     def _start_step(self, learner: SimLearner) -> None:
         duration = learner.timer.next()
         learner.busy_s += duration
-        self.queue.schedule(self.now + duration, ("step_end", learner.index))
+        learner.step_ends_at = self.now + duration
+        self.queue.schedule(learner.step_ends_at, ("step_end", (learner.index, learner.incarnation)))
 
-    def _on_step_end(self, m: int) -> None:
+    def _on_step_end(self, payload: tuple[int, int]) -> None:
+        m, incarnation = payload
         learner = self.learners[m]
+        if incarnation != learner.incarnation:
+            return  # the step was cut short by a crash or by the end of the run
+        learner.step_ends_at = None
         self.last_event_s = max(self.last_event_s, self.now)
         if self.spec.exchange == "gradients":
             learner.tokens += learner.replica.compute_gradients()
@@ -174,42 +246,174 @@ class Simulation:
             return
         tokens = learner.replica.train_step()
         learner.tokens += tokens
-        self._count_tokens(tokens)
-        for push in learner.core.on_step(tokens):
+        pushes = learner.core.on_step(tokens, step_time_s=learner.timer.last_s, now=self.now)
+        for push in pushes:
             self._send_push(learner, push)
-        if learner.replica.steps >= learner.planned_steps:
-            learner.core.finish()
+        if self.crash_plan.any and learner.replica.steps % self.config.failures.checkpoint_every == 0:
+            self._save_checkpoint(learner)
+        self._count_tokens(tokens)
+        if self.stopped:
+            return
+        if not self.spec.shared_budget and learner.replica.steps >= learner.planned_steps:
+            self._finish(learner)
+            return
         self._advance(learner)
 
     def _advance(self, learner: SimLearner) -> None:
-        poll = learner.core.poll()
+        poll = learner.core.poll(self.now)
         for push in poll.pushes:
             self._send_push(learner, push)
-        if poll.done:
-            learner.finished = True
-        elif poll.waiting_for:
+        if poll.waiting_for:
             learner.wait(self.now)
         else:
+            learner.resume(self.now)
             self._start_step(learner)
 
+    def _finish(self, learner: SimLearner) -> None:
+        """The learner trains no more: push what it has not pushed yet, then leave the syncer."""
+        learner.finished = True
+        learner.resume(self.now)
+        if learner.core is not None and learner.alive:
+            for push in learner.core.finish(self.now):
+                self._send_push(learner, push)
+        if self.syncer is not None:
+            # Announced on the same link, so it lands after the last pushes.
+            arrival = learner.link.up.send(self.now, MESSAGE_HEADER_BYTES)
+            self.queue.schedule(arrival, ("leave", learner.index))
+
+    def _stop_all(self) -> None:
+        """The shared token budget is spent: every learner stops now, steps in progress are dropped."""
+        self.stopped = True
+        for learner in self.learners:
+            if learner.finished:
+                continue
+            learner.abort_step(self.now)
+            if not learner.alive:
+                self._mark_down_until_now(learner)
+            self._finish(learner)
+
     def _send_push(self, learner: SimLearner, push: Push) -> None:
+        learner.last_seq = push.seq
         arrival = learner.link.up.send(self.now, push.wire_bytes())
         self.queue.schedule(arrival, ("push", push))
 
     def _on_push(self, push: Push) -> None:
-        for publish in self.syncer.on_push(push):
-            self.last_event_s = max(self.last_event_s, self.now)
-            for m in publish.recipients:
-                arrival = self.learners[m].link.down.send(self.now, publish.update.wire_bytes())
-                self.queue.schedule(arrival, ("update", (m, publish.update)))
+        self._handle(self.syncer.on_push(push, self.now))
 
-    def _on_update(self, payload: tuple[int, Update]) -> None:
-        m, update = payload
+    def _on_leave(self, m: int) -> None:
+        self._handle(self.syncer.leave(m, self.now))
+
+    def _on_timer(self, _: None) -> None:
+        self._handle(self.syncer.on_timer(self.now))
+
+    def _handle(self, actions: list[Action]) -> bool:
+        for action in actions:
+            if isinstance(action, Timer):
+                self.queue.schedule(action.at, ("timer", None))
+            elif isinstance(action, Publish):
+                self.last_event_s = max(self.last_event_s, self.now)
+                for m in action.recipients:
+                    learner = self.learners[m]
+                    if learner.finished or not learner.alive:
+                        continue
+                    arrival = learner.link.down.send(self.now, action.update.wire_bytes())
+                    self.queue.schedule(arrival, ("update", (m, learner.incarnation, action.update_for(m))))
+        return bool(actions)
+
+    def _on_update(self, payload: tuple[int, int, Update]) -> None:
+        m, incarnation, update = payload
         learner = self.learners[m]
+        if incarnation != learner.incarnation or learner.finished or not learner.alive:
+            return  # meant for a learner that crashed or stopped since
         learner.core.on_update(update)
-        if learner.waiting_since is not None and not learner.finished:
-            learner.resume(self.now)
+        if learner.waiting_since is not None:
             self._advance(learner)
+
+    # ------------------------------------------------------------ failures
+
+    def _schedule_random_crash(self, learner: SimLearner) -> None:
+        at = self.crash_plan.next_random(learner.index, self.now)
+        if at is not None:
+            self.queue.schedule(at, ("crash", learner.index))
+
+    def _save_checkpoint(self, learner: SimLearner) -> None:
+        r = learner.replica
+        learner.checkpoint = Checkpoint(copy.deepcopy(r.optimizer.state_dict()), r.sampler.state_dict(), r.steps)
+
+    def _on_crash(self, m: int) -> None:
+        learner = self.learners[m]
+        if learner.finished or not learner.alive:
+            return
+        learner.abort_step(self.now)
+        learner.resume(self.now)
+        learner.alive = False
+        learner.down_since = self.now
+        learner.crashes += 1
+        if learner.core is not None:
+            for p, tokens in enumerate(learner.core.unpushed_tokens()):
+                learner.lost_tokens[p] += tokens
+            learner.core = None
+        self._gradients_in.pop(m, None)
+        self.queue.schedule(self.now + self.config.failures.detect_s, ("detect", (m, learner.incarnation)))
+        self.queue.schedule(self.now + self.config.failures.recovery_s, ("recover", (m, learner.incarnation)))
+
+    def _on_detect(self, payload: tuple[int, int]) -> None:
+        m, incarnation = payload
+        learner = self.learners[m]
+        if self.syncer is not None and incarnation == learner.incarnation and not learner.alive:
+            self._handle(self.syncer.leave(m, self.now))
+
+    def _on_recover(self, payload: tuple[int, int]) -> None:
+        """The learner's process is back: it asks for the current Θ, which takes a full download."""
+        m, incarnation = payload
+        learner = self.learners[m]
+        if incarnation != learner.incarnation or learner.finished:
+            return
+        if self.syncer is None:  # data-parallel: take the parameters of a live peer
+            nbytes = self.parameters * 4
+            state = None
+        else:
+            theta, versions = self.syncer.full_state()
+            nbytes = tensors_wire_bytes(theta)
+            state = (theta, versions)
+        arrival = learner.link.down.send(self.now, nbytes)
+        self.queue.schedule(arrival, ("rejoin", (m, incarnation, state)))
+
+    def _on_rejoin(self, payload: tuple[int, int, Any]) -> None:
+        m, incarnation, state = payload
+        learner = self.learners[m]
+        if incarnation != learner.incarnation or learner.finished:
+            return
+        r = learner.replica
+        if state is None:
+            peer = next(lr for lr in self.learners if lr.alive)
+            r.model.load_state_dict(peer.replica.model.state_dict())
+            r.optimizer.load_state_dict(copy.deepcopy(peer.replica.optimizer.state_dict()))
+            r.steps = peer.replica.steps
+            r.model.zero_grad(set_to_none=True)
+        else:
+            theta, versions = state
+            with torch.no_grad():
+                for name, p in r.named_params().items():
+                    p.copy_(theta[name])
+            r.optimizer = make_optimizer(r.model, r.cfg)
+            ckpt = learner.checkpoint
+            if ckpt is not None:
+                if self.config.failures.restore == "checkpoint":
+                    r.optimizer.load_state_dict(copy.deepcopy(ckpt.optimizer))
+                r.sampler.load_state_dict(ckpt.data)
+                r.steps = ckpt.steps
+            learner.core = self._learner_core(learner, versions=versions, step=r.steps)
+            self.syncer.join(m, self.now)
+        self._mark_down_until_now(learner)
+        learner.alive = True
+        self._schedule_random_crash(learner)
+        self._start_step(learner)
+
+    def _mark_down_until_now(self, learner: SimLearner) -> None:
+        if learner.down_since is not None:
+            learner.down_s += self.now - learner.down_since
+            learner.down_since = None
 
     # ------------------------------------------------------------ data-parallel
 
@@ -226,9 +430,9 @@ class Simulation:
                 for p in params:
                     p.grad.copy_(mean)
                 grad_bytes += mean.numel() * mean.element_size()
-        share = 2 * (count - 1) * grad_bytes // count
         duration = 0.0
         if count > 1:
+            share = 2 * (count - 1) * grad_bytes // count
             bandwidth = min(min(lr.link.up.bandwidth_bps, lr.link.down.bandwidth_bps) for lr in self.learners)
             latency = max(lr.link.up.latency_s for lr in self.learners)
             duration = 2 * (count - 1) * (latency + grad_bytes / count * 8 / bandwidth)
@@ -240,7 +444,6 @@ class Simulation:
     def _on_allreduce_done(self, _: None) -> None:
         self._gradients_in.clear()
         self.last_event_s = max(self.last_event_s, self.now)
-        self._count_tokens(sum(lr.replica.sampler.batch_size * lr.replica.sampler.seq_len for lr in self.learners))
         for learner in self.learners:
             learner.resume(self.now)
             learner.replica.apply_gradients()
@@ -248,6 +451,7 @@ class Simulation:
                 self._start_step(learner)
             else:
                 learner.finished = True
+        self._count_tokens(sum(lr.replica.sampler.batch_size * lr.replica.sampler.seq_len for lr in self.learners))
 
     # ------------------------------------------------------------ evaluation and results
 
@@ -258,6 +462,8 @@ class Simulation:
             self._record_eval()
         if self.progress:
             self.progress(self.tokens_trained, self.budget)
+        if self.spec.shared_budget and self.tokens_trained >= self.budget and not self.stopped:
+            self._stop_all()
 
     def global_model(self) -> nn.Module:
         """The model the run produced so far: Θ from the syncer, or the data-parallel replica."""
@@ -273,6 +479,17 @@ class Simulation:
         loss = evaluate(self.global_model(), self.eval_batches)
         self.eval_curve.append({"time_s": self.now, "tokens": self.tokens_trained, "loss": loss})
 
+    def _by_parameters(self, per_fragment: list[int]) -> float:
+        """A per-fragment token count, averaged with each fragment's share of the parameters."""
+        return sum(tokens * f.numel for tokens, f in zip(per_fragment, self.fragments)) / self.parameters
+
+    def token_ledger(self, learner: int) -> dict[str, list[int]]:
+        """Per fragment: tokens merged on time, merged late, and lost, for one learner."""
+        entry = self.syncer.ledger[learner]
+        fragments = range(len(self.fragments))
+        return {"merged": [entry.merged[p] for p in fragments], "late": [entry.late[p] for p in fragments],
+                "lost": list(self.learners[learner].lost_tokens)}
+
     def _result(self) -> RunResult:
         unfinished = [lr.index for lr in self.learners if not lr.finished]
         if unfinished:
@@ -280,10 +497,22 @@ class Simulation:
         wall = self.last_event_s
         self._record_eval()
         self.eval_curve[-1]["time_s"] = wall
-        reports = [LearnerReport(
-            learner=lr.index, speed=lr.speed, tokens=lr.tokens, steps=lr.replica.steps, busy_s=lr.busy_s,
-            waiting_s=lr.waiting_s, busy_fraction=lr.busy_s / wall if wall else 1.0,
-            bytes_up=lr.link.up.bytes_sent, bytes_down=lr.link.down.bytes_sent) for lr in self.learners]
+        merged = late = lost = 0.0
+        reports = []
+        for lr in self.learners:
+            lost_m = self._by_parameters(lr.lost_tokens) if self.syncer else 0.0
+            if self.syncer:
+                ledger = self.token_ledger(lr.index)
+                merged += self._by_parameters(ledger["merged"])
+                late += self._by_parameters(ledger["late"])
+                lost += lost_m
+            reports.append(LearnerReport(
+                learner=lr.index, speed=lr.speed, tokens=lr.tokens, steps=lr.replica.steps, busy_s=lr.busy_s,
+                waiting_s=lr.waiting_s, down_s=lr.down_s, busy_fraction=lr.busy_s / wall if wall else 1.0,
+                crashes=lr.crashes, tokens_lost=lost_m, bytes_up=lr.link.up.bytes_sent,
+                bytes_down=lr.link.down.bytes_sent))
+        if self.syncer is None:
+            merged = float(sum(r.tokens for r in reports))
         return RunResult(
             strategy=self.spec.name, learners=len(self.learners), tokens=sum(r.tokens for r in reports),
             final_eval_loss=self.eval_curve[-1]["loss"], virtual_wall_clock_s=wall,
@@ -291,8 +520,8 @@ class Simulation:
             goodput=sum(r.busy_s for r in reports) / (wall * len(reports)) if wall else 1.0,
             peak_sync_bytes=max(lr.link.up.peak_message_bytes for lr in self.learners),
             rounds=self.syncer.rounds_closed if self.syncer else self.learners[0].replica.steps,
-            parameters=self.parameters, per_learner=reports, eval_curve=self.eval_curve,
-            config=self.config.to_dict())
+            parameters=self.parameters, tokens_merged=merged, tokens_late=late, tokens_lost=lost,
+            per_learner=reports, eval_curve=self.eval_curve, config=self.config.to_dict())
 
 
 def simulate(config: Config, factory: ModelFactory | None = None, progress: Progress | None = None) -> RunResult:

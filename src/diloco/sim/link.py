@@ -1,14 +1,16 @@
-"""A learner's network link: per direction, a bandwidth shared in order by messages, and a latency."""
+"""A learner's network link: per direction, a bandwidth shared in order by messages, a latency, and
+windows of outage during which nothing moves."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class Direction:
     bandwidth_bps: float
     latency_s: float
+    outages: list[tuple[float, float]] = field(default_factory=list)
     busy_until: float = 0.0
     bytes_sent: int = 0
     messages: int = 0
@@ -17,9 +19,16 @@ class Direction:
     def send(self, now: float, nbytes: int) -> float:
         """Queue a message behind those already on the wire; return when it has fully arrived."""
         start = max(now, self.busy_until)
-        self.busy_until = start + nbytes * 8 / self.bandwidth_bps
+        end = start + nbytes * 8 / self.bandwidth_bps
+        for down_from, down_to in sorted(self.outages):
+            if down_from <= start < down_to:  # the link is down when the message would start
+                end += down_to - start
+                start = down_to
+            elif start < down_from < end:  # it goes down mid-message: the rest waits
+                end += down_to - down_from
+        self.busy_until = end
         self.record(nbytes)
-        return self.busy_until + self.latency_s
+        return end + self.latency_s
 
     def record(self, nbytes: int) -> None:
         """Count bytes that crossed this direction (also those a collective timed as a whole)."""
@@ -29,6 +38,7 @@ class Direction:
 
 
 class Link:
-    def __init__(self, bandwidth_mbit: float, latency_ms: float) -> None:
-        self.up = Direction(bandwidth_mbit * 1e6, latency_ms / 1e3)
-        self.down = Direction(bandwidth_mbit * 1e6, latency_ms / 1e3)
+    def __init__(self, bandwidth_mbit: float, latency_ms: float,
+                 outages: list[tuple[float, float]] | None = None) -> None:
+        self.up = Direction(bandwidth_mbit * 1e6, latency_ms / 1e3, list(outages or []))
+        self.down = Direction(bandwidth_mbit * 1e6, latency_ms / 1e3, list(outages or []))

@@ -10,9 +10,10 @@ class StepTimer:
         self.mean_s = base_s / speed
         self.jitter = jitter
         self._rng = np.random.default_rng((seed, learner, 0x5EED))
+        self.last_s = self.mean_s
 
     def next(self) -> float:
-        if self.jitter == 0:
-            return self.mean_s
-        # Multiplicative, clipped so that a step never takes less than a tenth of its mean.
-        return self.mean_s * max(0.1, 1.0 + self.jitter * float(self._rng.standard_normal()))
+        if self.jitter > 0:
+            # Multiplicative, clipped so that a step never takes less than a tenth of its mean.
+            self.last_s = self.mean_s * max(0.1, 1.0 + self.jitter * float(self._rng.standard_normal()))
+        return self.last_s

@@ -9,13 +9,16 @@ from __future__ import annotations
 from typing import Callable
 
 from diloco.config import Config
-from diloco.strategies import ddp, diloco, streaming
+from diloco.strategies import async_dn, async_local_sgd, ddp, decoupled, diloco, streaming
 from diloco.strategies.spec import StrategySpec
 
 BUILDERS: dict[str, Callable[[Config], StrategySpec]] = {
     "ddp": ddp.build,
     "diloco": diloco.build,
     "streaming": streaming.build,
+    "async": async_local_sgd.build,
+    "async-dn": async_dn.build,
+    "decoupled": decoupled.build,
 }
 
 

@@ -14,11 +14,25 @@ class StrategySpec:
     exchange: Literal["gradients", "outer"]
     """`gradients`: all-reduce every inner step (data-parallel). `outer`: outer gradients via the syncer."""
     H: int = 1
+    learner_H: tuple[int, ...] = ()
+    """Per-learner periods (dynamic local updates); empty means H for everyone."""
     fragments: int = 1
     tau: int = 0
     alpha: float = 0.0
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
+    optimizer: Literal["nesterov", "delayed-nesterov"] = "nesterov"
+    dn_buffer: int = 1
     merge_rule: MergeRule = "mean"
+    quorum: int | None = None
+    """Minimum pushes in a round; None means every learner alive (synchronous)."""
+    grace: float = 0.0
+    grace_cap_steps: float = 0.0
     wait_for_updates: bool = True
-    """Whether a learner stops at step t + τ until its answer is in (synchronous strategies)."""
+    """Whether a learner stops at step t + τ until its answer is in."""
+    shared_budget: bool = False
+    """False: every learner trains an equal share of the tokens. True: learners train at their own
+    speed until the total budget is spent, so faster learners train more of it."""
+
+    def period(self, learner: int) -> int:
+        return self.learner_H[learner] if self.learner_H else self.H

@@ -1,0 +1,250 @@
+"""Decoupled DiLoCo and the asynchronous family: quorum, grace, weights, late pushes, failures."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from diloco.core import Push, SyncerCore, Timer
+from diloco.core.syncer import token_weight
+from diloco.fragments import Fragment
+from diloco.outer import DelayedNesterov, Nesterov
+from diloco.sim.driver import Simulation
+from diloco.sim.link import Direction
+from diloco.strategies import build_strategy
+
+FRAGMENT = [Fragment(0, ("w",), 2, False)]
+
+
+def hub(members=(0, 1, 2), **kwargs):
+    kwargs.setdefault("merge_rule", "weighted")
+    return SyncerCore({"w": torch.zeros(2)}, FRAGMENT, members, optimizer=lambda: Nesterov(1.0, 0.0), **kwargs)
+
+
+def push(learner, seq, delta, *, base=0, tokens=100, steps=1, step_time=1.0, sent_at=None):
+    return Push(learner, 0, base, seq, {"w": torch.tensor(delta)}, tokens, steps, step_time_s=step_time,
+                sent_at=sent_at)
+
+
+# ---------------------------------------------------------------- syncer mechanisms
+
+
+def test_a_round_waits_for_the_quorum():
+    syncer = hub(quorum=2, grace=0.0)
+    assert syncer.on_push(push(0, 1, [1.0, 0.0]), now=0.0) == []
+    (publish,) = syncer.on_push(push(1, 1, [0.0, 1.0]), now=0.5)
+    assert publish.recipients == (0, 1) and publish.update.version == 1
+    torch.testing.assert_close(syncer.theta["w"], torch.tensor([-0.5, -0.5]))
+
+
+def test_grace_window_is_the_measured_slack_and_ends_the_round():
+    syncer = hub(quorum=1, grace=1.0, grace_cap_steps=2.0, tau=2)
+    # Step time 1 s, the push took 0.2 s to arrive: slack = 2·1 − (0 + 0.2) = 1.8 s.
+    (timer,) = syncer.on_push(push(0, 1, [1.0, 0.0], sent_at=9.8), now=10.0)
+    assert isinstance(timer, Timer) and timer.at == pytest.approx(11.8)
+    assert syncer.on_timer(11.0) == []
+    assert syncer.on_push(push(1, 1, [0.0, 1.0], sent_at=10.3), now=10.5) == []  # joins the open round
+    (publish,) = syncer.on_timer(11.8)
+    assert publish.recipients == (0, 1)
+    assert syncer.rounds[-1].grace_s == pytest.approx(1.8)
+
+
+def test_grace_is_clamped_between_zero_and_the_cap():
+    generous = hub(quorum=1, grace=10.0, grace_cap_steps=1.5, tau=2)
+    (timer,) = generous.on_push(push(0, 1, [1.0, 0.0], sent_at=0.0), now=0.0)
+    assert timer.at == pytest.approx(1.5)  # cap · step time
+    no_slack = hub(quorum=1, grace=1.0, tau=0)
+    (publish,) = no_slack.on_push(push(0, 1, [1.0, 0.0], sent_at=0.0), now=0.1)  # τ = 0: nothing to spare
+    assert publish.recipients == (0,)
+    off = hub(quorum=1, grace=0.0, tau=2)
+    assert len(off.on_push(push(0, 1, [1.0, 0.0]), now=0.0)) == 1
+
+
+def test_round_closes_before_its_deadline_when_everyone_is_in():
+    syncer = hub(members=(0, 1), quorum=1, grace=1.0, tau=4)
+    (timer,) = syncer.on_push(push(0, 1, [1.0, 0.0], sent_at=0.0), now=0.0)
+    (publish,) = syncer.on_push(push(1, 1, [0.0, 1.0], sent_at=0.0), now=0.1)
+    assert publish.recipients == (0, 1)
+    assert syncer.on_timer(timer.at) == []  # a stale timer does nothing
+
+
+def test_token_weights_favour_more_tokens_and_larger_batches():
+    assert token_weight(100, 1) == 10_000
+    assert token_weight(100, 4) == 2_500  # same tokens in smaller batches
+    assert token_weight(200, 2) == 20_000
+    syncer = hub(quorum=2, grace=0.0)
+    syncer.on_push(push(0, 1, [4.0, 0.0], tokens=100, steps=1), now=0.0)
+    syncer.on_push(push(1, 1, [0.0, 4.0], tokens=100, steps=4), now=0.0)
+    # weights 10000 : 2500 = 0.8 : 0.2, η = 1 → Θ = −(0.8·4, 0.2·4)
+    torch.testing.assert_close(syncer.theta["w"], torch.tensor([-3.2, -0.8]))
+
+
+def test_late_push_is_merged_next_round_and_counted_once():
+    syncer = hub(quorum=1, grace=0.0)
+    syncer.on_push(push(0, 1, [1.0, 0.0], tokens=50), now=0.0)  # closes version 1 alone
+    (publish,) = syncer.on_push(push(1, 1, [0.0, 1.0], base=0, tokens=70), now=1.0)  # based on version 0
+    assert publish.update.version == 2 and publish.recipients == (1,)
+    assert syncer.rounds[-1].late == 1
+    assert syncer.ledger[0].merged[0] == 50 and syncer.ledger[0].late[0] == 0
+    assert syncer.ledger[1].late[0] == 70 and syncer.ledger[1].merged[0] == 0
+    syncer.on_push(push(1, 1, [0.0, 1.0], base=0, tokens=70), now=2.0)  # a retry
+    assert syncer.ledger[1].late[0] == 70 and syncer.ledger[1].duplicates == 1
+    torch.testing.assert_close(syncer.theta["w"], torch.tensor([-1.0, -1.0]))
+
+
+def test_two_pushes_of_one_learner_in_a_round_add_up():
+    syncer = hub(quorum=2, grace=0.0)
+    syncer.on_push(push(0, 1, [1.0, 0.0], tokens=10), now=0.0)
+    syncer.on_push(push(0, 2, [1.0, 0.0], tokens=10), now=0.1)
+    assert len(syncer.fragments[0].pending) == 1
+    assert syncer.fragments[0].pending[0].tokens == 20
+    torch.testing.assert_close(syncer.fragments[0].pending[0].deltas["w"], torch.tensor([2.0, 0.0]))
+
+
+def test_leaving_lowers_what_a_round_waits_for():
+    syncer = hub(members=(0, 1), quorum=None)
+    assert syncer.on_push(push(0, 1, [1.0, 0.0]), now=0.0) == []
+    (publish,) = syncer.leave(1, now=3.0)
+    assert publish.recipients == (0,)
+
+
+def test_flush_closes_whatever_is_open():
+    syncer = hub(quorum=3, grace=0.0)
+    syncer.on_push(push(0, 1, [1.0, 0.0]), now=0.0)
+    (publish,) = syncer.flush(now=1.0)
+    assert publish.recipients == (0,)
+    assert syncer.flush(now=2.0) == []
+
+
+# ---------------------------------------------------------------- delayed Nesterov
+
+
+def test_delayed_nesterov_against_the_paper_pseudocode():
+    lr, mu, n = 0.7, 0.9, 3
+    arrivals = [0.5, -0.2, 0.3, 0.1, 0.4, -0.6, 0.2]
+    theta, b, s = 1.0, 0.0, 0.0
+    expected = []
+    for t, g in enumerate(arrivals, start=1):
+        s += g
+        if t % n:
+            theta -= lr * g / n
+        else:
+            b = mu * b + s / n
+            theta -= lr * (mu * b + g / n)
+            s = 0.0
+        expected.append(theta)
+    ours = {"w": torch.tensor([1.0])}
+    dn = DelayedNesterov(lr, mu, n)
+    for g, want in zip(arrivals, expected):
+        dn.step(ours, {"w": torch.tensor([g])})
+        assert ours["w"].item() == pytest.approx(want, rel=1e-6)
+
+
+def test_delayed_nesterov_with_a_buffer_of_one_is_nesterov():
+    a, b = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([1.0, 2.0])}
+    dn, nesterov = DelayedNesterov(0.7, 0.9, 1), Nesterov(0.7, 0.9)
+    for g in ([0.5, 0.1], [-0.3, 0.2], [0.4, 0.4]):
+        dn.step(a, {"w": torch.tensor(g)})
+        nesterov.step(b, {"w": torch.tensor(g)})
+    torch.testing.assert_close(a["w"], b["w"])
+
+
+# ---------------------------------------------------------------- strategies in the simulator
+
+HETERO = ["learners.speeds=[1, 1, 0.5, 0.25]", "learners.jitter=0.1", "outer.H=6", "outer.fragments=3",
+          "outer.tau=2", "outer.alpha=0.5", "train.tokens=20480"]
+
+
+def test_dynamic_local_updates_scale_the_period_with_speed():
+    spec = build_strategy(tiny_config("strategy=async-dn", "learners.speeds=[1, 1, 0.5, 0.25]", "outer.H=8"))
+    assert spec.learner_H == (8, 8, 4, 2)
+    assert spec.optimizer == "delayed-nesterov" and spec.dn_buffer == 4
+
+
+def test_decoupled_learners_never_wait_and_faster_ones_train_more():
+    sim = Simulation(tiny_config("strategy=decoupled", *HETERO))
+    result = sim.run()
+    assert result.tokens == sim.budget
+    for report in result.per_learner:
+        assert report.waiting_s == 0.0
+        assert report.busy_fraction > 0.97
+    tokens = [r.tokens for r in result.per_learner]
+    assert tokens[0] > tokens[2] > tokens[3]
+    assert result.goodput > 0.97
+
+
+@pytest.mark.parametrize("strategy", ["async", "async-dn", "decoupled"])
+def test_every_trained_token_is_merged_late_or_lost(strategy):
+    crash = "failures.crashes=[{learner = 1, at_s = 4.0}]"
+    sim = Simulation(tiny_config(f"strategy={strategy}", *HETERO, crash, "failures.recovery_s=3",
+                                 "failures.detect_s=1", "failures.checkpoint_every=4"))
+    result = sim.run()
+    assert result.per_learner[1].crashes == 1
+    fragments = len(sim.fragments)
+    for m, report in enumerate(result.per_learner):
+        ledger = sim.token_ledger(m)
+        for p in range(fragments):
+            assert ledger["merged"][p] + ledger["late"][p] + ledger["lost"][p] == report.tokens, (m, p)
+        assert sim.syncer.ledger[m].duplicates == 0
+    assert result.tokens_lost > 0
+    assert result.tokens_merged + result.tokens_late + result.tokens_lost == pytest.approx(result.tokens)
+
+
+def test_a_crashed_learner_rejoins_from_the_current_global_model():
+    crash = "failures.crashes=[{learner = 2, at_s = 3.0}]"
+    sim = Simulation(tiny_config("strategy=decoupled", *HETERO, crash, "failures.recovery_s=2",
+                                 "link.bandwidth_mbit=1e6", "link.latency_ms=0"))
+    rejoined = {}
+    original = sim._on_rejoin
+
+    def spy(payload):
+        original(payload)
+        m, _, (theta, versions) = payload
+        rejoined[m] = {n: p.detach().clone() for n, p in sim.learners[m].replica.named_params().items()}
+        rejoined["theta"] = theta
+        rejoined["versions"] = versions
+
+    sim._on_rejoin = spy
+    result = sim.run()
+    for name, value in rejoined[2].items():
+        assert torch.equal(value, rejoined["theta"][name])
+    assert sim.learners[2].crashes == 1
+    assert result.per_learner[2].down_s == pytest.approx(2.0, abs=0.01)
+    for m in (0, 1, 3):
+        assert result.per_learner[m].waiting_s == 0.0 and result.per_learner[m].busy_fraction > 0.97
+
+
+def test_synchronous_diloco_goes_on_without_a_dead_learner_once_it_is_noticed():
+    crash = "failures.crashes=[{learner = 3, at_s = 2.0}]"
+    sim = Simulation(tiny_config("strategy=diloco", "outer.H=4", crash, "failures.detect_s=1",
+                                 "failures.recovery_s=1000", "train.tokens=10240"))
+    result = sim.run()
+    # The others wait for it only until it is noticed, not for its 1000 s recovery, and finish their
+    # share; it trains the rest of its own share when it is back.
+    for m in (0, 1, 2):
+        report = result.per_learner[m]
+        assert report.busy_s + report.waiting_s < 20
+    assert result.per_learner[3].crashes == 1
+    assert result.per_learner[3].down_s == pytest.approx(1000.0, abs=1.0)
+    assert result.virtual_wall_clock_s > 1000
+
+
+def test_random_crashes_repeat_for_a_seed():
+    overrides = ["strategy=decoupled", *HETERO, "failures.mtbf_s=6", "failures.recovery_s=1"]
+    first = Simulation(tiny_config(*overrides)).run().summary()
+    assert sum(r["crashes"] for r in first["per_learner"]) > 0
+    assert Simulation(tiny_config(*overrides)).run().summary() == first
+
+
+def test_a_link_outage_holds_messages_until_it_ends():
+    direction = Direction(bandwidth_bps=8e6, latency_s=0.1, outages=[(1.0, 3.0)])
+    assert direction.send(0.0, 1_000_000) == pytest.approx(1.1)  # 1 s on the wire, done as it goes down
+    assert direction.send(1.5, 1_000_000) == pytest.approx(3.0 + 1.0 + 0.1)  # waits for the link
+    mid = Direction(bandwidth_bps=8e6, latency_s=0.0, outages=[(0.5, 2.5)])
+    assert mid.send(0.0, 1_000_000) == pytest.approx(3.0)  # half before, the other half after
+
+
+def test_decoupled_runs_through_an_outage():
+    outage = "failures.outages=[{learner = 0, at_s = 1.0, duration_s = 4.0}]"
+    result = Simulation(tiny_config("strategy=decoupled", *HETERO, outage)).run()
+    assert result.per_learner[0].waiting_s == 0.0
+    assert result.goodput > 0.97
