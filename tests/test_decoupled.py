@@ -148,6 +148,28 @@ def test_delayed_nesterov_with_a_buffer_of_one_is_nesterov():
     torch.testing.assert_close(a["w"], b["w"])
 
 
+def test_partial_rounds_move_the_momentum_once_their_shares_make_a_full_round():
+    lr, mu = 0.5, 0.9
+    theta = {"w": torch.tensor([0.0])}
+    dn = DelayedNesterov(lr, mu)
+    dn.step(theta, {"w": torch.tensor([2.0])}, share=0.25)  # plain: −0.5·0.25·2
+    assert theta["w"].item() == pytest.approx(-0.25)
+    dn.step(theta, {"w": torch.tensor([4.0])}, share=0.75)  # full: b = 0.25·2 + 0.75·4 = 3.5
+    assert theta["w"].item() == pytest.approx(-0.25 - lr * (mu * 3.5 + 0.75 * 4))
+    assert dn.buffers["w"].item() == pytest.approx(3.5)
+    with pytest.raises(ValueError, match="share"):
+        dn.step(theta, {"w": torch.tensor([1.0])}, share=0.0)
+
+
+def test_full_rounds_through_delayed_nesterov_are_nesterov():
+    a, b = {"w": torch.tensor([1.0, -1.0])}, {"w": torch.tensor([1.0, -1.0])}
+    dn, nesterov = DelayedNesterov(0.7, 0.9), Nesterov(0.7, 0.9)
+    for g in ([0.5, 0.1], [-0.3, 0.2], [0.4, 0.4]):
+        dn.step(a, {"w": torch.tensor(g)}, share=1.0)
+        nesterov.step(b, {"w": torch.tensor(g)})
+    torch.testing.assert_close(a["w"], b["w"])
+
+
 # ---------------------------------------------------------------- strategies in the simulator
 
 HETERO = ["learners.speeds=[1, 1, 0.5, 0.25]", "learners.jitter=0.1", "outer.H=6", "outer.fragments=3",
@@ -248,3 +270,19 @@ def test_decoupled_runs_through_an_outage():
     result = Simulation(tiny_config("strategy=decoupled", *HETERO, outage)).run()
     assert result.per_learner[0].waiting_s == 0.0
     assert result.goodput > 0.97
+
+
+def test_a_round_speaks_for_the_share_of_learners_it_heard_from():
+    four = (0, 1, 2, 3)
+    partial = hub(members=four, quorum=1, grace=0.0, participation=True)
+    partial.on_push(push(0, 1, [4.0, 0.0]), now=0.0)
+    torch.testing.assert_close(partial.theta["w"], torch.tensor([-1.0, 0.0]))  # one of four equal learners
+    full = hub(members=four, quorum=None, participation=True)
+    for m in four:
+        full.on_push(push(m, 1, [4.0, 0.0]), now=0.0)
+    torch.testing.assert_close(full.theta["w"], torch.tensor([-4.0, 0.0]))  # everyone: the plain mean
+    # A learner that pushed before with three times the weight counts for it while absent.
+    heavy = hub(members=(0, 1), quorum=1, grace=0.0, participation=True)
+    heavy.on_push(push(1, 1, [0.0, 0.0], tokens=300, steps=3), now=0.0)  # weight 30000
+    heavy.on_push(push(0, 1, [4.0, 0.0], tokens=100, steps=1, base=1), now=1.0)  # weight 10000
+    torch.testing.assert_close(heavy.theta["w"], torch.tensor([-1.0, 0.0]))  # 10000 / 40000 of 4

@@ -13,6 +13,13 @@ When a round closes:
   of a push (the answer takes about as long back) plus the measured merge time. The answer then still
   reaches the fastest learner by the time it needs it, τ steps after sending.
 
+A round speaks for the learners it heard from (`participation`): its share is the weight of its
+contributions over that weight plus the last known weight of every other learner alive, and the outer
+optimizer scales its step by it. A round with everyone has share 1 (synchronous DiLoCo); a round with
+one of M equal learners moves Θ by 1/M of that learner's progress, as its part of an average. Without
+this, M rounds of one learner each would move Θ by the sum of the learners' progress, M times too far.
+The delayed-Nesterov optimizer also moves its momentum only once the shares add up to a full round.
+
 A push is never thrown away. One that arrives after the round it was based on has closed (its base
 version is behind) joins the round now open; its Δ is the learner's progress since its own anchor,
 which no merge has counted yet, so nothing is counted twice. Its tokens are accounted as *late*.
@@ -40,7 +47,7 @@ class ProtocolError(Exception):
 
 
 class OuterOptimizer(Protocol):
-    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor]) -> None: ...
+    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -132,13 +139,15 @@ class SyncerCore:
     def __init__(self, params: dict[str, torch.Tensor], fragments: list[Fragment], members: Iterable[int], *,
                  optimizer: Callable[[], OuterOptimizer], merge_rule: MergeRule, embeddings: Iterable[str] = (),
                  quorum: int | None = None, grace: float = 0.0, grace_cap_steps: float = 2.0,
-                 tau: int = 0) -> None:
+                 tau: int = 0, participation: bool = False) -> None:
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
         self.fragments = [FragmentState(f, optimizer()) for f in fragments]
         self.alive = set(members)
         self.merge_rule = merge_rule
         self.embeddings = frozenset(embeddings)
         self.quorum, self.grace, self.grace_cap_steps, self.tau = quorum, grace, grace_cap_steps, tau
+        self.participation = participation
+        self.last_weight: dict[int, float] = {}
         self.ledger = {m: LedgerEntry() for m in self.alive}
         self.step_time: dict[int, float] = {}
         self.one_way_s: float | None = None
@@ -266,14 +275,27 @@ class SyncerCore:
                 raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} has shape "
                                     f"{tuple(delta.shape)}, expected {tuple(self.theta[name].shape)}")
 
+    def _participation_share(self, contributions: list[Contribution], weights: list[float]) -> float:
+        """The round's weight over the weight of every learner alive (absent ones at their last known)."""
+        for c, w in zip(contributions, weights):
+            self.last_weight[c.learner] = w
+        if not self.participation:
+            return 1.0
+        present = {c.learner for c in contributions}
+        known = list(self.last_weight.values())
+        typical = sum(known) / len(known)
+        absent = sum(self.last_weight.get(m, typical) for m in self.alive - present)
+        return sum(weights) / (sum(weights) + absent)
+
     def _close(self, state: FragmentState, now: float) -> Publish:
         contributions = [state.pending[m] for m in sorted(state.pending)]
         weights = [token_weight(c.tokens, c.steps) for c in contributions]
         if sum(weights) <= 0:
             weights = [1.0] * len(contributions)
         merged = merge_fragment([c.deltas for c in contributions], weights, self.merge_rule, self.embeddings)
+        share = self._participation_share(contributions, weights)
         names = state.fragment.names
-        state.optimizer.step({n: self.theta[n] for n in names}, merged)
+        state.optimizer.step({n: self.theta[n] for n in names}, merged, share)
         late = 0
         for c in contributions:
             entry = self.ledger[c.learner]

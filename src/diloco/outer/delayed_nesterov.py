@@ -1,43 +1,59 @@
-"""Delayed Nesterov (arXiv 2401.09135), for outer gradients that arrive one learner at a time.
+"""Delayed Nesterov (arXiv 2401.09135), for outer gradients that arrive a few learners at a time.
 
-Applying every arrival through Nesterov momentum compounds the momentum N times per "round" of N
-learners. Delayed Nesterov keeps a sum S of arrivals and touches the momentum once every N:
+Applying every arrival through Nesterov momentum compounds the momentum once per arrival instead of
+once per round of all learners. Delayed Nesterov keeps a sum S of arrivals and touches the momentum
+once every N arrivals; in between it takes plain steps:
 
     on the t-th arrival g:  S ← S + g
       t mod N ≠ 0:  Θ ← Θ − η·g/N                      (plain step, momentum untouched)
       t mod N = 0:  b ← μ·b + S/N;  Θ ← Θ − η·(μ·b + g/N);  S ← 0
+
+Generalised here to arrivals that each carry a share s of a full round (the decoupled syncer's
+rounds hear from a varying part of the learners): plain steps of η·s·g, and the momentum step once
+the shares add up to a full round. s = 1/N for every arrival is the paper's algorithm with buffer N;
+s = 1 for every arrival is plain Nesterov.
 """
 
 from __future__ import annotations
 
 import torch
 
+_FULL = 1.0 - 1e-9
+"""Shares that add up to at least this make a full round (1/3 + 1/3 + 1/3 may fall short of 1.0)."""
+
 
 class DelayedNesterov:
-    def __init__(self, lr: float, momentum: float, buffer: int) -> None:
-        if lr <= 0 or not 0 <= momentum < 1 or buffer < 1:
-            raise ValueError(f"DelayedNesterov needs lr > 0, 0 <= momentum < 1, buffer >= 1; "
+    def __init__(self, lr: float, momentum: float, buffer: int = 0) -> None:
+        """`buffer` N > 0 fixes every arrival's share to 1/N (the paper); 0 takes the share given."""
+        if lr <= 0 or not 0 <= momentum < 1 or buffer < 0:
+            raise ValueError(f"DelayedNesterov needs lr > 0, 0 <= momentum < 1, buffer >= 0; "
                              f"got lr={lr}, momentum={momentum}, buffer={buffer}")
-        self.lr, self.momentum, self.buffer = lr, momentum, buffer
-        self.arrivals = 0
+        self.lr, self.momentum = lr, momentum
+        self.fixed_share = 1.0 / buffer if buffer else None
+        self.accumulated = 0.0
         self.sums: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor]) -> None:
-        self.arrivals += 1
-        update_momentum = self.arrivals % self.buffer == 0
+    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0) -> None:
+        s = self.fixed_share or share
+        if not 0 < s <= 1:
+            raise ValueError(f"an arrival's share of a round must be in (0, 1], got {s}")
+        self.accumulated += s
+        full_round = self.accumulated >= _FULL
         for name, theta in params.items():
             g = deltas[name].to(torch.float32)
             total = self.sums.get(name)
             if total is None:
                 total = self.sums[name] = torch.zeros_like(theta, dtype=torch.float32)
                 self.buffers[name] = torch.zeros_like(theta, dtype=torch.float32)
-            total.add_(g)
-            if not update_momentum:
-                theta.sub_(g, alpha=self.lr / self.buffer)
+            total.add_(g, alpha=s)
+            if not full_round:
+                theta.sub_(g, alpha=self.lr * s)
                 continue
             b = self.buffers[name]
-            b.mul_(self.momentum).add_(total, alpha=1.0 / self.buffer)
-            theta.sub_(b.mul(self.momentum).add_(g, alpha=1.0 / self.buffer), alpha=self.lr)
+            b.mul_(self.momentum).add_(total)
+            theta.sub_(b.mul(self.momentum).add_(g, alpha=s), alpha=self.lr)
             total.zero_()
+        if full_round:
+            self.accumulated = 0.0

@@ -18,10 +18,11 @@ class Nesterov:
         self.buffers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor]) -> None:
-        """Update `params` (fp32, in place) with the merged outer gradients `deltas`."""
+    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0) -> None:
+        """Update `params` (fp32, in place) with the merged outer gradients `deltas`, scaled by the
+        share of a full round they stand for (1 unless the syncer heard from only some learners)."""
         for name, theta in params.items():
-            delta = deltas[name].to(torch.float32)
+            delta = deltas[name].to(torch.float32) * share
             buf = self.buffers.get(name)
             if buf is None:
                 buf = self.buffers[name] = torch.zeros_like(theta, dtype=torch.float32)

@@ -188,7 +188,8 @@ class Simulation:
         params = {n: p for n, p in base.named_parameters() if p.requires_grad}
         self.syncer = SyncerCore(params, self.fragments, range(len(self.learners)), optimizer=optimizer,
                                  merge_rule=spec.merge_rule, embeddings=embeddings, quorum=spec.quorum,
-                                 grace=spec.grace, grace_cap_steps=spec.grace_cap_steps, tau=spec.tau)
+                                 grace=spec.grace, grace_cap_steps=spec.grace_cap_steps, tau=spec.tau,
+                                 participation=spec.participation)
 
     def _learner_core(self, learner: SimLearner, versions: list[int] | None, step: int) -> LearnerCore:
         spec = self.spec

@@ -1,6 +1,7 @@
 """Asynchronous Local-SGD (arXiv 2401.09135), the naive baseline: each learner pushes its whole-model
 outer gradient every H of its own steps, and the syncer applies every arrival at once through
-Nesterov. A learner waits only for its own answer, never for another learner.
+Nesterov, as its share of the learners (1/M of it when all push alike: the outer learning rate of an
+average). A learner waits only for its own answer, never for another learner.
 
 Applying arrivals one by one compounds the momentum: expect it to lose quality against `async-dn`.
 """
@@ -12,4 +13,4 @@ from diloco.strategies.spec import StrategySpec
 def build(config: Config) -> StrategySpec:
     o = config.outer
     return StrategySpec(name="async", exchange="outer", H=o.H, outer_lr=o.lr, outer_momentum=o.momentum,
-                        merge_rule="mean", quorum=1, grace=0.0, wait_for_updates=True, shared_budget=True)
+                        merge_rule="mean", quorum=1, grace=0.0, participation=True, wait_for_updates=True, shared_budget=True)

@@ -28,6 +28,8 @@ class StrategySpec:
     """Minimum pushes in a round; None means every learner alive (synchronous)."""
     grace: float = 0.0
     grace_cap_steps: float = 0.0
+    participation: bool = False
+    """Scale a round's merged update by the share of the learners it heard from (see SyncerCore)."""
     wait_for_updates: bool = True
     """Whether a learner stops at step t + τ until its answer is in."""
     shared_budget: bool = False
