@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench bench-heterogeneous clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/strategies.py
+
+bench-heterogeneous: $(STAMP)
+	$(BIN)/python benchmarks/heterogeneous.py
 
 clean:
 	rm -rf $(VENV) runs

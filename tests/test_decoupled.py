@@ -286,3 +286,16 @@ def test_a_round_speaks_for_the_share_of_learners_it_heard_from():
     heavy.on_push(push(1, 1, [0.0, 0.0], tokens=300, steps=3), now=0.0)  # weight 30000
     heavy.on_push(push(0, 1, [4.0, 0.0], tokens=100, steps=1, base=1), now=1.0)  # weight 10000
     torch.testing.assert_close(heavy.theta["w"], torch.tensor([-1.0, 0.0]))  # 10000 / 40000 of 4
+
+
+def test_data_parallel_stalls_through_crashes_and_its_replicas_stay_identical():
+    healthy = Simulation(tiny_config("strategy=ddp")).run()
+    sim = Simulation(tiny_config("strategy=ddp", "failures.mtbf_s=4", "failures.recovery_s=1"))
+    result = sim.run()
+    assert sum(r.crashes for r in result.per_learner) > 0
+    assert result.virtual_wall_clock_s > healthy.virtual_wall_clock_s
+    assert len({r.steps for r in result.per_learner}) == 1
+    reference = dict(sim.learners[0].replica.model.named_parameters())
+    for learner in sim.learners[1:]:
+        for name, p in learner.replica.model.named_parameters():
+            assert torch.equal(p, reference[name]), name

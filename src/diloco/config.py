@@ -58,7 +58,7 @@ class OuterConfig:
     fragments: int = 4
     tau: int = 2
     """Inner steps a learner keeps training between sending a fragment and merging the answer."""
-    alpha: float = 0.5
+    alpha: float = 0.0
     """Mixing: θ ← α·θ + (1 − α)·Θ̃ when merging; 0 overwrites."""
     lr: float = 0.7
     momentum: float = 0.9
@@ -139,7 +139,7 @@ class DataConfig:
 @dataclass
 class Config:
     seed: int = 0
-    strategy: Strategy = "streaming"
+    strategy: Strategy = "decoupled"
     train: TrainConfig = field(default_factory=TrainConfig)
     learners: LearnersConfig = field(default_factory=LearnersConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)

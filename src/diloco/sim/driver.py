@@ -387,10 +387,13 @@ class Simulation:
             return
         r = learner.replica
         if state is None:
-            peer = next(lr for lr in self.learners if lr.alive)
-            r.model.load_state_dict(peer.replica.model.state_dict())
-            r.optimizer.load_state_dict(copy.deepcopy(peer.replica.optimizer.state_dict()))
-            r.steps = peer.replica.steps
+            # The job's state is that of the replica furthest along (a live one if any): all took the
+            # same steps, so it is what a checkpoint taken at its last step would hold.
+            peer = max(self.learners, key=lambda lr: (lr.replica.steps, lr.alive))
+            if peer is not learner:
+                r.model.load_state_dict(peer.replica.model.state_dict())
+                r.optimizer.load_state_dict(copy.deepcopy(peer.replica.optimizer.state_dict()))
+                r.steps = peer.replica.steps
             r.model.zero_grad(set_to_none=True)
         else:
             theta, versions = state
@@ -446,6 +449,8 @@ class Simulation:
         self._gradients_in.clear()
         self.last_event_s = max(self.last_event_s, self.now)
         for learner in self.learners:
+            if not learner.alive:
+                continue  # it crashed after handing in its gradients; it takes a peer's state when back
             learner.resume(self.now)
             learner.replica.apply_gradients()
             if learner.replica.steps < learner.planned_steps:
