@@ -57,7 +57,7 @@ def test_outer_step_with_eta_one_lands_on_the_learner_mean():
         for push in core.on_step(5):
             publishes += hub.on_push(push, 0.0)
     (publish,) = publishes
-    assert publish.recipients == (0, 1) and publish.update.version == 1
+    assert publish.recipients == (0, 1) and publish.version == 1
     torch.testing.assert_close(hub.theta["b"], torch.full((2, 2), 2.0))
     torch.testing.assert_close(hub.theta["a"], torch.zeros(3))  # fragment 0 not synced yet
 
@@ -77,9 +77,9 @@ def test_synchronous_learner_waits_and_anchor_is_what_was_sent_bit_for_bit():
             assert core.poll().waiting_for == tuple(due)
         sent = {}
         for publish in publishes:
-            sent[publish.update.fragment] = {n: v.clone() for n, v in publish.update.values.items()}
+            sent[publish.fragment] = {n: v.clone() for n, v in publish.updates[0].values.items()}
             for m in publish.recipients:
-                assert cores[m].on_update(publish.update_for(m))
+                assert cores[m].on_update(publish.updates[m])
         for core in cores:
             assert core.poll().waiting_for == ()
             for p, values in sent.items():
@@ -100,7 +100,7 @@ def test_overlap_merges_tau_steps_after_sending_with_alpha():
     core.on_step(1)
     (push,) = core.on_step(1)  # fragment 1 due at step 2
     (publish,) = hub.on_push(push, 0.0)
-    assert core.on_update(publish.update_for(0))
+    assert core.on_update(publish.updates[0])
     assert core.poll().waiting_for == ()
     assert core.anchor_versions[1] == 0  # received, but not merged before step 2 + τ
     train(params, 1.0)
@@ -111,8 +111,8 @@ def test_overlap_merges_tau_steps_after_sending_with_alpha():
     core.on_step(1)
     core.poll()
     assert core.anchor_versions[1] == 1
-    torch.testing.assert_close(params["b"], 0.5 * before + 0.5 * publish.update.values["b"])
-    assert torch.equal(core.anchors[1]["b"], publish.update.values["b"])
+    torch.testing.assert_close(params["b"], 0.5 * before + 0.5 * publish.updates[0].values["b"])
+    assert torch.equal(core.anchors[1]["b"], publish.updates[0].values["b"])
 
 
 def test_late_answer_blocks_a_synchronous_learner_but_not_a_decoupled_one():
@@ -152,7 +152,7 @@ def test_a_fragment_due_again_while_in_flight_is_pushed_once_its_answer_is_merge
     assert core.on_step(1) == []  # step 4: fragment 0 too
     assert core.overdue == {0, 1}
     for publish in hub.on_push(first, 0.0):
-        assert core.on_update(publish.update_for(0))
+        assert core.on_update(publish.updates[0])
     poll = core.poll()
     assert [p.fragment for p in poll.pushes] == [0]
     assert core.overdue == {1}
@@ -187,8 +187,8 @@ def test_an_answer_to_an_older_push_is_dropped():
     core.on_step(1)
     (push,) = core.on_step(1)
     (publish,) = hub.on_push(push, 0.0)
-    stale = dataclasses.replace(publish.update, ack_seq=push.seq - 1)
+    stale = dataclasses.replace(publish.updates[0], ack_seq=push.seq - 1)
     assert not core.on_update(stale)
     assert core.stale_updates == 1 and core.in_flight[1].update is None
-    assert core.on_update(publish.update_for(0))
-    assert not core.on_update(publish.update_for(0))  # a second copy
+    assert core.on_update(publish.updates[0])
+    assert not core.on_update(publish.updates[0])  # a second copy

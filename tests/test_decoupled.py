@@ -32,7 +32,7 @@ def test_a_round_waits_for_the_quorum():
     syncer = hub(quorum=2, grace=0.0)
     assert syncer.on_push(push(0, 1, [1.0, 0.0]), now=0.0) == []
     (publish,) = syncer.on_push(push(1, 1, [0.0, 1.0]), now=0.5)
-    assert publish.recipients == (0, 1) and publish.update.version == 1
+    assert publish.recipients == (0, 1) and publish.version == 1
     torch.testing.assert_close(syncer.theta["w"], torch.tensor([-0.5, -0.5]))
 
 
@@ -82,7 +82,7 @@ def test_late_push_is_merged_next_round_and_counted_once():
     syncer = hub(quorum=1, grace=0.0)
     syncer.on_push(push(0, 1, [1.0, 0.0], tokens=50), now=0.0)  # closes version 1 alone
     (publish,) = syncer.on_push(push(1, 1, [0.0, 1.0], base=0, tokens=70), now=1.0)  # based on version 0
-    assert publish.update.version == 2 and publish.recipients == (1,)
+    assert publish.version == 2 and publish.recipients == (1,)
     assert syncer.rounds[-1].late == 1
     assert syncer.ledger[0].merged[0] == 50 and syncer.ledger[0].late[0] == 0
     assert syncer.ledger[1].late[0] == 70 and syncer.ledger[1].merged[0] == 0

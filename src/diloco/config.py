@@ -106,6 +106,21 @@ class FailuresConfig:
     """Link outages, e.g. [{learner = 1, at_s = 30, duration_s = 20}]: nothing crosses that link meanwhile."""
 
 
+CodecName = Literal["fp32", "bf16", "int8", "int4", "fp4"]
+
+
+@dataclass
+class CodecConfig:
+    up: CodecName = "fp32"
+    """How outer gradients travel to the syncer."""
+    down: CodecName = "fp32"
+    """How new global values travel back (as the difference to what the learner holds)."""
+    block: int = 64
+    """Elements per scale of int8, int4 and fp4."""
+    error_feedback: bool = False
+    """Learners add what the uplink codec lost last time to their next push of the same tensor."""
+
+
 @dataclass
 class LinkConfig:
     bandwidth_mbit: float = 100.0
@@ -147,6 +162,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     failures: FailuresConfig = field(default_factory=FailuresConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
 
     def speeds(self) -> list[float]:
         return list(self.learners.speeds) or [1.0] * self.learners.count
@@ -327,6 +343,7 @@ def validate(config: Config) -> None:
     _require(0 <= m.dropout < 1, "model.dropout", "must be in [0, 1)", m.dropout)
     _require(m.factory == "" or ":" in m.factory, "model.factory", "must look like 'package.module:callable'",
              m.factory)
+    _require(config.codec.block > 0, "codec.block", "must be positive", config.codec.block)
     _require(0 < d.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)", d.eval_fraction)
     _require(d.vocab_size >= 0, "data.vocab_size", "must be zero or positive", d.vocab_size)
     tokens_per_round = lc.count * t.batch_size * t.seq_len

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.codecs import Codec, ErrorFeedback, get_codec
 from diloco.core.messages import Push, Update
 from diloco.fragments import Fragment, Schedule
 
@@ -47,7 +48,8 @@ class Poll:
 class LearnerCore:
     def __init__(self, learner: int, params: dict[str, torch.Tensor], fragments: list[Fragment],
                  schedule: Schedule, *, tau: int, alpha: float, wait_for_updates: bool,
-                 versions: list[int] | None = None, step: int = 0, first_seq: int = 0) -> None:
+                 versions: list[int] | None = None, step: int = 0, first_seq: int = 0,
+                 codec: Codec | None = None, error_feedback: bool = False) -> None:
         """`params` are the live model tensors; they are the anchors too, at `versions` (a fresh start
         or a rejoin from the syncer's current Θ). `step` resumes the fragment schedule."""
         self.learner = learner
@@ -55,6 +57,8 @@ class LearnerCore:
         self.fragments = fragments
         self.schedule = schedule
         self.tau, self.alpha, self.wait_for_updates = tau, alpha, wait_for_updates
+        self.codec = codec or get_codec("fp32")
+        self.feedback = ErrorFeedback(self.codec) if error_feedback else None
         self.step = step
         self.seq = first_seq
         self.anchors = [{n: params[n].detach().to(torch.float32).clone() for n in f.names} for f in fragments]
@@ -146,10 +150,23 @@ class LearnerCore:
         anchor = self.anchors[p]
         return {n: anchor[n] - self.params[n].detach().to(torch.float32) for n in self.fragments[p].names}
 
+    def _encode(self, deltas: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        """Encode for the uplink; return what the syncer will decode, and the bytes it takes."""
+        decoded, nbytes = {}, 0
+        for name, delta in deltas.items():
+            if self.feedback:
+                encoded, decoded[name] = self.feedback.roundtrip(name, delta)
+            else:
+                encoded = self.codec.encode(delta)
+                decoded[name] = self.codec.decode(encoded, device=delta.device)
+            nbytes += encoded.wire_bytes()
+        return decoded, nbytes
+
     def _make_push(self, p: int, base_version: int, deltas: dict[str, torch.Tensor]) -> Push:
         self.seq += 1
-        push = Push(self.learner, p, base_version, self.seq, deltas, self.tokens_since[p], self.steps_since[p],
-                    step_time_s=self.step_time_s, sent_at=self.now)
+        decoded, nbytes = self._encode(deltas)
+        push = Push(self.learner, p, base_version, self.seq, decoded, self.tokens_since[p], self.steps_since[p],
+                    step_time_s=self.step_time_s, sent_at=self.now, payload_bytes=nbytes)
         self.tokens_since[p] = self.steps_since[p] = 0
         return push
 

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.codecs import TENSOR_HEADER_BYTES
+
 MESSAGE_HEADER_BYTES = 64
 """Ids, version, sequence number, counters and codec of one message."""
-TENSOR_HEADER_BYTES = 16
-"""Name id, dtype and shape of one tensor in a message."""
 
 
 def tensors_wire_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    """Bytes one message carrying `tensors` puts on the wire, headers included."""
+    """Bytes one message carrying `tensors` uncompressed puts on the wire, headers included."""
     payload = sum(t.numel() * t.element_size() + TENSOR_HEADER_BYTES for t in tensors.values())
     return MESSAGE_HEADER_BYTES + payload
 
@@ -28,6 +28,7 @@ class Push:
     seq: int
     """Per-learner sequence number: lets the syncer count a retried push once."""
     deltas: dict[str, torch.Tensor]
+    """The outer gradients as the syncer decodes them."""
     tokens: int
     """Tokens the learner trained on since its previous push of this fragment."""
     steps: int
@@ -35,9 +36,11 @@ class Push:
     """The learner's recent inner-step time, as it measured it: the syncer sizes grace windows with it."""
     sent_at: float | None = None
     """When the learner sent it, by its clock: the syncer estimates transfer times with it."""
+    payload_bytes: int = 0
+    """Bytes of the encoded tensors, their headers included."""
 
     def wire_bytes(self) -> int:
-        return tensors_wire_bytes(self.deltas)
+        return MESSAGE_HEADER_BYTES + self.payload_bytes
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,11 @@ class Update:
     fragment: int
     version: int
     values: dict[str, torch.Tensor]
+    """What the recipient holds once it applies this update: its new anchor, bit for bit."""
     ack_seq: int = 0
     """The recipient's newest push that this version includes: an answer to an older push is stale."""
+    payload_bytes: int = 0
+    """Bytes of the encoded tensors (the difference to what the recipient held), headers included."""
 
     def wire_bytes(self) -> int:
-        return tensors_wire_bytes(self.values)
+        return MESSAGE_HEADER_BYTES + self.payload_bytes

@@ -29,11 +29,12 @@ Several pushes from one learner in one round add up to one contribution.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 import torch
 
+from diloco.codecs import Codec, get_codec
 from diloco.core.messages import Push, Update
 from diloco.fragments import Fragment
 from diloco.outer.merge import MergeRule, merge_fragment
@@ -52,13 +53,15 @@ class OuterOptimizer(Protocol):
 
 @dataclass(frozen=True)
 class Publish:
-    update: Update
-    recipients: tuple[int, ...]
-    acks: dict[int, int] = field(default_factory=dict)
-    """Per recipient, the sequence number of its newest push merged in this version."""
+    """A new version of a fragment, as each participant of its round is to receive it."""
 
-    def update_for(self, learner: int) -> Update:
-        return replace(self.update, ack_seq=self.acks.get(learner, 0))
+    fragment: int
+    version: int
+    updates: dict[int, Update]
+
+    @property
+    def recipients(self) -> tuple[int, ...]:
+        return tuple(self.updates)
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,7 @@ class SyncerCore:
     def __init__(self, params: dict[str, torch.Tensor], fragments: list[Fragment], members: Iterable[int], *,
                  optimizer: Callable[[], OuterOptimizer], merge_rule: MergeRule, embeddings: Iterable[str] = (),
                  quorum: int | None = None, grace: float = 0.0, grace_cap_steps: float = 2.0,
-                 tau: int = 0, participation: bool = False) -> None:
+                 tau: int = 0, participation: bool = False, down_codec: Codec | None = None) -> None:
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
         self.fragments = [FragmentState(f, optimizer()) for f in fragments]
         self.alive = set(members)
@@ -149,6 +152,12 @@ class SyncerCore:
         self.participation = participation
         self.last_weight: dict[int, float] = {}
         self.ledger = {m: LedgerEntry() for m in self.alive}
+        self.down_codec = down_codec or get_codec("fp32")
+        self.held: dict[int, dict[str, torch.Tensor]] = {m: self._copy_theta() for m in self.alive}
+        """Per learner, the values it holds as anchors, bit for bit: the downlink sends differences to them."""
+        self.held_versions: dict[int, list[int]] = {m: [0] * len(fragments) for m in self.alive}
+        self.session_start: dict[int, int] = {m: 0 for m in self.alive}
+        """Per learner, the last sequence number of its previous life: answers to those pushes are not sent."""
         self.step_time: dict[int, float] = {}
         self.one_way_s: float | None = None
         self.merge_s = 0.0
@@ -161,18 +170,26 @@ class SyncerCore:
     def version(self, p: int) -> int:
         return self.fragments[p].version
 
-    def snapshot(self, p: int) -> dict[str, torch.Tensor]:
-        return {n: self.theta[n].clone() for n in self.fragments[p].fragment.names}
+    def _copy_theta(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.theta.items()}
 
-    def full_state(self) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """Θ and every fragment's version: what a (re)joining learner starts from."""
-        return {n: t.clone() for n, t in self.theta.items()}, [s.version for s in self.fragments]
+    def rejoin_state(self, learner: int, after_seq: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Θ and every fragment's version, sent whole (fp32) to a learner that (re)starts; its pushes
+        from now on are numbered above `after_seq`. From here on the syncer counts it as holding these."""
+        versions = [s.version for s in self.fragments]
+        self.held[learner] = self._copy_theta()
+        self.held_versions[learner] = list(versions)
+        self.session_start[learner] = after_seq
+        self.ledger.setdefault(learner, LedgerEntry())
+        return self._copy_theta(), versions
 
     # ------------------------------------------------------------ membership
 
     def join(self, learner: int, now: float) -> None:
+        """A learner counts for rounds again; it took its state from `rejoin_state` first."""
+        if learner not in self.held:
+            raise ProtocolError(f"learner {learner} joins without having taken the current state")
         self.alive.add(learner)
-        self.ledger.setdefault(learner, LedgerEntry())
 
     def leave(self, learner: int, now: float) -> list[Action]:
         """A learner left or was found dead: rounds stop counting on it (its pushes already in stay)."""
@@ -309,5 +326,22 @@ class SyncerCore:
                                        tuple(c.learner for c in contributions), late, state.grace_s))
         state.version += 1
         state.pending, state.first_arrival, state.deadline, state.grace_s = {}, None, None, 0.0
-        update = Update(state.fragment.index, state.version, self.snapshot(state.fragment.index))
-        return Publish(update, tuple(c.learner for c in contributions), {c.learner: c.last_seq for c in contributions})
+        updates = {c.learner: self._answer(c.learner, state, c.last_seq) for c in contributions
+                   if c.last_seq > self.session_start.get(c.learner, 0)}
+        return Publish(state.fragment.index, state.version, updates)
+
+    def _answer(self, learner: int, state: FragmentState, ack_seq: int) -> Update:
+        """The new version for one learner: the encoded difference to what it holds. What it will hold
+        next is computed here, once, and recorded, so both ends agree bit for bit."""
+        held = self.held[learner]
+        values, nbytes = {}, 0
+        for name in state.fragment.names:
+            encoded = self.down_codec.encode(self.theta[name] - held[name])
+            nbytes += encoded.wire_bytes()
+            if self.down_codec.name == "fp32":  # lossless: hold Θ itself, free of rounding
+                held[name] = self.theta[name].clone()
+            else:
+                held[name] = held[name] + self.down_codec.decode(encoded, device=held[name].device)
+            values[name] = held[name]
+        self.held_versions[learner][state.fragment.index] = state.version
+        return Update(state.fragment.index, state.version, values, ack_seq=ack_seq, payload_bytes=nbytes)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from diloco.codecs import get_codec
 from diloco.config import Config
 from diloco.core.learner import LearnerCore
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, Update, tensors_wire_bytes
@@ -189,14 +190,17 @@ class Simulation:
         self.syncer = SyncerCore(params, self.fragments, range(len(self.learners)), optimizer=optimizer,
                                  merge_rule=spec.merge_rule, embeddings=embeddings, quorum=spec.quorum,
                                  grace=spec.grace, grace_cap_steps=spec.grace_cap_steps, tau=spec.tau,
-                                 participation=spec.participation)
+                                 participation=spec.participation,
+                                 down_codec=get_codec(self.config.codec.down, self.config.codec.block))
 
     def _learner_core(self, learner: SimLearner, versions: list[int] | None, step: int) -> LearnerCore:
         spec = self.spec
         schedule = Schedule(spec.period(learner.index), len(self.fragments))
+        codec = self.config.codec
         return LearnerCore(learner.index, learner.replica.named_params(), self.fragments, schedule, tau=spec.tau,
                            alpha=spec.alpha, wait_for_updates=spec.wait_for_updates, versions=versions, step=step,
-                           first_seq=learner.last_seq)
+                           first_seq=learner.last_seq, codec=get_codec(codec.up, codec.block),
+                           error_feedback=codec.error_feedback)
 
     # ------------------------------------------------------------ the event loop
 
@@ -313,12 +317,12 @@ class Simulation:
                 self.queue.schedule(action.at, ("timer", None))
             elif isinstance(action, Publish):
                 self.last_event_s = max(self.last_event_s, self.now)
-                for m in action.recipients:
+                for m, update in action.updates.items():
                     learner = self.learners[m]
                     if learner.finished or not learner.alive:
                         continue
-                    arrival = learner.link.down.send(self.now, action.update.wire_bytes())
-                    self.queue.schedule(arrival, ("update", (m, learner.incarnation, action.update_for(m))))
+                    arrival = learner.link.down.send(self.now, update.wire_bytes())
+                    self.queue.schedule(arrival, ("update", (m, learner.incarnation, update)))
         return bool(actions)
 
     def _on_update(self, payload: tuple[int, int, Update]) -> None:
@@ -374,7 +378,7 @@ class Simulation:
             nbytes = self.parameters * 4
             state = None
         else:
-            theta, versions = self.syncer.full_state()
+            theta, versions = self.syncer.rejoin_state(m, after_seq=learner.last_seq)
             nbytes = tensors_wire_bytes(theta)
             state = (theta, versions)
         arrival = learner.link.down.send(self.now, nbytes)
