@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench bench-heterogeneous clean
+.PHONY: setup run test bench bench-heterogeneous bench-compression clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,9 @@ bench: $(STAMP)
 
 bench-heterogeneous: $(STAMP)
 	$(BIN)/python benchmarks/heterogeneous.py
+
+bench-compression: $(STAMP)
+	$(BIN)/python benchmarks/compression.py
 
 clean:
 	rm -rf $(VENV) runs
