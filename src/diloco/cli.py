@@ -40,6 +40,8 @@ def results_table(result) -> Table:
         ("wire bytes down", _human_bytes(result.wire_bytes_down)),
         ("peak bytes per sync", _human_bytes(result.peak_sync_bytes)),
         ("rounds", str(result.rounds)),
+        ("tokens merged / late / lost", f"{result.tokens_merged:,.0f} / {result.tokens_late:,.0f} / "
+                                        f"{result.tokens_lost:,.0f}"),
         ("parameters", f"{result.parameters:,}"),
     ]
     for name, value in rows:
@@ -49,11 +51,11 @@ def results_table(result) -> Table:
 
 def learners_table(result) -> Table:
     table = Table(title="per learner")
-    for col in ("learner", "speed", "tokens", "steps", "busy fraction", "bytes up", "bytes down"):
+    for col in ("learner", "speed", "tokens", "steps", "busy fraction", "crashes", "bytes up", "bytes down"):
         table.add_column(col, justify="right")
     for r in result.per_learner:
         table.add_row(str(r.learner), f"{r.speed:g}", f"{r.tokens:,}", str(r.steps), f"{r.busy_fraction:.3f}",
-                      _human_bytes(r.bytes_up), _human_bytes(r.bytes_down))
+                      str(r.crashes), _human_bytes(r.bytes_up), _human_bytes(r.bytes_down))
     return table
 
 
