@@ -125,7 +125,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "heterogeneous.json").write_text(json.dumps(
-        {"tokens": args.tokens, "overrides": common, "recovery_s": args.recovery, "sections": sections}, indent=2) + "\n")
+        {"tokens": args.tokens, "overrides": common, "recovery_s": args.recovery, "sections": sections},
+        indent=2) + "\n")
     (out / "heterogeneous.md").write_text("".join(markdown(t, rows) + "\n" for t, rows in sections.items()))
     plot(sections, out / "heterogeneous.png")
     console.print(f"wrote {out}/heterogeneous.json, .md and .png")

@@ -67,7 +67,8 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
     if args.quiet:
         result = simulate(config)
     else:
-        columns = [TextColumn(f"[bold]{config.strategy}[/]"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} tokens"),
+        columns = [TextColumn(f"[bold]{config.strategy}[/]"), BarColumn(),
+                   TextColumn("{task.completed:,}/{task.total:,} tokens"),
                    TimeElapsedColumn()]
         with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task("train", total=config.train.tokens)

@@ -7,4 +7,5 @@ from diloco.core.learner import LearnerCore, Poll
 from diloco.core.messages import Push, Update, tensors_wire_bytes
 from diloco.core.syncer import Publish, ProtocolError, SyncerCore, Timer
 
-__all__ = ["LearnerCore", "Poll", "Push", "Update", "SyncerCore", "ProtocolError", "Publish", "Timer", "tensors_wire_bytes"]
+__all__ = ["LearnerCore", "Poll", "Push", "Update", "SyncerCore", "ProtocolError", "Publish", "Timer",
+           "tensors_wire_bytes"]

@@ -215,7 +215,8 @@ class Simulation:
             self._start_step(learner)
         handlers = {"step_end": self._on_step_end, "push": self._on_push, "update": self._on_update,
                     "timer": self._on_timer, "allreduce_done": self._on_allreduce_done, "crash": self._on_crash,
-                    "detect": self._on_detect, "leave": self._on_leave, "recover": self._on_recover, "rejoin": self._on_rejoin}
+                    "detect": self._on_detect, "leave": self._on_leave, "recover": self._on_recover,
+                    "rejoin": self._on_rejoin}
         while True:
             while self.queue:
                 kind, payload = self.queue.pop()

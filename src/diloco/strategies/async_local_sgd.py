@@ -13,4 +13,5 @@ from diloco.strategies.spec import StrategySpec
 def build(config: Config) -> StrategySpec:
     o = config.outer
     return StrategySpec(name="async", exchange="outer", H=o.H, outer_lr=o.lr, outer_momentum=o.momentum,
-                        merge_rule="mean", quorum=1, grace=0.0, participation=True, wait_for_updates=True, shared_budget=True)
+                        merge_rule="mean", quorum=1, grace=0.0, participation=True, wait_for_updates=True,
+                        shared_budget=True)
