@@ -266,9 +266,18 @@ def test_a_link_outage_holds_messages_until_it_ends():
 
 
 def test_decoupled_runs_through_an_outage():
+    def heard_from_learner_0_between(sim, start, end):
+        return any(0 in r.participants for r in sim.syncer.rounds if start <= r.closed_at <= end)
+
+    healthy = Simulation(tiny_config("strategy=decoupled", *HETERO))
+    healthy.run()
+    assert heard_from_learner_0_between(healthy, 2.0, 5.0)
     outage = "failures.outages=[{learner = 0, at_s = 1.0, duration_s = 4.0}]"
-    result = Simulation(tiny_config("strategy=decoupled", *HETERO, outage)).run()
-    assert result.per_learner[0].waiting_s == 0.0
+    sim = Simulation(tiny_config("strategy=decoupled", *HETERO, outage))
+    result = sim.run()
+    assert not heard_from_learner_0_between(sim, 2.0, 5.0)  # its pushes wait for the link
+    assert heard_from_learner_0_between(sim, 5.0, 5.5)  # and land once it is back
+    assert result.per_learner[0].waiting_s == 0.0  # while it trains on
     assert result.goodput > 0.97
 
 
