@@ -17,7 +17,6 @@ from typing import Any, Literal, get_args, get_origin
 from diloco.errors import ConfigError
 
 Strategy = Literal["ddp", "diloco", "streaming", "async", "async-dn", "decoupled"]
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
 @dataclass

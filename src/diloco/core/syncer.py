@@ -10,7 +10,8 @@ When a round closes:
 - otherwise it waits a grace window, grace = clamp(γ·ξ_slack, 0, cap·ξ_step), with
   ξ_slack = τ·ξ_step − (ξ_quorum + ξ_sync): ξ_step is the fastest participant's step time (reported
   in its pushes), ξ_quorum the time since the round's first arrival, ξ_sync the measured one-way trip
-  of a push (the answer takes about as long back) plus the measured merge time. The answer then still
+  of a push (the answer takes about as long back; a merge takes no time in the simulator, and the real
+  driver will add its measured merge time). The answer then still
   reaches the fastest learner by the time it needs it, τ steps after sending.
 
 A round speaks for the learners it heard from (`participation`): its share is the weight of its
@@ -160,7 +161,6 @@ class SyncerCore:
         """Per learner, the last sequence number of its previous life: answers to those pushes are not sent."""
         self.step_time: dict[int, float] = {}
         self.one_way_s: float | None = None
-        self.merge_s = 0.0
         self.rounds: list[RoundRecord] = []
 
     @property
@@ -231,10 +231,6 @@ class SyncerCore:
         """Close every round that holds anything, whatever the quorum: the run is over."""
         return [self._close(s, now) for s in self.fragments if s.pending]
 
-    def record_merge_time(self, seconds: float) -> None:
-        """The driver measures how long a merge and its answer took to leave; it feeds ξ_sync."""
-        self.merge_s += EMA * (seconds - self.merge_s)
-
     # ------------------------------------------------------------ rounds
 
     def needed(self) -> int:
@@ -247,7 +243,7 @@ class SyncerCore:
         if not steps or self.grace <= 0:
             return 0.0
         step = min(steps)
-        sync = (self.one_way_s or 0.0) + self.merge_s
+        sync = self.one_way_s or 0.0  # the answer takes about as long back; merging takes no time here
         waited = now - state.first_arrival if state.first_arrival is not None else 0.0
         slack = self.tau * step - (waited + sync)
         return min(max(self.grace * slack, 0.0), self.grace_cap_steps * step)
