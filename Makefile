@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench bench-heterogeneous bench-compression clean
+.PHONY: setup run test bench bench-heterogeneous bench-compression bench-runtime proto clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,14 @@ bench-heterogeneous: $(STAMP)
 
 bench-compression: $(STAMP)
 	$(BIN)/python benchmarks/compression.py
+
+bench-runtime: $(STAMP)
+	$(BIN)/python benchmarks/runtime.py
+
+# Regenerate the committed protocol modules after editing src/diloco/v1/diloco.proto.
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I src --python_out=src --pyi_out=src --grpc_python_out=src \
+		src/diloco/v1/diloco.proto
 
 clean:
 	rm -rf $(VENV) runs

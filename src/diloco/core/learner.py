@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.codecs import Codec, ErrorFeedback, get_codec
+from diloco.codecs import Codec, Encoded, ErrorFeedback, get_codec
 from diloco.core.messages import Push, Update
 from diloco.fragments import Fragment, Schedule
 
@@ -49,9 +49,13 @@ class LearnerCore:
     def __init__(self, learner: int, params: dict[str, torch.Tensor], fragments: list[Fragment],
                  schedule: Schedule, *, tau: int, alpha: float, wait_for_updates: bool,
                  versions: list[int] | None = None, step: int = 0, first_seq: int = 0,
-                 codec: Codec | None = None, error_feedback: bool = False) -> None:
+                 codec: Codec | None = None, error_feedback: bool = False, encode_later: bool = False) -> None:
         """`params` are the live model tensors; they are the anchors too, at `versions` (a fresh start
-        or a rejoin from the syncer's current Θ). `step` resumes the fragment schedule."""
+        or a rejoin from the syncer's current Θ). `step` resumes the fragment schedule.
+
+        With `encode_later`, pushes carry the raw outer gradients and the driver encodes them with
+        `encode` off the training thread (the real driver); otherwise they carry what the syncer will
+        decode (the simulator)."""
         self.learner = learner
         self.params = params
         self.fragments = fragments
@@ -59,6 +63,7 @@ class LearnerCore:
         self.tau, self.alpha, self.wait_for_updates = tau, alpha, wait_for_updates
         self.codec = codec or get_codec("fp32")
         self.feedback = ErrorFeedback(self.codec) if error_feedback else None
+        self.encode_later = encode_later
         self.step = step
         self.seq = first_seq
         self.anchors = [{n: params[n].detach().to(torch.float32).clone() for n in f.names} for f in fragments]
@@ -150,17 +155,21 @@ class LearnerCore:
         anchor = self.anchors[p]
         return {n: anchor[n] - self.params[n].detach().to(torch.float32) for n in self.fragments[p].names}
 
+    def encode(self, deltas: dict[str, torch.Tensor]) -> dict[str, Encoded]:
+        """The uplink's encoding of one push, with error feedback when it is on. Calls must come in
+        push order (the residuals carry over), from one thread at a time."""
+        if self.feedback:
+            return {name: self.feedback.encode(name, delta) for name, delta in deltas.items()}
+        return {name: self.codec.encode(delta) for name, delta in deltas.items()}
+
     def _encode(self, deltas: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
-        """Encode for the uplink; return what the syncer will decode, and the bytes it takes."""
-        decoded, nbytes = {}, 0
-        for name, delta in deltas.items():
-            if self.feedback:
-                encoded, decoded[name] = self.feedback.roundtrip(name, delta)
-            else:
-                encoded = self.codec.encode(delta)
-                decoded[name] = self.codec.decode(encoded, device=delta.device)
-            nbytes += encoded.wire_bytes()
-        return decoded, nbytes
+        """What the syncer will decode, and the bytes it takes; or, encoding later, the raw deltas and
+        the bytes they will take."""
+        if self.encode_later:
+            return deltas, sum(self.codec.wire_bytes(d.numel()) for d in deltas.values())
+        encoded = self.encode(deltas)
+        decoded = {name: self.codec.decode(e, device=deltas[name].device) for name, e in encoded.items()}
+        return decoded, sum(e.wire_bytes() for e in encoded.values())
 
     def _make_push(self, p: int, base_version: int, deltas: dict[str, torch.Tensor]) -> Push:
         self.seq += 1

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from diloco.codecs import TENSOR_HEADER_BYTES
+from diloco.codecs import TENSOR_HEADER_BYTES, Encoded
 
 MESSAGE_HEADER_BYTES = 64
 """Ids, version, sequence number, counters and codec of one message."""
@@ -55,6 +55,9 @@ class Update:
     """The recipient's newest push that this version includes: an answer to an older push is stale."""
     payload_bytes: int = 0
     """Bytes of the encoded tensors (the difference to what the recipient held), headers included."""
+    wire: dict[str, Encoded] = field(default_factory=dict, repr=False)
+    """The tensors as they travel: `values` encoded, or their difference to the recipient's anchors."""
+    relative: bool = False
 
     def wire_bytes(self) -> int:
         return MESSAGE_HEADER_BYTES + self.payload_bytes

@@ -145,7 +145,8 @@ class SyncerCore:
                  quorum: int | None = None, grace: float = 0.0, grace_cap_steps: float = 2.0,
                  tau: int = 0, participation: bool = False, down_codec: Codec | None = None) -> None:
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
-        self.fragments = [FragmentState(f, optimizer()) for f in fragments]
+        self.fragments = {f.index: FragmentState(f, optimizer()) for f in fragments}
+        """By global fragment index: a shard of a sharded syncer holds some fragments only."""
         self.alive = set(members)
         self.merge_rule = merge_rule
         self.embeddings = frozenset(embeddings)
@@ -156,7 +157,7 @@ class SyncerCore:
         self.down_codec = down_codec or get_codec("fp32")
         self.held: dict[int, dict[str, torch.Tensor]] = {m: self._copy_theta() for m in self.alive}
         """Per learner, the values it holds as anchors, bit for bit: the downlink sends differences to them."""
-        self.held_versions: dict[int, list[int]] = {m: [0] * len(fragments) for m in self.alive}
+        self.held_versions: dict[int, dict[int, int]] = {m: dict.fromkeys(self.fragments, 0) for m in self.alive}
         self.session_start: dict[int, int] = {m: 0 for m in self.alive}
         """Per learner, the last sequence number of its previous life: answers to those pushes are not sent."""
         self.step_time: dict[int, float] = {}
@@ -173,12 +174,12 @@ class SyncerCore:
     def _copy_theta(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.theta.items()}
 
-    def rejoin_state(self, learner: int, after_seq: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+    def rejoin_state(self, learner: int, after_seq: int) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
         """Θ and every fragment's version, sent whole (fp32) to a learner that (re)starts; its pushes
         from now on are numbered above `after_seq`. From here on the syncer counts it as holding these."""
-        versions = [s.version for s in self.fragments]
+        versions = {p: s.version for p, s in self.fragments.items()}
         self.held[learner] = self._copy_theta()
-        self.held_versions[learner] = list(versions)
+        self.held_versions[learner] = dict(versions)
         self.session_start[learner] = after_seq
         self.ledger.setdefault(learner, LedgerEntry())
         return self._copy_theta(), versions
@@ -229,7 +230,7 @@ class SyncerCore:
 
     def flush(self, now: float) -> list[Action]:
         """Close every round that holds anything, whatever the quorum: the run is over."""
-        return [self._close(s, now) for s in self.fragments if s.pending]
+        return [self._close(s, now) for s in self.fragments.values() if s.pending]
 
     # ------------------------------------------------------------ rounds
 
@@ -249,7 +250,7 @@ class SyncerCore:
         return min(max(self.grace * slack, 0.0), self.grace_cap_steps * step)
 
     def _evaluate_all(self, now: float) -> list[Action]:
-        return [a for s in self.fragments for a in self._evaluate(s, now)]
+        return [a for s in self.fragments.values() for a in self._evaluate(s, now)]
 
     def _evaluate(self, state: FragmentState, now: float) -> list[Action]:
         if not state.pending:
@@ -273,8 +274,8 @@ class SyncerCore:
     def _check(self, push: Push) -> None:
         if push.learner not in self.ledger:
             raise ProtocolError(f"push from learner {push.learner}, which never joined")
-        if not 0 <= push.fragment < len(self.fragments):
-            raise ProtocolError(f"push for fragment {push.fragment}, which does not exist")
+        if push.fragment not in self.fragments:
+            raise ProtocolError(f"push for fragment {push.fragment}, which this syncer does not hold")
         state = self.fragments[push.fragment]
         if not 0 <= push.base_version <= state.version:
             raise ProtocolError(f"push of fragment {push.fragment} based on version {push.base_version}, "
@@ -330,14 +331,17 @@ class SyncerCore:
         """The new version for one learner: the encoded difference to what it holds. What it will hold
         next is computed here, once, and recorded, so both ends agree bit for bit."""
         held = self.held[learner]
-        values, nbytes = {}, 0
+        values, wire = {}, {}
+        relative = self.down_codec.name != "fp32"
         for name in state.fragment.names:
-            encoded = self.down_codec.encode(self.theta[name] - held[name])
-            nbytes += encoded.wire_bytes()
-            if self.down_codec.name == "fp32":  # lossless: hold Θ itself, free of rounding
+            if relative:
+                wire[name] = self.down_codec.encode(self.theta[name] - held[name])
+                held[name] = held[name] + self.down_codec.decode(wire[name], device=held[name].device)
+            else:  # lossless: send and hold Θ itself, free of the rounding of a difference
+                wire[name] = self.down_codec.encode(self.theta[name])
                 held[name] = self.theta[name].clone()
-            else:
-                held[name] = held[name] + self.down_codec.decode(encoded, device=held[name].device)
             values[name] = held[name]
         self.held_versions[learner][state.fragment.index] = state.version
-        return Update(state.fragment.index, state.version, values, ack_seq=ack_seq, payload_bytes=nbytes)
+        nbytes = sum(e.wire_bytes() for e in wire.values())
+        return Update(state.fragment.index, state.version, values, ack_seq=ack_seq, payload_bytes=nbytes,
+                      wire=wire, relative=relative)

@@ -24,7 +24,6 @@ from diloco.core.syncer import Action, Publish, SyncerCore, Timer
 from diloco.data import EvalBatches, ShardSampler, load_corpus
 from diloco.fragments import Fragment, Schedule, embedding_names, partition
 from diloco.models.factory import ModelFactory, build_model
-from diloco.outer import DelayedNesterov, Nesterov
 from diloco.sim.clock import EventQueue
 from diloco.sim.failures import CrashPlan, outage_windows
 from diloco.sim.link import Link
@@ -152,10 +151,8 @@ class Simulation:
         self.crash_plan = CrashPlan(config.failures, count, config.seed)
         self.queue = EventQueue()
         self.learners: list[SimLearner] = []
-        for m, speed in enumerate(speeds):
-            # With a shared budget a learner's schedule plans for its share of the tokens at its speed.
-            planned = round(self.budget * speed / sum(speeds) / tokens_per_step) if self.spec.shared_budget \
-                else equal_steps
+        plans = self.spec.planned_steps(speeds, self.budget, tokens_per_step)
+        for m, (speed, planned) in enumerate(zip(speeds, plans)):
             sampler = ShardSampler(corpus.train, learner=m, learners=count, seq_len=t.seq_len,
                                    batch_size=t.batch_size, seed=config.seed)
             link = Link(config.link.bandwidth_mbit, config.link.latency_ms, outage_windows(config.failures, m))
@@ -182,12 +179,8 @@ class Simulation:
         for learner in self.learners:
             learner.core = self._learner_core(learner, versions=None, step=0)
             learner.lost_tokens = [0] * len(self.fragments)
-        if spec.optimizer == "delayed-nesterov":
-            def optimizer(): return DelayedNesterov(spec.outer_lr, spec.outer_momentum, spec.dn_buffer)
-        else:
-            def optimizer(): return Nesterov(spec.outer_lr, spec.outer_momentum)
         params = {n: p for n, p in base.named_parameters() if p.requires_grad}
-        self.syncer = SyncerCore(params, self.fragments, range(len(self.learners)), optimizer=optimizer,
+        self.syncer = SyncerCore(params, self.fragments, range(len(self.learners)), optimizer=spec.outer_optimizer,
                                  merge_rule=spec.merge_rule, embeddings=embeddings, quorum=spec.quorum,
                                  grace=spec.grace, grace_cap_steps=spec.grace_cap_steps, tau=spec.tau,
                                  participation=spec.participation,
@@ -379,7 +372,8 @@ class Simulation:
             nbytes = self.parameters * 4
             state = None
         else:
-            theta, versions = self.syncer.rejoin_state(m, after_seq=learner.last_seq)
+            theta, by_fragment = self.syncer.rejoin_state(m, after_seq=learner.last_seq)
+            versions = [by_fragment[p] for p in range(len(self.fragments))]
             nbytes = tensors_wire_bytes(theta)
             state = (theta, versions)
         arrival = learner.link.down.send(self.now, nbytes)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from diloco.outer.delayed_nesterov import DelayedNesterov
 from diloco.outer.merge import MergeRule
+from diloco.outer.nesterov import Nesterov
 
 
 @dataclass(frozen=True)
@@ -38,3 +40,16 @@ class StrategySpec:
 
     def period(self, learner: int) -> int:
         return self.learner_H[learner] if self.learner_H else self.H
+
+    def outer_optimizer(self) -> Nesterov | DelayedNesterov:
+        """A fresh outer optimizer for one fragment."""
+        if self.optimizer == "delayed-nesterov":
+            return DelayedNesterov(self.outer_lr, self.outer_momentum, self.dn_buffer)
+        return Nesterov(self.outer_lr, self.outer_momentum)
+
+    def planned_steps(self, speeds: list[float], budget: int, tokens_per_step: int) -> list[int]:
+        """Inner steps each learner plans for (its learning-rate schedule spans them). With a shared
+        budget, a learner's share of the tokens follows its speed; otherwise all take equal shares."""
+        if not self.shared_budget:
+            return [budget // tokens_per_step // len(speeds)] * len(speeds)
+        return [max(1, round(budget * s / sum(speeds) / tokens_per_step)) for s in speeds]

@@ -1,0 +1,361 @@
+"""`diloco.Learner`: a user's training loop joins a Decoupled DiLoCo run with a few lines.
+
+    model = MyModel(); optimizer = torch.optim.AdamW(model.parameters())
+    learner = diloco.Learner(model, syncer="syncer-host:7070")   # joins, takes the current Θ
+    while not learner.should_stop:
+        loss = model(inputs, targets); loss.backward(); optimizer.step(); optimizer.zero_grad()
+        learner.step(tokens=inputs.numel())                      # never waits on the network
+    learner.close()
+
+The training thread only reports steps and applies merges between them. Everything else runs on
+background threads: encoding pushes, sending them (through the emulated link when one is given),
+receiving and decoding new versions, heartbeats. Under torchrun, rank 0 talks to the syncer and
+broadcasts each merge to the other ranks of the learner; token counts are summed over ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from diloco.codecs import Encoded, get_codec
+from diloco.core.learner import LearnerCore
+from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, Update
+from diloco.errors import DilocoError
+from diloco.fragments import Fragment, Schedule, embedding_names, partition
+from diloco.transport.client import ShardClient, SyncerUnavailable, with_retries
+from diloco.transport.frames import decode, tensor_header
+from diloco.transport.shaping import DeliveryQueue, ShapedDirection
+from diloco.v1 import diloco_pb2 as pb
+
+log = logging.getLogger("diloco.learner")
+
+HEARTBEAT_S = 1.0
+"""How often a learner reports its progress; the syncer's budget check and liveness follow it."""
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """An emulated link: per direction, a bandwidth and a one-way latency."""
+
+    bandwidth_mbit: float
+    latency_ms: float
+
+
+@dataclass
+class _Shard:
+    index: int
+    client: ShardClient
+    fragments: list[int]
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module whose parameter names both ends agree on (DDP adds a `module.` prefix)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+class Learner:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, syncer: str,
+                 learner: int | None = None, link: LinkShape | None = None, connect_timeout_s: float = 30.0,
+                 host: str = "") -> None:
+        """Join the run served at `syncer` (any shard's HOST:PORT) and load its current Θ into `model`.
+        `learner` asks for an id (a restart keeps its own); by default the syncer picks one."""
+        self.model = model
+        self.optimizer = optimizer
+        self.module = _unwrap(model)
+        self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world = dist.get_world_size() if distributed else 1
+        self.link = link
+        self.up = ShapedDirection(link.bandwidth_mbit if link else None, link.latency_ms if link else 0.0)
+        self.down = ShapedDirection(link.bandwidth_mbit if link else None, link.latency_ms if link else 0.0)
+        self.tokens = self.steps = self.merges = 0
+        self.busy_s = self.waiting_s = 0.0
+        self._stop_requested = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self.core: LearnerCore | None = None
+        self.shards: list[_Shard] = []
+        self.settings: pb.Settings | None = None
+        self.id = -1
+        header = torch.zeros(2, dtype=torch.int64)
+        if self.rank == 0:
+            self._connect(syncer, learner, connect_timeout_s, host)
+            header[0], header[1] = self.id, self.settings.fragments
+        if self.world > 1:
+            dist.broadcast(header, 0)
+            for p in self.params.values():
+                dist.broadcast(p.data, 0)
+        self.id, fragment_count = int(header[0]), int(header[1])
+        self.fragments = self.core.fragments if self.core else self._partition(fragment_count)
+        self._inbox: DeliveryQueue[Update] = DeliveryQueue()
+        self._outbox: queue.Queue[Any] = queue.Queue()
+        self._wire: DeliveryQueue[Any] = DeliveryQueue()
+        self._threads: list[threading.Thread] = []
+        if self.rank == 0:
+            self._start_threads()
+        self.started = self._last_step_end = time.monotonic()
+
+    # ------------------------------------------------------------ joining
+
+    def _partition(self, count: int) -> list[Fragment]:
+        return partition(self.module, count, embedding_names(self.module))
+
+    def _connect(self, address: str, learner: int | None, timeout_s: float, host: str) -> None:
+        first = ShardClient(address)
+        first.wait_ready(timeout_s)
+        reply = with_retries(lambda: first.join(learner, host), what="join")
+        self.id, self.settings = reply.learner, reply.settings
+        fragments = self._partition(self.settings.fragments)
+        replies = {reply.shard: (first, reply)}
+        for info in reply.shards:
+            if info.index in replies:
+                continue
+            client = ShardClient(info.address)
+            client.wait_ready(timeout_s)
+            replies[info.index] = (client, with_retries(lambda c=client: c.join(self.id, host), what="join"))
+        versions: dict[int, int] = {}
+        last_seq = 0
+        for index, (client, shard_reply) in sorted(replies.items()):
+            owned = [p for p in range(len(fragments)) if p % len(replies) == index]
+            if not shard_reply.layout:
+                layout = [_layout(fragments[p], self.params) for p in owned]
+                values = {n: self.params[n].detach() for p in owned for n in fragments[p].names}
+                client.init(layout, values)
+            last_seq = max(last_seq, shard_reply.last_seq)
+            self.shards.append(_Shard(index, client, owned))
+        for shard in self.shards:
+            values, shard_versions, layout = shard.client.pull(self.id, after_seq=last_seq)
+            _check_layout(layout, [fragments[p] for p in shard.fragments], self.params, shard.client.address)
+            with torch.no_grad():
+                for name, value in values.items():
+                    self.params[name].copy_(value)
+            versions.update(shard_versions)
+        s = self.settings
+        period = s.learner_periods[self.id] if self.id < len(s.learner_periods) else s.period
+        self.core = LearnerCore(self.id, self.params, fragments, Schedule(period, len(fragments)), tau=s.tau,
+                                alpha=s.alpha, wait_for_updates=s.wait_for_updates,
+                                versions=[versions[p] for p in range(len(fragments))], first_seq=last_seq,
+                                codec=get_codec(s.codec_up, s.block), error_feedback=s.error_feedback,
+                                encode_later=True)
+        self._shard_of = {p: shard for shard in self.shards for p in shard.fragments}
+        log.info("learner %d joined %d shard(s); %d fragments", self.id, len(self.shards), len(fragments))
+
+    # ------------------------------------------------------------ the training thread
+
+    @property
+    def should_stop(self) -> bool:
+        """The run's shared token budget is spent (as the syncer counts it)."""
+        return self._stop_requested
+
+    def request_stop(self) -> None:
+        """Stop at the end of this step (e.g. on Ctrl-C); under torchrun, rank 0's request counts."""
+        self._stop_requested = True
+
+    def step(self, tokens: int) -> None:
+        """One inner step is done (after optimizer.step()): push what is due, merge what has arrived.
+        Waits only where the strategy is synchronous (DiLoCo), for the answer it needs."""
+        if self._closed:
+            raise DilocoError("Learner.step() after close()")
+        if self._error is not None:
+            raise DilocoError(f"learner {self.id}: syncing failed: {self._error}") from self._error
+        now = time.monotonic()
+        self.busy_s += now - self._last_step_end
+        step_time = now - self._last_step_end
+        if self.world > 1:
+            count = torch.tensor([tokens], dtype=torch.int64)
+            dist.all_reduce(count)
+            tokens = int(count)
+        self.tokens += tokens
+        self.steps += 1
+        flags = torch.zeros(len(self.fragments) + 1, dtype=torch.int64)
+        if self.rank == 0:
+            core = self.core
+            before = list(core.anchor_versions)
+            for push in core.on_step(tokens, step_time_s=step_time, now=time.time()):
+                self._send(push)
+            self._merge_arrived(wait=True)
+            for p, (old, new) in enumerate(zip(before, core.anchor_versions)):
+                flags[p] = int(new != old)
+            flags[-1] = int(self._stop_requested)
+        if self.world > 1:
+            dist.broadcast(flags, 0)
+            with torch.no_grad():
+                for p in flags[:-1].nonzero().flatten().tolist():
+                    for name in self.fragments[p].names:
+                        dist.broadcast(self.params[name].data, 0)
+            self._stop_requested = bool(flags[-1])
+        self.merges += int(flags[:-1].sum())
+        self._last_step_end = time.monotonic()
+
+    def _merge_arrived(self, wait: bool) -> None:
+        core = self.core
+        while True:
+            for update in self._inbox.ready():
+                core.on_update(update)
+            poll = core.poll(time.time())
+            for push in poll.pushes:
+                self._send(push)
+            if not (wait and poll.waiting_for):
+                return
+            waited_from = time.monotonic()
+            update = self._inbox.get(timeout=1.0)
+            self.waiting_s += time.monotonic() - waited_from
+            if update is not None:
+                core.on_update(update)
+            if self._error is not None:
+                raise DilocoError(f"learner {self.id}: syncing failed: {self._error}") from self._error
+
+    def close(self) -> dict[str, Any]:
+        """Push what no push has carried yet, leave, stop the threads; return this learner's report."""
+        if self._closed:
+            return self.report()
+        self._closed = True
+        self.wall_s = time.monotonic() - self.started
+        if self.rank == 0:
+            for push in self.core.finish(time.time()):
+                self._send(push)
+            self._outbox.put(("leave", None))
+            self._outbox.put(None)
+            for thread in self._threads:
+                if thread.name.startswith(("learner-encode", "learner-deliver")):
+                    thread.join()
+            self._halt.set()
+            for shard in self.shards:
+                shard.client.close()
+            for thread in self._threads:
+                thread.join(timeout=5)
+        return self.report()
+
+    def report(self) -> dict[str, Any]:
+        wall = getattr(self, "wall_s", time.monotonic() - self.started)
+        core = self.core
+        return {"learner": self.id, "rank": self.rank, "world": self.world, "tokens": self.tokens,
+                "steps": self.steps, "busy_s": self.busy_s, "waiting_s": self.waiting_s, "wall_s": wall,
+                "busy_fraction": self.busy_s / wall if wall else 1.0, "merges": self.merges,
+                "pushes": core.seq if core else 0, "stale_updates": core.stale_updates if core else 0,
+                "bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent,
+                "messages_up": self.up.messages, "messages_down": self.down.messages}
+
+    # ------------------------------------------------------------ background threads
+
+    def _start_threads(self) -> None:
+        self._halt = threading.Event()
+        targets = [("learner-encode", self._encode_loop), ("learner-deliver", self._deliver_loop),
+                   ("learner-heartbeat", self._heartbeat_loop)]
+        targets += [(f"learner-receive-{s.index}", lambda s=s: self._receive_loop(s)) for s in self.shards]
+        for name, target in targets:
+            thread = threading.Thread(target=self._guard(target), name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _guard(self, target):
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:  # surfaced in the training thread at the next step
+                if not self._halt.is_set():
+                    log.exception("learner %d: %s failed", self.id, threading.current_thread().name)
+                    self._error = exc
+                    self._wire.close()
+        return run
+
+    def _send(self, push: Push) -> None:
+        self._outbox.put(("push", push))
+
+    def _encode_loop(self) -> None:
+        """Encode pushes in order (error feedback carries over) and put them on the link."""
+        while (item := self._outbox.get()) is not None:
+            kind, push = item
+            if kind == "leave":
+                for shard in self.shards:
+                    self._wire.put(self.up.send(MESSAGE_HEADER_BYTES), ("leave", shard, None, None))
+                continue
+            encoded = self.core.encode(push.deltas)
+            header = pb.PushHeader(learner=self.id, fragment=push.fragment, base_version=push.base_version,
+                                   seq=push.seq, tokens=push.tokens, steps=push.steps,
+                                   step_time_s=push.step_time_s, sent_at=push.sent_at or time.time(),
+                                   tensors=[tensor_header(n, e) for n, e in encoded.items()])
+            nbytes = MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in encoded.values())
+            self._wire.put(self.up.send(nbytes), ("push", self._shard_of[push.fragment], header, encoded))
+        self._wire.close()
+
+    def _deliver_loop(self) -> None:
+        """Hand each message to its shard once the emulated link has carried it; retry while a shard is
+        unavailable (the syncer counts a retried push once)."""
+        while (item := self._wire.get()) is not None:
+            kind, shard, header, encoded = item
+            if kind == "leave":
+                try:
+                    with_retries(lambda: shard.client.leave(self.id), what="leave")
+                except SyncerUnavailable as exc:
+                    log.warning("learner %d: could not announce leaving: %s", self.id, exc)
+                continue
+            with_retries(lambda: shard.client.push(header, encoded), what="push")
+
+    def _receive_loop(self, shard: _Shard) -> None:
+        """New versions from one shard: decoded here, handed over when the emulated link delivers them."""
+        while not self._halt.is_set():
+            try:
+                for header, tensors in shard.client.updates(self.id):
+                    nbytes = MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in tensors.values())
+                    arrival = self.down.send(nbytes)
+                    self._inbox.put(arrival, self._decode_update(header, tensors, nbytes))
+                return
+            except (SyncerUnavailable, ValueError) as exc:
+                if self._halt.is_set():
+                    return
+                log.warning("learner %d: %s; reconnecting", self.id, exc)
+                time.sleep(0.5)
+
+    def _decode_update(self, header: pb.UpdateHeader, tensors: dict[str, Encoded], nbytes: int) -> Update:
+        """A relative update is a difference to the anchor, which cannot change meanwhile: the fragment
+        has a push in flight, and its anchor moves only when this answer is merged."""
+        p = header.fragment
+        anchors = self.core.anchors[p]
+        relative = {t.name: t.relative for t in header.tensors}
+        values = {}
+        for name, encoded in tensors.items():
+            value = decode(encoded)
+            if relative[name]:
+                value = anchors[name].cpu() + value
+            values[name] = value.to(anchors[name].device)
+        return Update(p, header.version, values, ack_seq=header.ack_seq, payload_bytes=nbytes - MESSAGE_HEADER_BYTES)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._halt.wait(HEARTBEAT_S):
+            for shard in self.shards:
+                try:
+                    reply = shard.client.heartbeat(self.id, self.tokens, self.steps)
+                except DilocoError as exc:
+                    log.debug("heartbeat to shard %d failed: %s", shard.index, exc)
+                    continue
+                if reply.stop:
+                    self._stop_requested = True
+
+
+def _layout(fragment: Fragment, params: dict[str, torch.Tensor]) -> pb.FragmentLayout:
+    return pb.FragmentLayout(index=fragment.index, tensors=[
+        pb.TensorSpec(name=n, shape=list(params[n].shape), embedding=fragment.embedding) for n in fragment.names])
+
+
+def _check_layout(layout: list[pb.FragmentLayout], fragments: list[Fragment], params: dict[str, torch.Tensor],
+                  address: str) -> None:
+    """The syncer's fragments must be this model's, tensor for tensor."""
+    theirs = {f.index: [(t.name, tuple(t.shape)) for t in f.tensors] for f in layout}
+    for fragment in fragments:
+        ours = [(n, tuple(params[n].shape)) for n in fragment.names]
+        if theirs.get(fragment.index) != ours:
+            got = theirs.get(fragment.index, [])
+            diff = next(((a, b) for a, b in zip(ours, got) if a != b), (ours[len(got):][:1], got[len(ours):][:1]))
+            raise DilocoError(f"this model does not match the run at {address}: fragment {fragment.index} differs "
+                              f"(here {diff[0]}, there {diff[1]}); every learner must train the same model")

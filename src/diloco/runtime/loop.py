@@ -1,0 +1,89 @@
+"""The built-in learner: the configured model and data, trained with a `Learner` (`diloco learner`).
+
+It is the loop a user would write: build the model, join, train until the plan or the shared budget
+is done, leave. A learner slower than its chip (a `learners.speeds` entry below 1, to emulate
+heterogeneous hardware) stretches each step by sleeping: that time counts as compute, as it would on
+a slower chip. Under torchrun, the ranks of one learner split its data shard and run DDP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from diloco.config import Config
+from diloco.data import ShardSampler, load_corpus
+from diloco.models.factory import build_model
+from diloco.runtime.learner import Learner, LinkShape
+from diloco.strategies import build_strategy
+from diloco.training import Replica
+
+log = logging.getLogger("diloco.learner")
+
+
+def init_distributed() -> bool:
+    """Join the torchrun process group of this learner, when there is one."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return dist.is_initialized()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    return True
+
+
+def run_learner(config: Config, *, syncer: str, learner: int | None = None, out: Path | None = None,
+                emulate_link: bool = False, stop: threading.Event | None = None,
+                connect_timeout_s: float = 30.0) -> dict[str, Any]:
+    """Train one learner to the end of its plan (or of the shared budget, or until `stop` is set);
+    return its report, also written to OUT/learners/learner-ID.json with a checkpoint."""
+    t, d = config.train, config.data
+    corpus = load_corpus(d.source, dtype=d.dtype, vocab_size=d.vocab_size, eval_fraction=d.eval_fraction)
+    model = build_model(config, corpus.vocab_size)
+    link = LinkShape(config.link.bandwidth_mbit, config.link.latency_ms) if emulate_link else None
+    sync = Learner(model, syncer=syncer, learner=learner, link=link, connect_timeout_s=connect_timeout_s,
+                   host=os.uname().nodename)
+    m, rank, world = sync.id, sync.rank, sync.world
+    speeds = config.speeds()
+    speed = speeds[m] if m < len(speeds) else 1.0
+    tokens_per_step = t.batch_size * t.seq_len
+    budget = t.tokens // (len(speeds) * tokens_per_step) * len(speeds) * tokens_per_step
+    plans = build_strategy(config).planned_steps(speeds, budget, tokens_per_step)
+    planned = plans[m] if m < len(plans) else plans[-1]
+    sampler = ShardSampler(corpus.train, learner=m * world + rank, learners=max(len(speeds), m + 1) * world,
+                           seq_len=t.seq_len, batch_size=t.batch_size, seed=config.seed)
+    trained: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    replica = Replica(trained, t, sampler, planned)
+    sync.optimizer = replica.optimizer
+    log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
+    while replica.steps < planned and not sync.should_stop:
+        started = time.monotonic()
+        tokens = replica.train_step()
+        if speed < 1:
+            time.sleep((time.monotonic() - started) * (1 / speed - 1))
+        if stop is not None and stop.is_set():
+            sync.request_stop()
+        sync.step(tokens)
+    report = sync.close()
+    report.update(speed=speed, planned_steps=planned, interrupted=bool(stop is not None and stop.is_set()))
+    if out is not None and rank == 0:
+        save_checkpoint(out / "checkpoints" / f"learner-{m}.pt", model, replica)
+        (out / "learners").mkdir(parents=True, exist_ok=True)
+        (out / "learners" / f"learner-{m}.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def save_checkpoint(path: Path, model: nn.Module, replica: Replica) -> None:
+    """The learner's own state: model, inner optimizer, data position and step count, written atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": replica.optimizer.state_dict(),
+                "data": replica.sampler.state_dict(), "steps": replica.steps}, tmp)
+    tmp.replace(path)

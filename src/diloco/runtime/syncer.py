@@ -1,0 +1,386 @@
+"""A syncer shard: the sans-I/O syncer core for some fragments, served over gRPC on the real clock.
+
+Shard i of N owns the fragments p with p mod N = i. It does not need the model: the first learner to
+join seeds Θ of the shard's fragments (`Init`), and every learner after it must bring the same layout.
+Each call takes the shard's lock only to hand an event to the core; encoding and decoding happen
+outside it. The core's actions become messages in per-learner outboxes (drained by each learner's
+`Updates` stream) and a timer thread that wakes the core when a grace window ends.
+
+Membership: the configured learners count from the start, as in the simulator; a learner that leaves
+stops counting. Once every learner has left, the shard merges what is still open, and is finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from diloco.codecs import get_codec
+from diloco.config import Config
+from diloco.core.messages import Push, Update
+from diloco.core.syncer import Action, ProtocolError, Publish, SyncerCore, Timer
+from diloco.errors import DilocoError
+from diloco.fragments import Fragment
+from diloco.strategies import build_strategy
+from diloco.transport.frames import FrameError, decode, encode_fp32, message_frames, read_message, tensor_header
+from diloco.v1 import diloco_pb2 as pb
+from diloco.v1 import diloco_pb2_grpc as pb_grpc
+
+log = logging.getLogger("diloco.syncer")
+
+OUTBOX_POLL_S = 0.5
+"""How often an idle update stream checks that its learner is still connected."""
+MESSAGE_SLACK_BYTES = 1 << 16
+INIT_LIMIT_BYTES = 1 << 38
+"""The largest Θ a shard accepts to be seeded with (256 GiB of fp32)."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    index: int
+    count: int
+    addresses: tuple[str, ...]
+    """Every shard's address, by index: the map learners get when they join."""
+
+    def owns(self, fragment: int) -> bool:
+        return fragment % self.count == self.index
+
+    def fragments(self, total: int) -> list[int]:
+        return [p for p in range(total) if self.owns(p)]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`i/N` → (i, N), with a one-line error for anything else."""
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise DilocoError(f"--shard expects i/N such as 0/2, got {text!r}") from None
+    if not (count >= 1 and 0 <= index < count):
+        raise DilocoError(f"--shard {text}: need 0 <= i < N")
+    return index, count
+
+
+def settings_of(config: Config) -> pb.Settings:
+    """The outer settings every learner follows: the syncer's config is the one that counts."""
+    spec = build_strategy(config)
+    if spec.exchange != "outer":
+        raise DilocoError(f"strategy {spec.name!r} all-reduces gradients every step; the real runtime runs the "
+                          f"strategies that sync through a syncer (diloco, streaming, async, async-dn, decoupled). "
+                          f"Use `diloco sim` for {spec.name}, or torch DDP itself")
+    speeds = config.speeds()
+    tokens_per_step = config.train.batch_size * config.train.seq_len
+    budget = config.train.tokens // (len(speeds) * tokens_per_step) * len(speeds) * tokens_per_step
+    codec = config.codec
+    return pb.Settings(strategy=spec.name, fragments=spec.fragments, period=spec.H,
+                       learner_periods=list(spec.learner_H), tau=spec.tau, alpha=spec.alpha,
+                       wait_for_updates=spec.wait_for_updates, codec_up=codec.up, codec_down=codec.down,
+                       block=codec.block, error_feedback=codec.error_feedback, learners=len(speeds),
+                       token_budget=budget, shared_budget=spec.shared_budget)
+
+
+def check_shards(config: Config, count: int) -> None:
+    fragments = build_strategy(config).fragments
+    if count > fragments:
+        raise DilocoError(f"{count} syncer shards but only {fragments} fragments (outer.fragments): every shard "
+                          f"must own at least one fragment")
+
+
+class SyncerShard(pb_grpc.SyncerServicer):
+    def __init__(self, config: Config, plan: ShardPlan) -> None:
+        check_shards(config, plan.count)
+        self.config = config
+        self.plan = plan
+        self.spec = build_strategy(config)
+        self.settings = settings_of(config)
+        self.owned = plan.fragments(self.spec.fragments)
+        self.lock = threading.RLock()
+        self.core: SyncerCore | None = None
+        self.layout: list[pb.FragmentLayout] = []
+        self.outboxes: dict[int, queue.Queue[Update]] = {}
+        self.streams: dict[int, int] = {}
+        """Per learner, the id of its current update stream: a newer stream retires an older one."""
+        self.joined: set[int] = set()
+        self.left: set[int] = set()
+        self.tokens: dict[int, int] = {}
+        self.last_seen: dict[int, float] = {}
+        self.push_errors = 0
+        self.finished = False
+        self.started = time.time()
+        self._deadline: float | None = None
+        self._timer_cond = threading.Condition(self.lock)
+        self._stopping = False
+        self._timer = threading.Thread(target=self._timer_loop, name="syncer-timer", daemon=True)
+        self._timer.start()
+
+    # ------------------------------------------------------------ core plumbing
+
+    def _handle(self, actions: list[Action]) -> None:
+        """Publishes go to the recipients' outboxes; timers to the timer thread. Called under the lock."""
+        for action in actions:
+            if isinstance(action, Publish):
+                for learner, update in action.updates.items():
+                    if learner not in self.left:
+                        self.outboxes.setdefault(learner, queue.Queue()).put(update)
+            elif isinstance(action, Timer):
+                if self._deadline is None or action.at < self._deadline:
+                    self._deadline = action.at
+                    self._timer_cond.notify_all()
+
+    def _timer_loop(self) -> None:
+        with self.lock:
+            while not self._stopping:
+                if self._deadline is None:
+                    self._timer_cond.wait()
+                    continue
+                wait = self._deadline - time.time()
+                if wait > 0:
+                    self._timer_cond.wait(wait)
+                    continue
+                self._deadline = None
+                if self.core is not None:
+                    self._handle(self.core.on_timer(time.time()))
+
+    def _require_core(self, context: grpc.ServicerContext) -> SyncerCore:
+        if self.core is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Θ is not seeded yet: a learner must Init first")
+        return self.core
+
+    def _finish_if_everyone_left(self) -> None:
+        core = self.core
+        if core is None or self.finished or core.alive:
+            return
+        self._handle(core.flush(time.time()))
+        self.finished = True
+        log.info("every learner left; last rounds merged (%d rounds in all)", core.rounds_closed)
+
+    # ------------------------------------------------------------ RPCs
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        with self.lock:
+            if request.learner >= 0:
+                learner = request.learner
+            else:  # the lowest configured id that is not taken, else a new one
+                taken = self.joined - self.left
+                learner = next(m for m in range(len(taken) + self.settings.learners + 1) if m not in taken)
+            self.joined.add(learner)
+            self.left.discard(learner)
+            self.last_seen[learner] = time.time()
+            last_seq = self.core.ledger[learner].last_seq if self.core and learner in self.core.ledger else 0
+            log.info("learner %d joined from %s", learner, request.host or context.peer())
+            shards = [pb.ShardInfo(index=i, address=a, fragments=ShardPlan(i, self.plan.count, ()).fragments(
+                self.spec.fragments)) for i, a in enumerate(self.plan.addresses)]
+            return pb.JoinReply(learner=learner, settings=self.settings, shard=self.plan.index, shards=shards,
+                                layout=self.layout, last_seq=last_seq)
+
+    def Init(self, request_iterator, context: grpc.ServicerContext) -> pb.InitReply:
+        try:
+            message = read_message(iter(request_iterator), "state", limit=INIT_LIMIT_BYTES)
+            if message is None:
+                raise FrameError("empty Init stream")
+            header, tensors = message
+            fragments, embeddings = self._check_layout(header.layout, tensors)
+            values = {name: decode(e) for name, e in tensors.items()}
+        except FrameError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad Init: {exc}")
+        with self.lock:
+            if self.core is not None:
+                return pb.InitReply(accepted=False)
+            self.core = SyncerCore(values, fragments, range(self.settings.learners),
+                                   optimizer=self.spec.outer_optimizer, merge_rule=self.spec.merge_rule,
+                                   embeddings=embeddings, quorum=self.spec.quorum, grace=self.spec.grace,
+                                   grace_cap_steps=self.spec.grace_cap_steps, tau=self.spec.tau,
+                                   participation=self.spec.participation,
+                                   down_codec=get_codec(self.config.codec.down, self.config.codec.block))
+            self.layout = list(header.layout)
+            log.info("Θ seeded: fragments %s, %d tensors, %d parameters", self.owned, len(values),
+                     sum(v.numel() for v in values.values()))
+            return pb.InitReply(accepted=True)
+
+    def _check_layout(self, layout, tensors) -> tuple[list[Fragment], set[str]]:
+        indices = sorted(f.index for f in layout)
+        if indices != self.owned:
+            raise FrameError(f"layout has fragments {indices}; shard {self.plan.index}/{self.plan.count} owns "
+                             f"{self.owned}")
+        fragments, embeddings, names = [], set(), set()
+        for f in sorted(layout, key=lambda f: f.index):
+            specs = list(f.tensors)
+            for t in specs:
+                if t.name in names:
+                    raise FrameError(f"tensor {t.name!r} is in two fragments")
+                names.add(t.name)
+                got = tensors.get(t.name)
+                if got is None or got.codec != "fp32" or list(got.shape) != list(t.shape):
+                    raise FrameError(f"tensor {t.name!r}: values missing or not fp32 of shape {list(t.shape)}")
+                if t.embedding:
+                    embeddings.add(t.name)
+            numel = sum(int(torch.Size(t.shape).numel()) for t in specs)
+            fragments.append(Fragment(f.index, tuple(t.name for t in specs), numel,
+                                      bool(specs) and all(t.embedding for t in specs)))
+        if names != set(tensors):
+            raise FrameError(f"values for tensors outside the layout: {sorted(set(tensors) - names)[:3]}")
+        return fragments, embeddings
+
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):
+        with self.lock:
+            core = self._require_core(context)
+            if request.observer:
+                theta = core._copy_theta()
+                versions = {p: s.version for p, s in core.fragments.items()}
+            else:
+                theta, versions = core.rejoin_state(request.learner, after_seq=request.after_seq)
+                core.join(request.learner, time.time())
+                self.joined.add(request.learner)
+                self.left.discard(request.learner)
+                self.finished = False
+        encoded = encode_fp32(theta)
+        header = pb.StateHeader(versions=[pb.FragmentVersion(fragment=p, version=v) for p, v in versions.items()],
+                                tensors=[tensor_header(n, e) for n, e in encoded.items()], layout=self.layout)
+        yield from message_frames(pb.Frame(state=header), encoded)
+
+    def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
+        core = self._require_core(context)
+        frames = iter(request_iterator)
+        try:
+            message = read_message(frames, "push", limit=self._push_limit())
+            if message is None:
+                raise FrameError("empty push stream")
+            header, tensors = message
+            if next(frames, None) is not None:
+                raise FrameError("a push stream carries one message")
+            if header.fragment not in core.fragments:
+                raise FrameError(f"fragment {header.fragment} is not held by shard {self.plan.index}")
+            deltas = {name: decode(e) for name, e in tensors.items()}
+        except FrameError as exc:
+            self.push_errors += 1
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")
+        push = Push(learner=header.learner, fragment=header.fragment, base_version=header.base_version,
+                    seq=header.seq, deltas=deltas, tokens=header.tokens, steps=header.steps,
+                    step_time_s=header.step_time_s, sent_at=header.sent_at or None,
+                    payload_bytes=sum(e.wire_bytes() for e in tensors.values()))
+        with self.lock:
+            entry = core.ledger.get(push.learner)
+            duplicates = entry.duplicates if entry else 0
+            try:
+                self._handle(core.on_push(push, time.time()))
+            except ProtocolError as exc:
+                self.push_errors += 1
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.last_seen[push.learner] = time.time()
+            return pb.PushReply(duplicate=core.ledger[push.learner].duplicates > duplicates)
+
+    def _push_limit(self) -> int:
+        """The most data one push of any fragment here may carry: fp32, the widest encoding."""
+        core = self.core
+        return 4 * max(s.fragment.numel for s in core.fragments.values()) + MESSAGE_SLACK_BYTES
+
+    def Updates(self, request: pb.UpdatesRequest, context: grpc.ServicerContext):
+        learner = request.learner
+        with self.lock:
+            stream_id = self.streams.get(learner, 0) + 1
+            self.streams[learner] = stream_id
+            outbox = self.outboxes.setdefault(learner, queue.Queue())
+        while context.is_active() and not self._stopping and self.streams.get(learner) == stream_id:
+            try:
+                update = outbox.get(timeout=OUTBOX_POLL_S)
+            except queue.Empty:
+                continue
+            header = pb.UpdateHeader(fragment=update.fragment, version=update.version, ack_seq=update.ack_seq,
+                                     tensors=[tensor_header(n, e, update.relative) for n, e in update.wire.items()])
+            yield from message_frames(pb.Frame(update=header), update.wire)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        with self.lock:
+            self.tokens[request.learner] = request.tokens
+            self.last_seen[request.learner] = time.time()
+            total = sum(self.tokens.values())
+            stop = self.settings.shared_budget and total >= self.settings.token_budget
+            return pb.HeartbeatReply(stop=stop, tokens_reported=total)
+
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        with self.lock:
+            self.left.add(request.learner)
+            self.streams.pop(request.learner, None)
+            log.info("learner %d left", request.learner)
+            if self.core is not None:
+                self._handle(self.core.leave(request.learner, time.time()))
+                self._finish_if_everyone_left()
+        return pb.LeaveReply()
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        with self.lock:
+            core = self.core
+            versions = [pb.FragmentVersion(fragment=p, version=s.version) for p, s in core.fragments.items()] \
+                if core else []
+            return pb.StatusReply(shard=self.plan.index, initialised=core is not None, finished=self.finished,
+                                  versions=versions, rounds=core.rounds_closed if core else 0,
+                                  tokens_reported=sum(self.tokens.values()), alive=sorted(core.alive) if core else [],
+                                  report_json=json.dumps(self.report()))
+
+    # ------------------------------------------------------------ reports and state
+
+    def report(self) -> dict:
+        """What this shard counted, for run summaries and reports (call under the lock)."""
+        core = self.core
+        out = {"shard": self.plan.index, "shards": self.plan.count, "fragments": self.owned,
+               "finished": self.finished, "push_errors": self.push_errors, "tokens_reported": dict(self.tokens)}
+        if core is None:
+            return out
+        out["fragment_numel"] = {p: s.fragment.numel for p, s in core.fragments.items()}
+        out["versions"] = {p: s.version for p, s in core.fragments.items()}
+        out["ledger"] = {m: {"pushes": e.pushes, "duplicates": e.duplicates, "last_seq": e.last_seq,
+                             "steps_merged": e.steps_merged, "merged": dict(e.merged), "late": dict(e.late)}
+                         for m, e in core.ledger.items()}
+        out["rounds"] = [{"fragment": r.fragment, "version": r.version, "opened_at": r.opened_at - self.started,
+                          "closed_at": r.closed_at - self.started, "participants": list(r.participants),
+                          "late": r.late, "grace_s": r.grace_s} for r in core.rounds]
+        return out
+
+    def save(self, path: Path) -> None:
+        """Θ, outer-optimizer state, versions and the ledger, written atomically."""
+        with self.lock:
+            core = self.core
+            if core is None:
+                return
+            state = {"theta": {n: t.clone() for n, t in core.theta.items()},
+                     "optimizers": {p: _plain_state(s.optimizer) for p, s in core.fragments.items()},
+                     "report": self.report()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(path)
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stopping = True
+            self._timer_cond.notify_all()
+
+
+def _plain_state(optimizer) -> dict:
+    """An outer optimizer's tensors and numbers, loadable with torch.load(weights_only=True)."""
+    return {k: v for k, v in vars(optimizer).items() if isinstance(v, (int, float, torch.Tensor, dict))}
+
+
+def serve(shard: SyncerShard, bind: str, workers: int = 32) -> tuple[grpc.Server, int]:
+    """Start serving `shard` on `bind` (HOST:PORT; port 0 picks a free one); return the server and its
+    port. A one-line error if the port is taken."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="syncer-rpc"),
+                         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
+                                  ("grpc.max_send_message_length", 64 << 20)])
+    pb_grpc.add_SyncerServicer_to_server(shard, server)
+    try:
+        port = server.add_insecure_port(bind)
+    except RuntimeError as exc:
+        raise DilocoError(f"cannot listen on {bind}: {exc} (is the port in use?)") from None
+    if port == 0:
+        raise DilocoError(f"cannot listen on {bind}: the port is in use or the address is not this host's")
+    server.start()
+    return server, port

@@ -1,0 +1,130 @@
+"""The learner's end of the protocol, one shard at a time: plain calls that turn gRPC failures into
+one-line errors naming the shard."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from diloco.codecs import Encoded
+from diloco.errors import DilocoError
+from diloco.transport.frames import decode, encode_fp32, message_frames, read_message, tensor_header
+from diloco.v1 import diloco_pb2 as pb
+from diloco.v1 import diloco_pb2_grpc as pb_grpc
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                   ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_permit_without_calls", 1)]
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class SyncerUnavailable(DilocoError):
+    """The shard could not be reached (yet): callers may retry."""
+
+
+def describe(error: grpc.RpcError) -> str:
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else str(error)
+    return f"{code.name if code else 'error'}: {details}"
+
+
+class ShardClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.SyncerStub(self.channel)
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as exc:
+            if exc.code() in RETRYABLE:
+                raise SyncerUnavailable(f"syncer at {self.address} unavailable during {what} ({describe(exc)})") \
+                    from None
+            raise DilocoError(f"syncer at {self.address} refused {what}: {exc.details()}") from None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the shard answers; a one-line error if it does not within `timeout_s`."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise DilocoError(f"cannot reach the syncer at {self.address} (nothing answered within "
+                              f"{timeout_s:g} s): check the address and that `diloco syncer` runs there") from None
+
+    def join(self, learner: int | None, host: str = "") -> pb.JoinReply:
+        request = pb.JoinRequest(learner=-1 if learner is None else learner, host=host)
+        return self._call("join", self.stub.Join, request, timeout=30)
+
+    def init(self, layout: list[pb.FragmentLayout], values: dict[str, torch.Tensor]) -> bool:
+        encoded = encode_fp32(values)
+        header = pb.Frame(state=pb.StateHeader(layout=layout,
+                                               tensors=[tensor_header(n, e) for n, e in encoded.items()]))
+        return self._call("init", self.stub.Init, message_frames(header, encoded), timeout=300).accepted
+
+    def pull(self, learner: int, *, observer: bool = False, after_seq: int = 0
+             ) -> tuple[dict[str, torch.Tensor], dict[int, int], list[pb.FragmentLayout]]:
+        """Θ of the shard's fragments, their versions, and the layout."""
+        request = pb.PullRequest(learner=learner, observer=observer, after_seq=after_seq)
+
+        def fetch():
+            stream = self.stub.Pull(request, timeout=300)
+            message = read_message(iter(stream), "state", limit=1 << 40)
+            if message is None:
+                raise DilocoError(f"syncer at {self.address} sent no state")
+            return message
+
+        header, tensors = self._call("pull", fetch)
+        values = {name: decode(e) for name, e in tensors.items()}
+        return values, {v.fragment: v.version for v in header.versions}, list(header.layout)
+
+    def push(self, header: pb.PushHeader, tensors: dict[str, Encoded]) -> pb.PushReply:
+        frames = message_frames(pb.Frame(push=header), tensors)
+        return self._call("push", self.stub.Push, frames, timeout=600)
+
+    def updates(self, learner: int) -> Iterator[tuple[pb.UpdateHeader, dict[str, Encoded]]]:
+        """New versions for `learner`, as the shard publishes them, until the stream is cancelled or ends."""
+        call = self.stub.Updates(pb.UpdatesRequest(learner=learner))
+        self._updates_call = call
+        frames = iter(call)
+        try:
+            while (message := read_message(frames, "update", limit=1 << 40)) is not None:
+                yield message
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise SyncerUnavailable(f"update stream from {self.address} broke ({describe(exc)})") from None
+
+    def cancel_updates(self) -> None:
+        call = getattr(self, "_updates_call", None)
+        if call is not None:
+            call.cancel()
+
+    def heartbeat(self, learner: int, tokens: int, steps: int) -> pb.HeartbeatReply:
+        return self._call("heartbeat", self.stub.Heartbeat,
+                          pb.HeartbeatRequest(learner=learner, tokens=tokens, steps=steps), timeout=10)
+
+    def leave(self, learner: int) -> None:
+        self._call("leave", self.stub.Leave, pb.LeaveRequest(learner=learner), timeout=30)
+
+    def status(self, timeout_s: float = 10) -> pb.StatusReply:
+        return self._call("status", self.stub.Status, pb.StatusRequest(), timeout=timeout_s)
+
+    def close(self) -> None:
+        self.cancel_updates()
+        self.channel.close()
+
+
+def with_retries(fn, *, attempts: int = 8, first_delay_s: float = 0.1, what: str = "call"):
+    """Run `fn`, retrying with exponential backoff while the syncer is unavailable."""
+    delay = first_delay_s
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except SyncerUnavailable:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    raise AssertionError("unreachable")

@@ -1,0 +1,132 @@
+"""Tensors on a stream: one header frame, then the tensors' raw bytes in data frames.
+
+The header lists each tensor's name, encoding, shape, block and byte counts; the data that follows is
+each tensor's payload then scales, in the header's order, cut into frames of at most `FRAME_BYTES`.
+A reader checks every header field and the running byte count before it keeps anything, so a
+malformed, oversized or truncated message is refused whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from diloco.codecs import CODEC_NAMES, DEFAULT_BLOCK, Encoded, get_codec
+from diloco.codecs.encoded import MAX_NDIM
+from diloco.errors import DilocoError
+from diloco.v1 import diloco_pb2 as pb
+
+FRAME_BYTES = 1 << 20
+"""Data per frame: large enough that per-message costs vanish, small enough to interleave streams."""
+
+HEADER_KINDS = ("push", "update", "state")
+
+
+class FrameError(DilocoError):
+    """A stream that does not follow the framing: nothing of it is used."""
+
+
+def tensor_header(name: str, encoded: Encoded, relative: bool = False) -> pb.TensorHeader:
+    return pb.TensorHeader(name=name, codec=encoded.codec, shape=list(encoded.shape), block=encoded.block,
+                           payload_bytes=len(encoded.payload), scale_bytes=len(encoded.scales), relative=relative)
+
+
+def data_frames(tensors: Iterable[Encoded]) -> Iterator[pb.Frame]:
+    """The tensors' bytes, coalesced into frames of about FRAME_BYTES."""
+    pending: list[bytes | memoryview] = []
+    size = 0
+    for encoded in tensors:
+        for blob in (encoded.payload, encoded.scales):
+            view = memoryview(blob)
+            while view.nbytes:
+                piece = view[: FRAME_BYTES - size]
+                pending.append(piece)
+                size += piece.nbytes
+                view = view[piece.nbytes:]
+                if size == FRAME_BYTES:
+                    yield pb.Frame(data=b"".join(pending))
+                    pending, size = [], 0
+    if size:
+        yield pb.Frame(data=b"".join(pending))
+
+
+def message_frames(header: pb.Frame, tensors: dict[str, Encoded]) -> Iterator[pb.Frame]:
+    """A whole message: `header` (its tensor list must follow `tensors`' order), then the data."""
+    yield header
+    yield from data_frames(tensors.values())
+
+
+def checked_header(header: pb.TensorHeader) -> tuple[int, int]:
+    """(element count, data bytes) of a tensor header whose fields are all consistent; else FrameError."""
+    if header.codec not in CODEC_NAMES:
+        raise FrameError(f"tensor {header.name!r}: unknown codec {header.codec!r}")
+    if len(header.shape) > MAX_NDIM:
+        raise FrameError(f"tensor {header.name!r}: {len(header.shape)} dimensions, at most {MAX_NDIM}")
+    numel = math.prod(header.shape)
+    codec = get_codec(header.codec, header.block or DEFAULT_BLOCK)
+    if not codec.valid_block(header.block):
+        raise FrameError(f"tensor {header.name!r}: block size {header.block} is not one {header.codec} uses")
+    want = (codec.payload_bytes(numel), codec.scale_bytes(numel, header.block))
+    got = (header.payload_bytes, header.scale_bytes)
+    if got != want:
+        raise FrameError(f"tensor {header.name!r} of shape {list(header.shape)} in {header.codec}: declares "
+                         f"{got[0]}+{got[1]} bytes, its encoding takes {want[0]}+{want[1]}")
+    return numel, sum(want)
+
+
+def read_message(frames: Iterator[pb.Frame], kind: str, limit: int) -> tuple[object, dict[str, Encoded]] | None:
+    """The next message of `kind` from `frames`: its header and tensors, or None when the stream ended
+    cleanly before one began. At most `limit` data bytes are accepted."""
+    first = next(frames, None)
+    if first is None:
+        return None
+    if first.WhichOneof("body") != kind:
+        raise FrameError(f"expected a {kind} header, got {first.WhichOneof('body') or 'an empty frame'}")
+    header = getattr(first, kind)
+    sizes, names = [], set()
+    for t in header.tensors:
+        if t.name in names:
+            raise FrameError(f"tensor {t.name!r} appears twice in one message")
+        names.add(t.name)
+        sizes.append(checked_header(t)[1])
+    total = sum(sizes)
+    if total > limit:
+        raise FrameError(f"message declares {total} bytes of tensors, more than the {limit} allowed")
+    data = bytearray()
+    while len(data) < total:
+        frame = next(frames, None)
+        if frame is None:
+            raise FrameError(f"stream ended after {len(data)} of {total} bytes: the message is truncated")
+        if frame.WhichOneof("body") != "data":
+            raise FrameError(f"expected data, got a {frame.WhichOneof('body') or 'empty'} frame mid-message")
+        if len(data) + len(frame.data) > total:
+            raise FrameError(f"message carries more than the {total} bytes its header declares")
+        data += frame.data
+    tensors, offset = {}, 0
+    blob = bytes(data)
+    for t in header.tensors:
+        end = offset + t.payload_bytes
+        tensors[t.name] = Encoded(t.codec, tuple(int(d) for d in t.shape), t.block, blob[offset:end],
+                                  blob[end:end + t.scale_bytes])
+        offset = end + t.scale_bytes
+    return header, tensors
+
+
+def decode(encoded: Encoded) -> torch.Tensor:
+    """An fp32 CPU tensor of the encoded shape; FrameError if the bytes do not decode to finite values."""
+    try:
+        values = get_codec(encoded.codec, encoded.block or DEFAULT_BLOCK).decode(encoded)
+    except DilocoError as exc:
+        raise FrameError(str(exc)) from None
+    values = values.reshape(encoded.shape)
+    if values.numel() and not bool(torch.isfinite(values).all()):
+        raise FrameError("a tensor holds NaN or Inf")
+    return values
+
+
+def encode_fp32(values: dict[str, torch.Tensor]) -> dict[str, Encoded]:
+    """Exact values (Θ, a model's initial parameters) as they travel."""
+    codec = get_codec("fp32")
+    return {name: codec.encode(v.detach().to(torch.float32)) for name, v in values.items()}
