@@ -8,7 +8,13 @@ def test_defaults_are_valid():
     config = load_config()
     assert isinstance(config, Config)
     assert config.learners.count == 4
-    assert config.speeds() == [1.0, 1.0, 1.0, 1.0]
+    assert config.speeds() == [1.0, 1.0, 0.5, 0.25]
+
+
+def test_setting_count_alone_makes_learners_equal():
+    """The heterogeneous default fits 4 learners only; another count means equal speeds, not an error."""
+    assert load_config(None, ["learners.count=3"]).speeds() == [1.0, 1.0, 1.0]
+    assert load_config(None, ["learners.speeds=[1, 0.5]"]).learners.count == 2
 
 
 def test_toml_file_then_overrides(tmp_path):

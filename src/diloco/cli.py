@@ -17,6 +17,8 @@ from diloco import __version__
 from diloco.config import load_config
 from diloco.errors import DilocoError
 from diloco.goodput.command import add_arguments as add_goodput_arguments
+from diloco.runtime.commands import (add_learner_arguments, add_run_arguments, add_syncer_arguments, cmd_learner,
+                                     cmd_run, cmd_syncer)
 
 
 def _human_bytes(n: float) -> str:
@@ -103,6 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--out", metavar="DIR", help="output folder for summary.json (default: runs/sim-...)")
     common(sim)
     sim.set_defaults(handler=cmd_sim)
+
+    run = sub.add_parser("run", help="train for real: syncer shard(s) and learners as processes on this machine")
+    add_run_arguments(run)
+    common(run)
+    run.set_defaults(handler=cmd_run)
+
+    syncer = sub.add_parser("syncer", help="serve one syncer shard (CPU only) for learners on any hosts")
+    add_syncer_arguments(syncer)
+    common(syncer)
+    syncer.set_defaults(handler=cmd_syncer)
+
+    learner = sub.add_parser("learner", help="train the configured model as one learner of a run")
+    add_learner_arguments(learner)
+    common(learner)
+    learner.set_defaults(handler=cmd_learner)
 
     goodput = sub.add_parser("goodput", help="goodput of a job of many chips under failures, by policy")
     add_goodput_arguments(goodput)

@@ -39,11 +39,16 @@ class TrainConfig:
     eval_batches: int = 8
 
 
+DEFAULT_SPEEDS = (1.0, 1.0, 0.5, 0.25)
+
+
 @dataclass
 class LearnersConfig:
     count: int = 4
-    speeds: list[float] = field(default_factory=list)
-    """Relative speeds, one per learner; empty means all 1. Setting it alone sets `count` too."""
+    speeds: list[float] = field(default_factory=lambda: list(DEFAULT_SPEEDS))
+    """Relative speeds, one per learner; empty means all 1. Setting it alone sets `count` too; setting
+    `count` alone makes every learner equal. The default: two fast learners, one at half and one at a
+    quarter of their speed, the heterogeneous fleet Decoupled DiLoCo is for."""
     jitter: float = 0.0
     """Relative standard deviation of each step time (0.1 = 10%)."""
     step_time_s: float = 0.25
@@ -218,8 +223,10 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
 def config_from_dict(raw: dict[str, Any]) -> Config:
     config = _build(Config, raw, prefix="")
     learners_raw = raw.get("learners", {})
-    if isinstance(learners_raw, dict) and "speeds" in learners_raw and "count" not in learners_raw:
+    if isinstance(learners_raw, dict) and config.learners.speeds and "count" not in learners_raw:
         config.learners.count = len(config.learners.speeds)
+    if isinstance(learners_raw, dict) and "count" in learners_raw and "speeds" not in learners_raw:
+        config.learners.speeds = []
     validate(config)
     return config
 

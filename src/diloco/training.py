@@ -36,7 +36,7 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 class Replica:
-    def __init__(self, model: nn.Module, cfg: TrainConfig, sampler: ShardSampler, planned_steps: int) -> None:
+    def __init__(self, model: nn.Module, cfg: TrainConfig, sampler: ShardSampler | None, planned_steps: int) -> None:
         self.model = model
         self.cfg = cfg
         self.sampler = sampler

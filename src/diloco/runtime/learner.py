@@ -244,7 +244,8 @@ class Learner:
                 "busy_fraction": self.busy_s / wall if wall else 1.0, "merges": self.merges,
                 "pushes": core.seq if core else 0, "stale_updates": core.stale_updates if core else 0,
                 "bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent,
-                "messages_up": self.up.messages, "messages_down": self.down.messages}
+                "messages_up": self.up.messages, "messages_down": self.down.messages,
+                "peak_message_bytes_up": self.up.peak_message_bytes}
 
     # ------------------------------------------------------------ background threads
 

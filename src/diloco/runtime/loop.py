@@ -47,9 +47,10 @@ def run_learner(config: Config, *, syncer: str, learner: int | None = None, out:
     t, d = config.train, config.data
     corpus = load_corpus(d.source, dtype=d.dtype, vocab_size=d.vocab_size, eval_fraction=d.eval_fraction)
     model = build_model(config, corpus.vocab_size)
+    replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
     link = LinkShape(config.link.bandwidth_mbit, config.link.latency_ms) if emulate_link else None
-    sync = Learner(model, syncer=syncer, learner=learner, link=link, connect_timeout_s=connect_timeout_s,
-                   host=os.uname().nodename)
+    sync = Learner(model, replica.optimizer, syncer=syncer, learner=learner, link=link,
+                   connect_timeout_s=connect_timeout_s, host=os.uname().nodename)
     m, rank, world = sync.id, sync.rank, sync.world
     speeds = config.speeds()
     speed = speeds[m] if m < len(speeds) else 1.0
@@ -57,11 +58,11 @@ def run_learner(config: Config, *, syncer: str, learner: int | None = None, out:
     budget = t.tokens // (len(speeds) * tokens_per_step) * len(speeds) * tokens_per_step
     plans = build_strategy(config).planned_steps(speeds, budget, tokens_per_step)
     planned = plans[m] if m < len(plans) else plans[-1]
-    sampler = ShardSampler(corpus.train, learner=m * world + rank, learners=max(len(speeds), m + 1) * world,
-                           seq_len=t.seq_len, batch_size=t.batch_size, seed=config.seed)
-    trained: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    replica = Replica(trained, t, sampler, planned)
-    sync.optimizer = replica.optimizer
+    replica.sampler = ShardSampler(corpus.train, learner=m * world + rank, learners=max(len(speeds), m + 1) * world,
+                                   seq_len=t.seq_len, batch_size=t.batch_size, seed=config.seed)
+    replica.planned_steps = planned
+    if world > 1:
+        replica.model = nn.parallel.DistributedDataParallel(model)
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
     while replica.steps < planned and not sync.should_stop:
         started = time.monotonic()

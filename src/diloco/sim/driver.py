@@ -10,7 +10,7 @@ failure plan says. The same seed gives the same run, event for event.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -24,6 +24,7 @@ from diloco.core.syncer import Action, Publish, SyncerCore, Timer
 from diloco.data import EvalBatches, ShardSampler, load_corpus
 from diloco.fragments import Fragment, Schedule, embedding_names, partition
 from diloco.models.factory import ModelFactory, build_model
+from diloco.results import LearnerReport, RunResult
 from diloco.sim.clock import EventQueue
 from diloco.sim.failures import CrashPlan, outage_windows
 from diloco.sim.link import Link
@@ -33,51 +34,6 @@ from diloco.training import Replica, evaluate, make_optimizer
 
 Progress = Callable[[int, int], None]
 """Called with (tokens trained so far, token budget) as the run goes."""
-
-
-@dataclass
-class LearnerReport:
-    learner: int
-    speed: float
-    tokens: int
-    """Tokens this learner trained on (including any a crash later lost)."""
-    steps: int
-    busy_s: float
-    waiting_s: float
-    down_s: float
-    busy_fraction: float
-    crashes: int
-    tokens_lost: float
-    """Tokens trained but never pushed because of a crash (averaged over the model's parameters)."""
-    bytes_up: int
-    bytes_down: int
-
-
-@dataclass
-class RunResult:
-    strategy: str
-    learners: int
-    tokens: int
-    final_eval_loss: float
-    virtual_wall_clock_s: float
-    wire_bytes_up: int
-    wire_bytes_down: int
-    goodput: float
-    """Fraction of all learners' time spent in inner steps."""
-    peak_sync_bytes: int
-    """Largest single sync message one learner sent (for data-parallel: one step's all-reduce share)."""
-    rounds: int
-    parameters: int
-    tokens_merged: float
-    tokens_late: float
-    tokens_lost: float
-    """Token accounting of the syncer, averaged over the model's parameters: trained = merged + late + lost."""
-    per_learner: list[LearnerReport]
-    eval_curve: list[dict[str, float]]
-    config: dict[str, Any] = field(default_factory=dict)
-
-    def summary(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

@@ -44,6 +44,10 @@ class ShapedDirection:
     def messages(self) -> int:
         return self._model.messages
 
+    @property
+    def peak_message_bytes(self) -> int:
+        return self._model.peak_message_bytes
+
 
 class DeliveryQueue(Generic[T]):
     """Items that become available at given monotonic times; thread-safe."""

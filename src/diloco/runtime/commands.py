@@ -1,0 +1,172 @@
+"""The real runtime's commands: `diloco run`, `diloco syncer`, `diloco learner`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from diloco.config import load_config
+from diloco.errors import DilocoError
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="TOML config; the built-in default when omitted")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+
+
+def config_args(args: argparse.Namespace) -> list[str]:
+    """The config options as given, to pass on to child processes."""
+    return ([args.config] if args.config else []) + [x for item in args.set or [] for x in ("--set", item)]
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGINT or SIGTERM: the process finishes its step, saves its state and exits."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+# ---------------------------------------------------------------- diloco run
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--out", metavar="DIR", help="output folder (default: runs/run-STRATEGY-TIME)")
+    p.add_argument("--shards", type=int, default=1, metavar="N", help="syncer shard processes (default 1)")
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    from diloco.cli import learners_table, results_table
+    from diloco.runtime.launcher import Launcher
+
+    config = load_config(args.config, args.set or [])
+    out = Path(args.out) if args.out else Path("runs") / f"run-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.shards < 1:
+        raise DilocoError("--shards must be at least 1")
+    launcher = Launcher(config, config_args(args), out, shards=args.shards)
+    try:
+        if args.quiet:
+            summary = launcher.run()
+        else:
+            columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"),
+                       TimeElapsedColumn()]
+            with Progress(*columns, console=Console(stderr=True), transient=True) as bars:
+                speeds = config.speeds()
+                tasks = {m: bars.add_task(f"learner {m} (speed {speeds[m]:g})", total=planned, detail="")
+                         for m, planned in launcher.progress.planned.items()}
+                syncer = bars.add_task("syncer", total=None, detail="starting")
+
+                def show(progress) -> None:
+                    for m, task in tasks.items():
+                        done = progress.tokens.get(m, 0)
+                        bars.update(task, completed=done, detail=f"{done:,} tokens")
+                    loss = f", eval loss {progress.eval_loss:.3f}" if progress.eval_loss is not None else ""
+                    bars.update(syncer, detail=f"{progress.rounds} rounds merged{loss}")
+
+                summary = launcher.run(on_progress=show)
+    except KeyboardInterrupt:
+        console.print(f"interrupted: learners pushed what they had and left; state saved in {out}")
+        return 130
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if not args.quiet:
+        table = results_table(launcher.result)
+        table.title = f"diloco run: {config.strategy}, {config.learners.count} learners"
+        table.add_row("wall-clock (whole command)", f"{summary['wall_clock_s']:.1f} s")
+        console.print(table)
+        console.print(learners_table(launcher.result))
+    console.print(f"summary: {out / 'summary.json'}")
+    return 0
+
+
+# ---------------------------------------------------------------- diloco syncer
+
+
+def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--bind", default="127.0.0.1:7070", metavar="HOST:PORT", help="address to serve on")
+    p.add_argument("--shard", default="0/1", metavar="i/N", help="this shard's index and the shard count")
+    p.add_argument("--shards", metavar="ADDR,...", help="every shard's address, by index (needed when N > 1)")
+    p.add_argument("--out", metavar="DIR", help="where to save state and the report on exit")
+    p.add_argument("--exit-when-finished", action="store_true",
+                   help="exit once every learner has left and the last rounds are merged")
+
+
+def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
+    from diloco.runtime.processes import die_with_parent
+    from diloco.runtime.syncer import ShardPlan, SyncerShard, check_shards, parse_shard, serve
+
+    die_with_parent()
+    setup_logging(args.verbose)
+    config = load_config(args.config, args.set or [])
+    index, count = parse_shard(args.shard)
+    check_shards(config, count)
+    addresses = tuple(a.strip() for a in args.shards.split(",")) if args.shards else (args.bind,)
+    if len(addresses) != count:
+        raise DilocoError(f"--shards lists {len(addresses)} address(es) but --shard says there are {count} shards")
+    stop = stop_on_signals()
+    shard = SyncerShard(config, ShardPlan(index, count, addresses))
+    server, port = serve(shard, args.bind)
+    host = args.bind.rsplit(":", 1)[0]
+    if args.bind.endswith(":0"):
+        shard.plan = ShardPlan(index, count, tuple(f"{host}:{port}" if i == index else a
+                                                   for i, a in enumerate(addresses)))
+    print(f"diloco syncer shard {index}/{count} listening on {host}:{port}", flush=True)
+    while not stop.wait(0.5):
+        if args.exit_when_finished and shard.finished:
+            break
+    shard.stop()
+    if args.out:
+        out = Path(args.out) / "syncer"
+        shard.save(out / f"shard-{index}.pt")
+        with shard.lock:
+            report = shard.report()
+        (out / f"shard-{index}.json").write_text(json.dumps(report, indent=2) + "\n")
+    server.stop(grace=2).wait()
+    return 0
+
+
+# ---------------------------------------------------------------- diloco learner
+
+
+def add_learner_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--syncer", required=True, metavar="HOST:PORT", help="any syncer shard of the run")
+    p.add_argument("--id", type=int, metavar="N", help="this learner's id (default: the syncer picks)")
+    p.add_argument("--out", metavar="DIR", help="where to write the report and checkpoint")
+    p.add_argument("--emulate-link", action="store_true",
+                   help="shape this learner's traffic to link.bandwidth_mbit and link.latency_ms")
+    p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
+                   help="give up if no syncer answers within S seconds (default 60)")
+
+
+def cmd_learner(args: argparse.Namespace, console: Console) -> int:
+    from diloco.runtime.loop import init_distributed, run_learner
+    from diloco.runtime.processes import die_with_parent
+
+    die_with_parent()
+    setup_logging(args.verbose)
+    config = load_config(args.config, args.set or [])
+    if args.id is not None and args.id < 0:
+        raise DilocoError(f"--id must be zero or positive, got {args.id}")
+    stop = stop_on_signals()
+    init_distributed()
+    report = run_learner(config, syncer=args.syncer, learner=args.id, out=Path(args.out) if args.out else None,
+                         emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout)
+    if not args.quiet and report["rank"] == 0:
+        print(json.dumps(report), flush=True)
+    return 0

@@ -1,0 +1,240 @@
+"""`diloco run`: the syncer shard(s) and every learner as processes on this machine.
+
+The launcher itself is an observer: it starts the children with the same config, shows each
+learner's progress from the syncer's status, evaluates Θ at the configured token marks (a read-only
+pull), and at the end merges the children's reports into `summary.json`, in the shape `diloco sim`
+writes plus `wall_clock_s`, next to the final model (`model.pt`) and the children's logs.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from diloco.config import Config
+from diloco.data import EvalBatches, load_corpus
+from diloco.errors import DilocoError
+from diloco.models.factory import build_model
+from diloco.results import LearnerReport, RunResult
+from diloco.runtime.processes import Children
+from diloco.runtime.syncer import check_shards, settings_of
+from diloco.strategies import build_strategy
+from diloco.training import evaluate
+from diloco.transport.client import ShardClient
+
+POLL_S = 0.5
+STARTUP_TIMEOUT_S = 60.0
+"""Bound on the children's start (imports, binding); a start that takes longer is reported, not awaited."""
+
+
+@dataclass
+class Progress:
+    """What the launcher shows while the run goes on."""
+
+    tokens: dict[int, int] = field(default_factory=dict)
+    planned: dict[int, int] = field(default_factory=dict)
+    rounds: int = 0
+    eval_loss: float | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launcher:
+    def __init__(self, config: Config, config_args: list[str], out: Path, shards: int = 1) -> None:
+        """`config_args` are the CONFIG path and --set options, passed on to every child as given."""
+        settings_of(config)  # refuses a strategy the real runtime cannot run, with the reason
+        check_shards(config, shards)
+        self.config, self.config_args, self.out, self.shard_count = config, config_args, out, shards
+        self.children = Children(out / "logs")
+        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(shards)]
+        self.clients: list[ShardClient] = []
+        t, d = config.train, config.data
+        self.corpus = load_corpus(d.source, dtype=d.dtype, vocab_size=d.vocab_size, eval_fraction=d.eval_fraction)
+        self.eval_batches = EvalBatches(self.corpus.eval, seq_len=t.seq_len, batch_size=t.batch_size,
+                                        batches=t.eval_batches).batches
+        self.model = build_model(config, self.corpus.vocab_size)
+        speeds = config.speeds()
+        tokens_per_step = t.batch_size * t.seq_len
+        self.budget = t.tokens // (len(speeds) * tokens_per_step) * len(speeds) * tokens_per_step
+        plans = build_strategy(config).planned_steps(speeds, self.budget, tokens_per_step)
+        self.progress = Progress(planned={m: p * tokens_per_step for m, p in enumerate(plans)})
+        self.eval_marks = [self.budget * k // t.eval_points for k in range(1, t.eval_points)]
+        self.eval_curve: list[dict[str, float]] = []
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------ the run
+
+    def run(self, on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+        try:
+            self._start_syncers()
+            self._start_learners()
+            self.training_started = time.monotonic()
+            self._watch(on_progress)
+            self.training_s = time.monotonic() - self.training_started
+            self._wait_finished()
+            summary = self._summarise()
+            self.children.stop("syncer", sig=signal.SIGTERM)
+            return summary
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Learners first (they push what they have and leave), then the shards (they save their state)."""
+        self.children.stop("learner")
+        self.children.stop("syncer", sig=signal.SIGTERM)
+        self.children.close()
+        for client in self.clients:
+            client.close()
+
+    def _python(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "diloco", *args, *self.config_args]
+
+    def _start_syncers(self) -> None:
+        shard_map = ",".join(self.addresses)
+        for i, address in enumerate(self.addresses):
+            self.children.start(f"syncer-{i}", self._python(
+                "syncer", "--bind", address, "--shard", f"{i}/{self.shard_count}", "--shards", shard_map,
+                "--out", str(self.out)))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for i, address in enumerate(self.addresses):
+            client = ShardClient(address)
+            self.clients.append(client)
+            while True:
+                self._check_children()
+                try:
+                    client.wait_ready(min(1.0, max(0.1, deadline - time.monotonic())))
+                    break
+                except DilocoError:
+                    if time.monotonic() > deadline:
+                        raise DilocoError(f"syncer shard {i} did not start within {STARTUP_TIMEOUT_S:g} s; "
+                                          f"see {self.out / 'logs' / f'syncer-{i}.log'}") from None
+
+    def _start_learners(self) -> None:
+        env = {"OMP_NUM_THREADS": "1"}  # one thread per learner: several share this machine's cores
+        for m in range(self.config.learners.count):
+            self.children.start(f"learner-{m}", self._python(
+                "learner", "--syncer", self.addresses[0], "--id", str(m), "--emulate-link",
+                "--out", str(self.out)), env=env)
+
+    def _check_children(self) -> None:
+        """A child that failed ends the run with its name, exit code and last log lines."""
+        for child in self.children.children.values():
+            code = child.returncode
+            if code not in (None, 0):
+                raise DilocoError(f"{child.name} exited with code {code}; its log ({child.log_path}) ends:\n"
+                                  f"{child.log_tail()}")
+
+    def _watch(self, on_progress: Callable[[Progress], None] | None) -> None:
+        while True:
+            self._check_children()
+            learners_done = not self.children.running("learner")
+            self._poll_status()
+            while self.eval_marks and sum(self.progress.tokens.values()) >= self.eval_marks[0]:
+                self.eval_marks.pop(0)
+                self._record_eval()
+            if on_progress:
+                on_progress(self.progress)
+            if learners_done:
+                return
+            time.sleep(POLL_S)
+
+    def _poll_status(self) -> None:
+        rounds = 0
+        for client in self.clients:
+            status = client.status()
+            rounds += status.rounds
+            report = json.loads(status.report_json)
+            for m, tokens in report.get("tokens_reported", {}).items():
+                self.progress.tokens[int(m)] = max(tokens, self.progress.tokens.get(int(m), 0))
+        self.progress.rounds = rounds
+
+    def _wait_finished(self) -> None:
+        """Every learner has left: each shard merges what is still open; wait for that to be done."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not all(c.status().finished for c in self.clients):
+            self._check_children()
+            if time.monotonic() > deadline:
+                raise DilocoError("the syncer did not finish its last rounds after every learner left")
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------ evaluation and the summary
+
+    def pull_theta(self) -> dict[str, torch.Tensor]:
+        theta: dict[str, torch.Tensor] = {}
+        for client in self.clients:
+            values, _, _ = client.pull(0, observer=True)
+            theta.update(values)
+        return theta
+
+    def _record_eval(self) -> float:
+        with torch.no_grad():
+            params = dict(self.model.named_parameters())
+            for name, value in self.pull_theta().items():
+                params[name].copy_(value)
+        loss = evaluate(self.model, self.eval_batches)
+        self.eval_curve.append({"time_s": time.monotonic() - self.training_started,
+                                "tokens": sum(self.progress.tokens.values()), "loss": loss})
+        self.progress.eval_loss = loss
+        return loss
+
+    def _summarise(self) -> dict[str, Any]:
+        loss = self._record_eval()
+        torch.save(self.model.state_dict(), self.out / "model.pt")
+        shards = [json.loads(c.status().report_json) for c in self.clients]
+        (self.out / "syncer").mkdir(parents=True, exist_ok=True)
+        (self.out / "syncer" / "shards.json").write_text(json.dumps(shards, indent=2) + "\n")
+        learners = []
+        for m in range(self.config.learners.count):
+            path = self.out / "learners" / f"learner-{m}.json"
+            if not path.is_file():
+                raise DilocoError(f"learner {m} left no report at {path}")
+            learners.append(json.loads(path.read_text()))
+        parameters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+        def by_parameters(kind: str, m: int) -> float:
+            """Tokens of one learner, each fragment weighted by its share of the parameters (as the sim)."""
+            total = 0.0
+            for shard in shards:
+                entry = shard.get("ledger", {}).get(str(m), {})
+                for p, tokens in entry.get(kind, {}).items():
+                    total += tokens * shard["fragment_numel"][p] / parameters
+            return total
+
+        reports, merged, late, lost = [], 0.0, 0.0, 0.0
+        for r in learners:
+            m = r["learner"]
+            merged_m, late_m = by_parameters("merged", m), by_parameters("late", m)
+            lost_m = r["tokens"] - merged_m - late_m
+            merged, late, lost = merged + merged_m, late + late_m, lost + lost_m
+            reports.append(LearnerReport(learner=m, speed=r["speed"], tokens=r["tokens"], steps=r["steps"],
+                                         busy_s=r["busy_s"], waiting_s=r["waiting_s"], down_s=0.0,
+                                         busy_fraction=r["busy_fraction"], crashes=0, tokens_lost=lost_m,
+                                         bytes_up=r["bytes_up"], bytes_down=r["bytes_down"]))
+        self.eval_curve[-1]["time_s"] = self.training_s
+        result = RunResult(
+            strategy=self.config.strategy, learners=len(reports), tokens=sum(r.tokens for r in reports),
+            final_eval_loss=loss, virtual_wall_clock_s=self.training_s,
+            wire_bytes_up=sum(r.bytes_up for r in reports), wire_bytes_down=sum(r.bytes_down for r in reports),
+            goodput=sum(r["busy_s"] for r in learners) / sum(r["wall_s"] for r in learners),
+            peak_sync_bytes=max(r["peak_message_bytes_up"] for r in learners),
+            rounds=sum(len(s.get("rounds", [])) for s in shards), parameters=parameters, tokens_merged=merged,
+            tokens_late=late, tokens_lost=lost, per_learner=reports, eval_curve=self.eval_curve,
+            config=self.config.to_dict())
+        summary = result.summary()
+        summary.update(wall_clock_s=time.monotonic() - self.started, training_wall_clock_s=self.training_s,
+                       duplicates=sum(e.get("duplicates", 0) for s in shards for e in s.get("ledger", {}).values()),
+                       shards=self.shard_count)
+        self.result = result
+        return summary

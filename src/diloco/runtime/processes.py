@@ -1,0 +1,103 @@
+"""Child processes of `diloco run`: started, watched, stopped in order, and never left behind.
+
+- Every child asks the kernel to kill it when the launcher dies (PR_SET_PDEATHSIG), so even a
+  SIGKILLed launcher leaves no orphan.
+- Children run in sessions of their own: Ctrl-C reaches the launcher only, which then stops them in
+  order (learners first, so they push and leave; then the syncer shards, so they save their state).
+- A stop is SIGINT, then SIGKILL for whatever has not exited within the grace period.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+PARENT_ENV = "DILOCO_PARENT_PID"
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Called first in a child of `diloco run`: the kernel ends it when its launcher ends."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(parent):  # the launcher died before the request took effect
+        os._exit(1)
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    log_file: IO[bytes]
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    def log_tail(self, lines: int = 5) -> str:
+        self.log_file.flush()
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+
+class Children:
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.children: dict[str, Child] = {}
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        log_file = open(log_path, "wb")
+        full_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=full_env, start_new_session=True)
+        child = Child(name, process, log_path, log_file)
+        self.children[name] = child
+        return child
+
+    def running(self, prefix: str = "") -> list[Child]:
+        return [c for n, c in self.children.items() if n.startswith(prefix) and c.returncode is None]
+
+    def stop(self, prefix: str = "", grace_s: float = 20.0, sig: int = signal.SIGINT) -> None:
+        """Ask the matching children to stop; kill those still running after `grace_s`."""
+        targets = self.running(prefix)
+        for child in targets:
+            _signal(child, sig)
+        deadline = time.monotonic() + grace_s
+        for child in targets:
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(child, signal.SIGKILL)
+                child.process.wait()
+
+    def close(self) -> None:
+        """Kill anything still running and close the logs; safe to call twice."""
+        for child in self.children.values():
+            if child.returncode is None:
+                _signal(child, signal.SIGKILL)
+                child.process.wait()
+            child.log_file.close()
+
+
+def _signal(child: Child, sig: int) -> None:
+    """Signal the child's whole session: a child's own helpers (torchrun's workers) go with it."""
+    try:
+        os.killpg(child.process.pid, sig)
+    except ProcessLookupError:
+        pass
