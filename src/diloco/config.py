@@ -171,6 +171,12 @@ class Config:
     def speeds(self) -> list[float]:
         return list(self.learners.speeds) or [1.0] * self.learners.count
 
+    def token_budget(self) -> int:
+        """`train.tokens`, rounded down to whole steps of equal shares of every learner."""
+        count = len(self.speeds())
+        per_step = self.train.batch_size * self.train.seq_len
+        return self.train.tokens // (count * per_step) * count * per_step
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -145,7 +145,9 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
 
 def add_learner_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--syncer", required=True, metavar="HOST:PORT", help="any syncer shard of the run")
+    p.add_argument("--syncer", metavar="HOST:PORT", help="any syncer shard of the run")
+    p.add_argument("--no-sync", action="store_true",
+                   help="train the same way without syncing (a baseline for what syncing costs); needs --id")
     p.add_argument("--id", type=int, metavar="N", help="this learner's id (default: the syncer picks)")
     p.add_argument("--out", metavar="DIR", help="where to write the report and checkpoint")
     p.add_argument("--emulate-link", action="store_true",
@@ -163,6 +165,8 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.config, args.set or [])
     if args.id is not None and args.id < 0:
         raise DilocoError(f"--id must be zero or positive, got {args.id}")
+    if bool(args.syncer) == args.no_sync:
+        raise DilocoError("give --syncer HOST:PORT, or --no-sync to train without syncing")
     stop = stop_on_signals()
     init_distributed()
     report = run_learner(config, syncer=args.syncer, learner=args.id, out=Path(args.out) if args.out else None,

@@ -67,7 +67,7 @@ class Launcher:
         self.model = build_model(config, self.corpus.vocab_size)
         speeds = config.speeds()
         tokens_per_step = t.batch_size * t.seq_len
-        self.budget = t.tokens // (len(speeds) * tokens_per_step) * len(speeds) * tokens_per_step
+        self.budget = config.token_budget()
         plans = build_strategy(config).planned_steps(speeds, self.budget, tokens_per_step)
         self.progress = Progress(planned={m: p * tokens_per_step for m, p in enumerate(plans)})
         self.eval_marks = [self.budget * k // t.eval_points for k in range(1, t.eval_points)]

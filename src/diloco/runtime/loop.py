@@ -22,6 +22,7 @@ from torch import nn
 
 from diloco.config import Config
 from diloco.data import ShardSampler, load_corpus
+from diloco.errors import DilocoError
 from diloco.models.factory import build_model
 from diloco.runtime.learner import Learner, LinkShape
 from diloco.strategies import build_strategy
@@ -39,24 +40,49 @@ def init_distributed() -> bool:
     return True
 
 
-def run_learner(config: Config, *, syncer: str, learner: int | None = None, out: Path | None = None,
+class Standalone:
+    """Stands in for a `Learner` when syncing is off: the same loop, the same accounting, no network.
+    It is the baseline that shows what syncing costs."""
+
+    rank, world, should_stop = 0, 1, False
+
+    def __init__(self, learner: int) -> None:
+        self.id = learner
+
+    def request_stop(self) -> None:
+        self.should_stop = True
+
+    def step(self, tokens: int) -> None:
+        pass
+
+    def close(self) -> dict[str, Any]:
+        return {"learner": self.id, "rank": 0, "world": 1, "merges": 0, "pushes": 0, "bytes_up": 0,
+                "bytes_down": 0, "peak_message_bytes_up": 0}
+
+
+def run_learner(config: Config, *, syncer: str | None, learner: int | None = None, out: Path | None = None,
                 emulate_link: bool = False, stop: threading.Event | None = None,
                 connect_timeout_s: float = 30.0) -> dict[str, Any]:
     """Train one learner to the end of its plan (or of the shared budget, or until `stop` is set);
-    return its report, also written to OUT/learners/learner-ID.json with a checkpoint."""
+    return its report, also written to OUT/learners/learner-ID.json with a checkpoint. With no
+    `syncer`, train the same way without syncing (`learner` is then required)."""
     t, d = config.train, config.data
     corpus = load_corpus(d.source, dtype=d.dtype, vocab_size=d.vocab_size, eval_fraction=d.eval_fraction)
     model = build_model(config, corpus.vocab_size)
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
-    link = LinkShape(config.link.bandwidth_mbit, config.link.latency_ms) if emulate_link else None
-    sync = Learner(model, replica.optimizer, syncer=syncer, learner=learner, link=link,
-                   connect_timeout_s=connect_timeout_s, host=os.uname().nodename)
+    if syncer is None:
+        if learner is None:
+            raise DilocoError("a learner that does not sync needs its id (--id)")
+        sync: Learner | Standalone = Standalone(learner)
+    else:
+        link = LinkShape(config.link.bandwidth_mbit, config.link.latency_ms) if emulate_link else None
+        sync = Learner(model, replica.optimizer, syncer=syncer, learner=learner, link=link,
+                       connect_timeout_s=connect_timeout_s, host=os.uname().nodename)
     m, rank, world = sync.id, sync.rank, sync.world
     speeds = config.speeds()
     speed = speeds[m] if m < len(speeds) else 1.0
     tokens_per_step = t.batch_size * t.seq_len
-    budget = t.tokens // (len(speeds) * tokens_per_step) * len(speeds) * tokens_per_step
-    plans = build_strategy(config).planned_steps(speeds, budget, tokens_per_step)
+    plans = build_strategy(config).planned_steps(speeds, config.token_budget(), tokens_per_step)
     planned = plans[m] if m < len(plans) else plans[-1]
     replica.sampler = ShardSampler(corpus.train, learner=m * world + rank, learners=max(len(speeds), m + 1) * world,
                                    seq_len=t.seq_len, batch_size=t.batch_size, seed=config.seed)
@@ -64,16 +90,23 @@ def run_learner(config: Config, *, syncer: str, learner: int | None = None, out:
     if world > 1:
         replica.model = nn.parallel.DistributedDataParallel(model)
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
+    tokens_trained, busy_s, began = 0, 0.0, time.monotonic()
     while replica.steps < planned and not sync.should_stop:
         started = time.monotonic()
         tokens = replica.train_step()
         if speed < 1:
             time.sleep((time.monotonic() - started) * (1 / speed - 1))
+        busy_s += time.monotonic() - started
+        tokens_trained += tokens
         if stop is not None and stop.is_set():
             sync.request_stop()
         sync.step(tokens)
     report = sync.close()
-    report.update(speed=speed, planned_steps=planned, interrupted=bool(stop is not None and stop.is_set()))
+    wall_s = time.monotonic() - began
+    report.update(speed=speed, planned_steps=planned, steps=replica.steps, tokens=tokens_trained * world,
+                  busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
+                  tokens_per_s=tokens_trained * world / wall_s if wall_s else 0.0,
+                  interrupted=bool(stop is not None and stop.is_set()))
     if out is not None and rank == 0:
         save_checkpoint(out / "checkpoints" / f"learner-{m}.pt", model, replica)
         (out / "learners").mkdir(parents=True, exist_ok=True)

@@ -76,15 +76,12 @@ def settings_of(config: Config) -> pb.Settings:
         raise DilocoError(f"strategy {spec.name!r} all-reduces gradients every step; the real runtime runs the "
                           f"strategies that sync through a syncer (diloco, streaming, async, async-dn, decoupled). "
                           f"Use `diloco sim` for {spec.name}, or torch DDP itself")
-    speeds = config.speeds()
-    tokens_per_step = config.train.batch_size * config.train.seq_len
-    budget = config.train.tokens // (len(speeds) * tokens_per_step) * len(speeds) * tokens_per_step
     codec = config.codec
     return pb.Settings(strategy=spec.name, fragments=spec.fragments, period=spec.H,
                        learner_periods=list(spec.learner_H), tau=spec.tau, alpha=spec.alpha,
                        wait_for_updates=spec.wait_for_updates, codec_up=codec.up, codec_down=codec.down,
-                       block=codec.block, error_feedback=codec.error_feedback, learners=len(speeds),
-                       token_budget=budget, shared_budget=spec.shared_budget)
+                       block=codec.block, error_feedback=codec.error_feedback, learners=len(config.speeds()),
+                       token_budget=config.token_budget(), shared_budget=spec.shared_budget)
 
 
 def check_shards(config: Config, count: int) -> None:

@@ -102,8 +102,8 @@ class Simulation:
         speeds = config.speeds()
         count = len(speeds)
         tokens_per_step = t.batch_size * t.seq_len
-        equal_steps = t.tokens // (count * tokens_per_step)
-        self.budget = equal_steps * count * tokens_per_step
+        self.budget = config.token_budget()
+        equal_steps = self.budget // (count * tokens_per_step)
         self.crash_plan = CrashPlan(config.failures, count, config.seed)
         self.queue = EventQueue()
         self.learners: list[SimLearner] = []

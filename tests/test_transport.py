@@ -1,0 +1,184 @@
+"""The protocol against a live syncer shard in this process: framing, exactly-once, refusals."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from diloco.codecs import Encoded, get_codec
+from diloco.errors import DilocoError
+from diloco.runtime.learner import Learner
+from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
+from diloco.transport.client import ShardClient
+from diloco.transport.frames import FRAME_BYTES, FrameError, encode_fp32, message_frames, read_message, tensor_header
+from diloco.v1 import diloco_pb2 as pb
+
+
+def state_frames(values):
+    encoded = encode_fp32(values)
+    header = pb.Frame(state=pb.StateHeader(tensors=[tensor_header(n, e) for n, e in encoded.items()]))
+    return list(message_frames(header, encoded))
+
+
+def test_frames_round_trip_large_tensors_exactly():
+    values = {"big": torch.randn(FRAME_BYTES // 4 * 2 + 7), "small": torch.randn(3, 5)}
+    frames = state_frames(values)
+    assert len(frames) == 1 + 3  # header, then data cut at FRAME_BYTES
+    _, tensors = read_message(iter(frames), "state", limit=1 << 30)
+    for name, value in values.items():
+        decoded = get_codec("fp32").decode(tensors[name]).reshape(value.shape)
+        assert torch.equal(decoded, value)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda f: f[:-1], "truncated"),
+    (lambda f: f + [pb.Frame(data=b"x")], None),  # trailing bytes belong to the next message: not read here
+    (lambda f: [f[0], pb.Frame(data=f[1].data + b"extra")], "more than"),
+    (lambda f: [pb.Frame(push=pb.PushHeader())] + f[1:], "expected a state header"),
+    (lambda f: [f[0], f[0]], "mid-message"),
+])
+def test_malformed_streams_are_refused_whole(mutate, message):
+    frames = mutate(state_frames({"w": torch.randn(4, 4)}))
+    if message is None:
+        assert read_message(iter(frames), "state", limit=1 << 20) is not None
+        return
+    with pytest.raises(FrameError, match=message):
+        read_message(iter(frames), "state", limit=1 << 20)
+
+
+def test_headers_that_lie_about_sizes_or_exceed_the_limit_are_refused_before_any_data():
+    bad = pb.TensorHeader(name="w", codec="fp32", shape=[4], payload_bytes=15)
+    with pytest.raises(FrameError, match="declares"):
+        read_message(iter([pb.Frame(state=pb.StateHeader(tensors=[bad]))]), "state", limit=1 << 20)
+    huge = pb.TensorHeader(name="w", codec="fp32", shape=[1 << 20], payload_bytes=4 << 20)
+    with pytest.raises(FrameError, match="more than the 1024 allowed"):
+        read_message(iter([pb.Frame(state=pb.StateHeader(tensors=[huge]))]), "state", limit=1024)
+    unknown = pb.TensorHeader(name="w", codec="pickle", shape=[1])
+    with pytest.raises(FrameError, match="unknown codec"):
+        read_message(iter([pb.Frame(state=pb.StateHeader(tensors=[unknown]))]), "state", limit=1024)
+
+
+# ---------------------------------------------------------------- a live shard
+
+
+@pytest.fixture
+def shard():
+    config = tiny_config("learners.count=2", "outer.fragments=2", "outer.H=4")
+    server_shard = SyncerShard(config, ShardPlan(0, 1, ("",)))
+    server, port = serve(server_shard, "127.0.0.1:0")
+    server_shard.plan = ShardPlan(0, 1, (f"127.0.0.1:{port}",))
+    yield server_shard, f"127.0.0.1:{port}"
+    server_shard.stop()
+    server.stop(0)
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+
+
+def push_header(learner, fragment, seq, names, encoded, base_version=0, tokens=16):
+    return pb.PushHeader(learner=learner, fragment=fragment, base_version=base_version, seq=seq, tokens=tokens,
+                         steps=1, tensors=[tensor_header(n, encoded[n]) for n in names])
+
+
+def test_a_retried_push_is_counted_once(shard):
+    syncer, address = shard
+    learner = Learner(tiny_model(), syncer=address, learner=0)
+    client = ShardClient(address)
+    fragment = learner.fragments[0]
+    deltas = {n: torch.full_like(learner.params[n], 0.01) for n in fragment.names}
+    encoded = encode_fp32(deltas)
+    header = push_header(0, fragment.index, learner.core.seq + 1, fragment.names, encoded)
+    assert not client.push(header, encoded).duplicate
+    assert client.push(header, encoded).duplicate  # the same sequence number again: a retry
+    entry = syncer.core.ledger[0]
+    assert entry.pushes == 1 and entry.duplicates == 1
+    assert syncer.core.rounds_closed == 1 and syncer.core.version(fragment.index) == 1  # merged once
+    client.close()
+    learner.close()
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda d: {**d, next(iter(d)): torch.full_like(next(iter(d.values())), float("nan"))}, "NaN or Inf"),
+    (lambda d: {n: t.reshape(-1)[:-1] for n, t in d.items()}, "shape"),
+    (lambda d: {**d, "intruder": torch.zeros(2)}, "exactly the fragment's tensors"),
+])
+def test_a_bad_push_is_refused_with_the_reason_and_changes_nothing(shard, corrupt, message):
+    syncer, address = shard
+    learner = Learner(tiny_model(), syncer=address, learner=0)
+    client = ShardClient(address)
+    fragment = learner.fragments[0]
+    theta = {n: t.clone() for n, t in syncer.core.theta.items()}
+    deltas = corrupt({n: torch.full_like(learner.params[n], 0.01) for n in fragment.names})
+    # Raw bytes, as a faulty or hostile client would send them: our own codec refuses NaN already.
+    encoded = {n: Encoded("fp32", tuple(t.shape), 0, t.detach().numpy().tobytes()) for n, t in deltas.items()}
+    header = push_header(0, fragment.index, learner.core.seq + 1, list(deltas), encoded)
+    with pytest.raises(DilocoError, match=message):
+        client.push(header, encoded)
+    assert syncer.core.ledger[0].pushes == 0 and not syncer.core.fragments[fragment.index].pending
+    assert all(torch.equal(syncer.core.theta[n], theta[n]) for n in theta)
+    client.close()
+    learner.close()
+
+
+def test_a_learner_with_another_model_is_refused_by_name(shard):
+    _, address = shard
+    first = Learner(tiny_model(), syncer=address, learner=0)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    with pytest.raises(DilocoError, match="does not match the run"):
+        Learner(other, syncer=address, learner=1)
+    first.close()
+
+
+def test_updates_reach_the_learner_and_anchors_match_what_the_syncer_holds(shard):
+    """Two learners in lockstep on one thread: every merge re-anchors on exactly the values the
+    syncer recorded as sent (the anchor-consistency invariant), over the real transport."""
+    syncer, address = shard
+    learners = [Learner(tiny_model(), syncer=address, learner=m) for m in range(2)]
+    optimizers = [torch.optim.SGD(lr.model.parameters(), lr=0.1) for lr in learners]
+    for step in range(12):
+        for learner, opt in zip(learners, optimizers):
+            loss = learner.model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            learner.step(tokens=8)
+    time.sleep(0.5)  # let the last answers land, then merge them at one more step
+    for learner in learners:
+        learner.step(tokens=0)
+    for m, learner in enumerate(learners):
+        assert learner.merges > 0
+        for p, fragment in enumerate(learner.fragments):
+            if learner.core.anchor_versions[p] == syncer.core.held_versions[m][p]:
+                for name in fragment.names:
+                    assert torch.equal(learner.core.anchors[p][name], syncer.core.held[m][name])
+    reports = [learner.close() for learner in learners]
+    assert syncer.finished
+    ledger = syncer.core.ledger
+    for m, report in enumerate(reports):
+        per_fragment = [ledger[m].merged[p] + ledger[m].late[p] for p in range(2)]
+        assert per_fragment == [report["tokens"]] * 2  # conservation: every token counted once per fragment
+
+
+def test_an_unseeded_shard_refuses_a_pull_clearly(shard):
+    _, address = shard
+    client = ShardClient(address)
+    with pytest.raises(DilocoError, match="not seeded"):
+        client.pull(0)
+    client.close()
+
+
+def test_status_reports_membership(shard):
+    _, address = shard
+    client = ShardClient(address)
+    assert not client.status().initialised
+    learner = Learner(tiny_model(), syncer=address, learner=1)
+    status = client.status()
+    assert status.initialised and list(status.alive) == [0, 1]
+    learner.close()
+    assert list(client.status().alive) == [0]
+    client.close()
