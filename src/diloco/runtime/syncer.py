@@ -12,9 +12,11 @@ stops counting. Once every learner has left, the shard merges what is still open
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import queue
+import socket
 import threading
 import time
 from concurrent import futures
@@ -373,11 +375,28 @@ def serve(shard: SyncerShard, bind: str, workers: int = 32) -> tuple[grpc.Server
                          options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20)])
     pb_grpc.add_SyncerServicer_to_server(shard, server)
+    check_bindable(bind)
     try:
         port = server.add_insecure_port(bind)
-    except RuntimeError as exc:
-        raise DilocoError(f"cannot listen on {bind}: {exc} (is the port in use?)") from None
+    except RuntimeError:
+        port = 0
     if port == 0:
         raise DilocoError(f"cannot listen on {bind}: the port is in use or the address is not this host's")
     server.start()
     return server, port
+
+
+def check_bindable(bind: str) -> None:
+    """A one-line error for an address this host cannot listen on, before gRPC logs its own."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit():
+        raise DilocoError(f"--bind expects HOST:PORT, got {bind!r}")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, int(port)))
+        except OSError as exc:
+            reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise DilocoError(f"cannot listen on {bind}: {reason}") from None

@@ -1,0 +1,238 @@
+"""The real runtime as users run it: `diloco run`, `diloco syncer`, `diloco learner` and torchrun, as
+processes; its agreement with the simulator; bad input; Ctrl-C and dying children, never an orphan."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, tiny_config
+from diloco.sim.driver import Simulation
+
+RUN_TIMEOUT_S = 240
+
+
+def sets(*overrides: str) -> list[str]:
+    return [x for o in overrides for x in ("--set", o)]
+
+
+def diloco(*args: str, timeout: float = RUN_TIMEOUT_S, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants_of(pid: int) -> list[int]:
+    """Processes started by `diloco run` with launcher `pid` (they carry its pid in their environment)."""
+    found = []
+    marker = f"DILOCO_PARENT_PID={pid}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def wait_gone(pid: int, timeout: float = 30.0) -> None:
+    wait_for(lambda: not descendants_of(pid), timeout, f"the children of {pid} to exit")
+
+
+# ---------------------------------------------------------------- diloco run
+
+
+def test_run_trains_and_writes_the_summary_the_simulator_writes_plus_wall_clock(tmp_path):
+    overrides = [*TINY, "learners.speeds=[1, 0.5]", "train.tokens=20480"]
+    done = diloco("run", *sets(*overrides), "--out", str(tmp_path), "-q")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    sim_fields = set(Simulation(tiny_config()).run().summary())
+    assert sim_fields <= set(summary) and summary["wall_clock_s"] > 0
+    assert summary["learners"] == 2 and summary["rounds"] > 0 and summary["duplicates"] == 0
+    # Conservation: every token a learner trained is merged (on time or late) exactly once.
+    assert summary["tokens_lost"] == pytest.approx(0, abs=1e-6)
+    assert summary["tokens_merged"] + summary["tokens_late"] == pytest.approx(summary["tokens"])
+    slow = summary["per_learner"][1]
+    # Half of each of its steps is emulated slowness: counted as waiting it would leave at most 0.5.
+    assert slow["speed"] == 0.5 and slow["busy_fraction"] > 0.7
+    assert (tmp_path / "model.pt").is_file() and (tmp_path / "syncer" / "shard-0.pt").is_file()
+    assert all((tmp_path / "checkpoints" / f"learner-{m}.pt").is_file() for m in range(2))
+
+
+def test_run_and_sim_end_with_the_same_parameters_when_every_learner_is_in_every_round(tmp_path):
+    """K = M, one fragment, the same data order: the real runtime computes what the simulator does."""
+    overrides = [*TINY, "learners.count=2", "strategy=diloco", "outer.H=4", "train.tokens=10240"]
+    done = diloco("run", *sets(*overrides), "--out", str(tmp_path), "-q")
+    assert done.returncode == 0, done.stderr
+    real = torch.load(tmp_path / "model.pt", weights_only=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each learner process runs: another thread count sums in another order
+    try:
+        sim = Simulation(tiny_config(*overrides[len(TINY):]))
+        sim.run()
+    finally:
+        torch.set_num_threads(threads)
+    assert sim.syncer.rounds_closed == json.loads((tmp_path / "summary.json").read_text())["rounds"] == 20
+    for name, value in sim.syncer.theta.items():
+        torch.testing.assert_close(real[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_several_shards_split_the_fragments(tmp_path):
+    done = diloco("run", *sets(*TINY, "learners.count=2", "outer.fragments=3", "train.tokens=10240"),
+                  "--shards", "2", "--out", str(tmp_path), "-q")
+    assert done.returncode == 0, done.stderr
+    shards = json.loads((tmp_path / "syncer" / "shards.json").read_text())
+    assert [s["fragments"] for s in shards] == [[0, 2], [1]]
+    assert all(s["rounds"] for s in shards)
+
+
+# ---------------------------------------------------------------- separate commands, as on separate hosts
+
+
+def test_separate_syncer_shards_and_torchrun_learners_on_loopback(tmp_path):
+    ports = [free_port(), free_port()]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    config = sets(*TINY, "learners.count=2", "outer.fragments=2", "train.tokens=10240")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    try:
+        for i, address in enumerate(addresses):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "diloco", "syncer", *config, "--bind", address, "--shard", f"{i}/2",
+                 "--shards", ",".join(addresses), "--out", str(tmp_path), "--exit-when-finished"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+        learners = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+             str(free_port()), "-m", "diloco.learner", *config, "--syncer", addresses[m % 2], "--id", str(m),
+             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            for m in range(2)]
+        procs += learners
+        for proc in procs:
+            output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+            assert proc.returncode == 0, output
+    finally:
+        for proc in procs:
+            proc.kill()
+    for i in range(2):
+        report = json.loads((tmp_path / "syncer" / f"shard-{i}.json").read_text())
+        assert report["finished"] and report["rounds"]
+        assert set(report["ledger"]) == {"0", "1"}
+    for m in range(2):
+        assert json.loads((tmp_path / "learners" / f"learner-{m}.json").read_text())["merges"] > 0
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_a_learner_pointed_at_nothing_fails_in_one_line():
+    done = diloco("learner", "--syncer", f"127.0.0.1:{free_port()}", "--connect-timeout", "2", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "cannot reach the syncer at 127.0.0.1" in done.stderr
+
+
+def test_a_syncer_on_a_port_in_use_fails_in_one_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = diloco("syncer", "--bind", f"127.0.0.1:{port}", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--shards", "5"], "5 syncer shards but only 4 fragments"),
+    (["run", "--set", "strategy=ddp"], "Use `diloco sim` for ddp"),
+    (["syncer", "--shard", "2/2"], "need 0 <= i < N"),
+    (["syncer", "--shard", "0/2"], "--shards lists 1 address(es)"),
+    (["learner"], "give --syncer"),
+])
+def test_impossible_requests_fail_in_one_line(args, message):
+    done = diloco(*args, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr and done.stderr.strip().count("\n") == 0
+
+
+# ---------------------------------------------------------------- stopping, and children that die
+
+
+def start_run(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    config = sets(*TINY, "learners.count=2", "train.tokens=10000000", *overrides)
+    return subprocess.Popen([sys.executable, "-m", "diloco", "run", *config, "--out", str(tmp_path), "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_training(tmp_path: Path, launcher: subprocess.Popen) -> None:
+    def training() -> bool:
+        assert launcher.poll() is None, launcher.communicate()
+        logs = [tmp_path / "logs" / f"learner-{m}.log" for m in range(2)]
+        return all(log.is_file() and "trains" in log.read_text() for log in logs)
+    wait_for(training, 90, "both learners to train")
+
+
+def test_ctrl_c_stops_every_process_cleanly_with_state_saved(tmp_path):
+    launcher = start_run(tmp_path)
+    try:
+        wait_training(tmp_path, launcher)
+        assert len(descendants_of(launcher.pid)) == 3
+        launcher.send_signal(signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+        assert launcher.returncode == 130, stderr
+    finally:
+        launcher.kill()
+    assert not descendants_of(launcher.pid)
+    for m in range(2):  # each learner pushed what it had, left, and saved its own state
+        report = json.loads((tmp_path / "learners" / f"learner-{m}.json").read_text())
+        assert report["interrupted"] and (tmp_path / "checkpoints" / f"learner-{m}.pt").is_file()
+    state = torch.load(tmp_path / "syncer" / "shard-0.pt", weights_only=True)
+    assert state["theta"] and state["report"]["finished"]
+
+
+def test_a_learner_that_dies_ends_the_run_with_its_name_and_no_orphans(tmp_path):
+    launcher = start_run(tmp_path)
+    try:
+        wait_training(tmp_path, launcher)
+        learner = next(pid for pid in descendants_of(launcher.pid)
+                       if b"\0learner\0" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(learner, signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 2 and "learner-" in stderr and "exited with code -9" in stderr
+    wait_gone(launcher.pid)
+
+
+def test_killing_the_launcher_takes_its_children_with_it(tmp_path):
+    launcher = start_run(tmp_path)
+    try:
+        wait_training(tmp_path, launcher)
+        launcher.kill()
+        launcher.wait()
+    finally:
+        launcher.kill()
+    wait_gone(launcher.pid, timeout=10)
