@@ -111,9 +111,24 @@ class Learner:
         return partition(self.module, count, embedding_names(self.module))
 
     def _connect(self, address: str, learner: int | None, timeout_s: float, host: str) -> None:
+        joined: list[ShardClient] = []
+        try:
+            self._join_all(address, learner, timeout_s, host, joined)
+        except DilocoError:
+            for client in joined:  # a refused learner must not stay counted as alive
+                try:
+                    client.leave(self.id)
+                except DilocoError:
+                    pass
+                client.close()
+            raise
+
+    def _join_all(self, address: str, learner: int | None, timeout_s: float, host: str,
+                  joined: list[ShardClient]) -> None:
         first = ShardClient(address)
         first.wait_ready(timeout_s)
         reply = with_retries(lambda: first.join(learner, host), what="join")
+        joined.append(first)
         self.id, self.settings = reply.learner, reply.settings
         fragments = self._partition(self.settings.fragments)
         replies = {reply.shard: (first, reply)}
@@ -123,23 +138,29 @@ class Learner:
             client = ShardClient(info.address)
             client.wait_ready(timeout_s)
             replies[info.index] = (client, with_retries(lambda c=client: c.join(self.id, host), what="join"))
-        versions: dict[int, int] = {}
+            joined.append(client)
         last_seq = 0
         for index, (client, shard_reply) in sorted(replies.items()):
             owned = [p for p in range(len(fragments)) if p % len(replies) == index]
-            if not shard_reply.layout:
+            if shard_reply.layout:
+                _check_layout(list(shard_reply.layout), [fragments[p] for p in owned], self.params, client.address)
+            else:
                 layout = [_layout(fragments[p], self.params) for p in owned]
                 values = {n: self.params[n].detach() for p in owned for n in fragments[p].names}
                 client.init(layout, values)
             last_seq = max(last_seq, shard_reply.last_seq)
             self.shards.append(_Shard(index, client, owned))
+        theta: dict[str, torch.Tensor] = {}
+        versions: dict[int, int] = {}
         for shard in self.shards:
             values, shard_versions, layout = shard.client.pull(self.id, after_seq=last_seq)
+            # Checked again: another learner may have seeded Θ between our join and our pull.
             _check_layout(layout, [fragments[p] for p in shard.fragments], self.params, shard.client.address)
-            with torch.no_grad():
-                for name, value in values.items():
-                    self.params[name].copy_(value)
+            theta.update(values)
             versions.update(shard_versions)
+        with torch.no_grad():
+            for name, value in theta.items():
+                self.params[name].copy_(value)
         s = self.settings
         period = s.learner_periods[self.id] if self.id < len(s.learner_periods) else s.period
         self.core = LearnerCore(self.id, self.params, fragments, Schedule(period, len(fragments)), tau=s.tau,
