@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/diloco run $(ARGS)
 
-test: $(STAMP)
+# The status page is tested in a real headless browser: Debian's Chromium.
+CHROMIUM := /usr/bin/chromium
+
+$(CHROMIUM):
+	apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium
+
+test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -82,6 +82,17 @@ def test_run_trains_and_writes_the_summary_the_simulator_writes_plus_wall_clock(
     assert slow["speed"] == 0.5 and slow["busy_fraction"] > 0.7
     assert (tmp_path / "model.pt").is_file() and (tmp_path / "syncer" / "shard-0.pt").is_file()
     assert all((tmp_path / "checkpoints" / f"learner-{m}.pt").is_file() for m in range(2))
+    # The metrics of every process, in one file: the same totals as the summary and the transport.
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in records} == {"learner", "round", "eval", "syncer"}
+    last = {r["learner"]: r for r in records if r["kind"] == "learner"}
+    for report in summary["per_learner"]:
+        final = last[report["learner"]]
+        assert (final["tokens"], final["bytes_up"], final["bytes_down"]) == \
+            (report["tokens"], report["bytes_up"], report["bytes_down"])
+    rounds = [r for r in records if r["kind"] == "round"]
+    assert len(rounds) == summary["rounds"]
+    assert sum(r["tokens"] for r in rounds) == 4 * summary["tokens"]  # once per fragment
 
 
 def test_run_and_sim_end_with_the_same_parameters_when_every_learner_is_in_every_round(tmp_path):

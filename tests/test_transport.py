@@ -182,3 +182,21 @@ def test_status_reports_membership(shard):
     learner.close()
     assert list(client.status().alive) == [0]
     client.close()
+
+
+def test_the_status_page_of_a_live_shard_shows_its_learners_by_name(shard):
+    import json
+    import urllib.request
+
+    from diloco.status.server import StatusServer
+
+    syncer, address = shard
+    learners = [Learner(tiny_model(), syncer=address, learner=m, host=f"island-{m}") for m in range(2)]
+    with StatusServer(syncer.snapshot) as status:
+        page = urllib.request.urlopen(f"http://{status.address}/", timeout=10).read().decode()
+        snapshot = json.loads(urllib.request.urlopen(f"http://{status.address}/status.json", timeout=10).read())
+    assert "learner 0" in page and "learner 1" in page and "island-1" in page
+    assert snapshot["learners"]["0"]["state"] == "training" and snapshot["strategy"] == "decoupled"
+    learners[1].close()
+    assert syncer.snapshot()["learners"]["1"]["state"] == "left"
+    learners[0].close()

@@ -62,26 +62,51 @@ def learners_table(result) -> Table:
 
 
 def cmd_sim(args: argparse.Namespace, console: Console) -> int:
-    from diloco.sim import simulate  # torch loads here, not for `--help`
+    from diloco.metrics import open_metrics
 
     config = load_config(args.config, args.set or [])
     out = Path(args.out) if args.out else Path("runs") / f"sim-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if args.quiet:
-        result = simulate(config)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    metrics = open_metrics(out, tensorboard=config.metrics.tensorboard, wandb=config.metrics.wandb, origin=0.0)
+    try:
+        result = _simulate(config, metrics, args.quiet)
+    finally:
+        metrics.close()
+    (out / "summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    plots = write_plots(out)
+    if not args.quiet:
+        console.print(results_table(result))
+        console.print(learners_table(result))
+    console.print(f"summary: {out / 'summary.json'}" + (f"; plots in {plots}" if plots else ""))
+    return 0
+
+
+def _simulate(config, metrics, quiet: bool):
+    from diloco.sim import simulate  # torch loads here, not for `--help`
+
+    if quiet:
+        return simulate(config, metrics=metrics)
     else:
         columns = [TextColumn(f"[bold]{config.strategy}[/]"), BarColumn(),
                    TextColumn("{task.completed:,}/{task.total:,} tokens"),
                    TimeElapsedColumn()]
         with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task("train", total=config.train.tokens)
-            result = simulate(config, progress=lambda done, total: bar.update(task, completed=done, total=total))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
-    if not args.quiet:
-        console.print(results_table(result))
-        console.print(learners_table(result))
-    console.print(f"summary: {out / 'summary.json'}")
-    return 0
+            return simulate(config, metrics=metrics,
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def write_plots(out: Path) -> Path | None:
+    """The run's PNG plots, when matplotlib is installed (the `plots` extra)."""
+    try:
+        from diloco.report.plots import write_run_plots
+    except ImportError:
+        return None
+    try:
+        return out / "plots" if write_run_plots(out) else None
+    except DilocoError:
+        return None
 
 
 def cmd_goodput(args: argparse.Namespace, console: Console) -> int:

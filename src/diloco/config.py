@@ -156,6 +156,16 @@ class DataConfig:
 
 
 @dataclass
+class MetricsConfig:
+    every_steps: int = 10
+    """Inner steps between two records of a learner's metrics."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under OUT/tensorboard (needs the `tensorboard` extra)."""
+    wandb: str = ""
+    """A Weights & Biases project to log to (needs wandb installed); empty: off."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     strategy: Strategy = "decoupled"
@@ -167,6 +177,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     failures: FailuresConfig = field(default_factory=FailuresConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def speeds(self) -> list[float]:
         return list(self.learners.speeds) or [1.0] * self.learners.count
@@ -310,6 +321,7 @@ def validate(config: Config) -> None:
         "train.eval_points": t.eval_points, "train.eval_batches": t.eval_batches,
         "learners.count": lc.count, "outer.H": o.H, "outer.fragments": o.fragments,
         "model.layers": m.layers, "model.width": m.width, "model.heads": m.heads,
+        "metrics.every_steps": config.metrics.every_steps,
     }
     for key, value in positive_ints.items():
         _require(value > 0, key, "must be positive", value)

@@ -43,6 +43,7 @@ class Replica:
         self.planned_steps = planned_steps
         self.optimizer = make_optimizer(model, cfg)
         self.steps = 0
+        self._last_loss: torch.Tensor | None = None
 
     def named_params(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -53,7 +54,12 @@ class Replica:
         self.model.train()
         loss = check_loss(self.model(inputs, targets))
         loss.backward()
+        self._last_loss = loss.detach()  # read only when asked: reading it would wait for the device
         return targets.numel()
+
+    @property
+    def last_loss(self) -> float | None:
+        return None if self._last_loss is None else float(self._last_loss)
 
     def apply_gradients(self) -> None:
         if self.cfg.grad_clip > 0:

@@ -18,6 +18,7 @@ due, computes their outer gradients Δ = anchor − θ, merges answers τ steps 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +77,10 @@ class LearnerCore:
         self.now: float | None = None
         self.finished = False
         self.stale_updates = 0
+        self.last_push_norm: float | None = None
+        """L2 norm of the latest push's outer gradient (before encoding)."""
+        self.last_staleness: int | None = None
+        """Versions the fragment had moved on by others when the latest merge arrived."""
 
     # ------------------------------------------------------------ events
 
@@ -173,6 +178,7 @@ class LearnerCore:
 
     def _make_push(self, p: int, base_version: int, deltas: dict[str, torch.Tensor]) -> Push:
         self.seq += 1
+        self.last_push_norm = math.sqrt(sum(float(d.pow(2).sum()) for d in deltas.values()))
         decoded, nbytes = self._encode(deltas)
         push = Push(self.learner, p, base_version, self.seq, decoded, self.tokens_since[p], self.steps_since[p],
                     step_time_s=self.step_time_s, sent_at=self.now, payload_bytes=nbytes)
@@ -194,4 +200,5 @@ class LearnerCore:
             else:
                 param.mul_(self.alpha).add_(value.to(param.dtype), alpha=1.0 - self.alpha)
             self.anchors[p][name] = value.to(torch.float32).clone()
+        self.last_staleness = max(0, update.version - self.anchor_versions[p] - 1)
         self.anchor_versions[p] = update.version

@@ -29,6 +29,7 @@ Several pushes from one learner in one round add up to one contribution.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
@@ -103,6 +104,27 @@ class RoundRecord:
     participants: tuple[int, ...]
     late: int
     grace_s: float
+    time_to_quorum_s: float = 0.0
+    update_norm: float = 0.0
+    """L2 norm of the change this round made to Θ."""
+    cosine: float | None = None
+    """Mean pairwise cosine similarity of the participants' outer gradients; None with one participant."""
+    tokens: int = 0
+
+
+def mean_cosine(deltas: list[dict[str, torch.Tensor]]) -> float | None:
+    """Mean pairwise cosine similarity of whole-fragment outer gradients: how far learners agree."""
+    if len(deltas) < 2:
+        return None
+    names = list(deltas[0])
+    gram = torch.zeros(len(deltas), len(deltas), dtype=torch.float64)
+    for name in names:
+        flat = torch.stack([d[name].reshape(-1) for d in deltas]).to(torch.float64)
+        gram += flat @ flat.T
+    norms = gram.diagonal().sqrt().clamp_min(1e-30)
+    cosines = gram / norms[:, None] / norms[None, :]
+    pairs = [float(cosines[i, j]) for i in range(len(deltas)) for j in range(i + 1, len(deltas))]
+    return sum(pairs) / len(pairs)
 
 
 def token_weight(tokens: int, steps: int) -> float:
@@ -135,6 +157,7 @@ class FragmentState:
     version: int = 0
     pending: dict[int, Contribution] = field(default_factory=dict)
     first_arrival: float | None = None
+    quorum_at: float | None = None
     deadline: float | None = None
     grace_s: float = 0.0
 
@@ -260,6 +283,8 @@ class SyncerCore:
             return [self._close(state, now)] if everyone else []
         if len(state.pending) < self.needed():
             return []
+        if state.quorum_at is None:
+            state.quorum_at = now
         if everyone:
             return [self._close(state, now)]
         if state.deadline is None:
@@ -309,7 +334,9 @@ class SyncerCore:
         merged = merge_fragment([c.deltas for c in contributions], weights, self.merge_rule, self.embeddings)
         share = self._participation_share(contributions, weights)
         names = state.fragment.names
+        before = {n: self.theta[n].clone() for n in names}
         state.optimizer.step({n: self.theta[n] for n in names}, merged, share)
+        update_norm = math.sqrt(sum(float((self.theta[n] - before[n]).pow(2).sum()) for n in names))
         late = 0
         for c in contributions:
             entry = self.ledger[c.learner]
@@ -319,10 +346,14 @@ class SyncerCore:
             else:
                 entry.merged[state.fragment.index] += c.tokens
             entry.steps_merged += c.steps
-        self.rounds.append(RoundRecord(state.fragment.index, state.version + 1, state.first_arrival or now, now,
-                                       tuple(c.learner for c in contributions), late, state.grace_s))
+        opened = state.first_arrival if state.first_arrival is not None else now
+        self.rounds.append(RoundRecord(
+            state.fragment.index, state.version + 1, opened, now, tuple(c.learner for c in contributions), late,
+            state.grace_s, time_to_quorum_s=(state.quorum_at if state.quorum_at is not None else now) - opened,
+            update_norm=update_norm, cosine=mean_cosine([c.deltas for c in contributions]),
+            tokens=sum(c.tokens for c in contributions)))
         state.version += 1
-        state.pending, state.first_arrival, state.deadline, state.grace_s = {}, None, None, 0.0
+        state.pending, state.first_arrival, state.quorum_at, state.deadline, state.grace_s = {}, None, None, None, 0.0
         updates = {c.learner: self._answer(c.learner, state, c.last_seq) for c in contributions
                    if c.last_seq > self.session_start.get(c.learner, 0)}
         return Publish(state.fragment.index, state.version, updates)

@@ -15,6 +15,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from diloco.config import load_config
 from diloco.errors import DilocoError
+from diloco.metrics import open_metrics
+
+METRICS_EVERY_S = 2.0
+"""How often a syncer shard records its own metrics."""
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +54,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from diloco.cli import learners_table, results_table
+    from diloco.cli import learners_table, results_table, write_plots
     from diloco.runtime.launcher import Launcher
 
     config = load_config(args.config, args.set or [])
@@ -70,8 +74,12 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 tasks = {m: bars.add_task(f"learner {m} (speed {speeds[m]:g})", total=planned, detail="")
                          for m, planned in launcher.progress.planned.items()}
                 syncer = bars.add_task("syncer", total=None, detail="starting")
+                shown: list[bool] = []
 
                 def show(progress) -> None:
+                    if not shown and "status page" in launcher.endpoints:
+                        bars.console.print(f"status page: {launcher.endpoints['status page']}")
+                        shown.append(True)
                     for m, task in tasks.items():
                         done = progress.tokens.get(m, 0)
                         bars.update(task, completed=done, detail=f"{done:,} tokens")
@@ -83,13 +91,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"interrupted: learners pushed what they had and left; state saved in {out}")
         return 130
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plots = write_plots(out)
     if not args.quiet:
         table = results_table(launcher.result)
         table.title = f"diloco run: {config.strategy}, {config.learners.count} learners"
         table.add_row("wall-clock (whole command)", f"{summary['wall_clock_s']:.1f} s")
         console.print(table)
         console.print(learners_table(launcher.result))
-    console.print(f"summary: {out / 'summary.json'}")
+    console.print(f"summary: {out / 'summary.json'}" + (f"; plots in {plots}" if plots else ""))
     return 0
 
 
@@ -104,9 +113,12 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="where to save state and the report on exit")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on PORT")
+    p.add_argument("--status-port", type=int, metavar="PORT", help="serve the HTML status page on PORT")
 
 
 def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
+    from diloco.runtime.loop import run_origin
     from diloco.runtime.processes import die_with_parent
     from diloco.runtime.syncer import ShardPlan, SyncerShard, check_shards, parse_shard, serve
 
@@ -119,24 +131,40 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     if len(addresses) != count:
         raise DilocoError(f"--shards lists {len(addresses)} address(es) but --shard says there are {count} shards")
     stop = stop_on_signals()
-    shard = SyncerShard(config, ShardPlan(index, count, addresses))
+    out = Path(args.out) if args.out else None
+    metrics = open_metrics(out / "metrics" if out else None, name=f"syncer-{index}",
+                           tensorboard=config.metrics.tensorboard, wandb=config.metrics.wandb,
+                           prometheus_port=args.metrics_port, origin=run_origin())
+    shard = SyncerShard(config, ShardPlan(index, count, addresses), metrics)
     server, port = serve(shard, args.bind)
     host = args.bind.rsplit(":", 1)[0]
+    status = None
+    if args.status_port is not None:
+        from diloco.status.server import StatusServer
+
+        try:
+            status = StatusServer(shard.snapshot, f"{host}:{args.status_port}")
+        except OSError as exc:
+            raise DilocoError(f"cannot serve the status page on port {args.status_port}: {exc.strerror}") from None
+        print(f"status page: http://{status.address}/", flush=True)
     if args.bind.endswith(":0"):
         shard.plan = ShardPlan(index, count, tuple(f"{host}:{port}" if i == index else a
                                                    for i, a in enumerate(addresses)))
     print(f"diloco syncer shard {index}/{count} listening on {host}:{port}", flush=True)
-    while not stop.wait(0.5):
+    while not stop.wait(METRICS_EVERY_S):
+        shard.record_metrics()
         if args.exit_when_finished and shard.finished:
             break
     shard.stop()
-    if args.out:
-        out = Path(args.out) / "syncer"
-        shard.save(out / f"shard-{index}.pt")
+    if out:
+        shard.save(out / "syncer" / f"shard-{index}.pt")
         with shard.lock:
             report = shard.report()
-        (out / f"shard-{index}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "syncer" / f"shard-{index}.json").write_text(json.dumps(report, indent=2) + "\n")
     server.stop(grace=2).wait()
+    if status:
+        status.close()
+    metrics.close()
     return 0
 
 
@@ -154,6 +182,7 @@ def add_learner_arguments(p: argparse.ArgumentParser) -> None:
                    help="shape this learner's traffic to link.bandwidth_mbit and link.latency_ms")
     p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
                    help="give up if no syncer answers within S seconds (default 60)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on PORT (rank 0)")
 
 
 def cmd_learner(args: argparse.Namespace, console: Console) -> int:
@@ -170,7 +199,8 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
     stop = stop_on_signals()
     init_distributed()
     report = run_learner(config, syncer=args.syncer, learner=args.id, out=Path(args.out) if args.out else None,
-                         emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout)
+                         emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout,
+                         metrics_port=args.metrics_port)
     if not args.quiet and report["rank"] == 0:
         print(json.dumps(report), flush=True)
     return 0

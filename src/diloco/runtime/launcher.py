@@ -24,6 +24,8 @@ from diloco.data import EvalBatches, load_corpus
 from diloco.errors import DilocoError
 from diloco.models.factory import build_model
 from diloco.results import LearnerReport, RunResult
+from diloco.metrics import open_metrics
+from diloco.runtime.loop import ORIGIN_ENV
 from diloco.runtime.processes import Children
 from diloco.runtime.syncer import check_shards, settings_of
 from diloco.strategies import build_strategy
@@ -45,6 +47,19 @@ class Progress:
     eval_loss: float | None = None
 
 
+def merge_metrics(folder: Path, into: Path) -> None:
+    """Every process's records in one file, ordered by time; a line cut short by a kill is dropped."""
+    records = []
+    for path in sorted(folder.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    records.sort(key=lambda r: r.get("time_s", 0.0))
+    into.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,6 +74,11 @@ class Launcher:
         self.config, self.config_args, self.out, self.shard_count = config, config_args, out, shards
         self.children = Children(out / "logs")
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(shards)]
+        self.started_unix = time.time()
+        self.env = {ORIGIN_ENV: repr(self.started_unix)}
+        self.endpoints: dict[str, str] = {}
+        """What each child serves: its Prometheus metrics and, for shard 0, the status page."""
+        self.metrics = open_metrics(out / "metrics", name="launcher", origin=self.started_unix)
         self.clients: list[ShardClient] = []
         t, d = config.train, config.data
         self.corpus = load_corpus(d.source, dtype=d.dtype, vocab_size=d.vocab_size, eval_fraction=d.eval_fraction)
@@ -91,12 +111,15 @@ class Launcher:
             self.stop()
 
     def stop(self) -> None:
-        """Learners first (they push what they have and leave), then the shards (they save their state)."""
+        """Learners first (they push what they have and leave), then the shards (they save their state);
+        then every process's metrics are merged into one time-ordered metrics.jsonl."""
         self.children.stop("learner")
         self.children.stop("syncer", sig=signal.SIGTERM)
         self.children.close()
         for client in self.clients:
             client.close()
+        self.metrics.close()
+        merge_metrics(self.out / "metrics", self.out / "metrics.jsonl")
 
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "diloco", *args, *self.config_args]
@@ -104,9 +127,10 @@ class Launcher:
     def _start_syncers(self) -> None:
         shard_map = ",".join(self.addresses)
         for i, address in enumerate(self.addresses):
+            ports = self._ports(f"syncer-{i}", status=i == 0)
             self.children.start(f"syncer-{i}", self._python(
                 "syncer", "--bind", address, "--shard", f"{i}/{self.shard_count}", "--shards", shard_map,
-                "--out", str(self.out)))
+                "--out", str(self.out), *ports), env=self.env)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for i, address in enumerate(self.addresses):
             client = ShardClient(address)
@@ -122,11 +146,20 @@ class Launcher:
                                           f"see {self.out / 'logs' / f'syncer-{i}.log'}") from None
 
     def _start_learners(self) -> None:
-        env = {"OMP_NUM_THREADS": "1"}  # one thread per learner: several share this machine's cores
+        env = {"OMP_NUM_THREADS": "1", **self.env}  # one thread per learner: they share this machine's cores
         for m in range(self.config.learners.count):
             self.children.start(f"learner-{m}", self._python(
                 "learner", "--syncer", self.addresses[0], "--id", str(m), "--emulate-link",
-                "--out", str(self.out)), env=env)
+                "--out", str(self.out), *self._ports(f"learner-{m}")), env=env)
+
+    def _ports(self, name: str, status: bool = False) -> list[str]:
+        """Free ports for a child's Prometheus endpoint (and status page), remembered for the summary."""
+        args = ["--metrics-port", str(port := free_port())]
+        self.endpoints[f"{name} metrics"] = f"http://127.0.0.1:{port}/metrics"
+        if status:
+            args += ["--status-port", str(port := free_port())]
+            self.endpoints["status page"] = f"http://127.0.0.1:{port}/"
+        return args
 
     def _check_children(self) -> None:
         """A child that failed ends the run with its name, exit code and last log lines."""
@@ -184,8 +217,10 @@ class Launcher:
             for name, value in self.pull_theta().items():
                 params[name].copy_(value)
         loss = evaluate(self.model, self.eval_batches)
-        self.eval_curve.append({"time_s": time.monotonic() - self.training_started,
-                                "tokens": sum(self.progress.tokens.values()), "loss": loss})
+        point = {"time_s": time.monotonic() - self.training_started, "tokens": sum(self.progress.tokens.values()),
+                 "loss": loss}
+        self.eval_curve.append(point)
+        self.metrics.record("eval", tokens=point["tokens"], loss=loss)
         self.progress.eval_loss = loss
         return loss
 
@@ -235,6 +270,6 @@ class Launcher:
         summary = result.summary()
         summary.update(wall_clock_s=time.monotonic() - self.started, training_wall_clock_s=self.training_s,
                        duplicates=sum(e.get("duplicates", 0) for s in shards for e in s.get("ledger", {}).values()),
-                       shards=self.shard_count)
+                       shards=self.shard_count, endpoints=self.endpoints)
         self.result = result
         return summary

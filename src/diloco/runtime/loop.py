@@ -23,12 +23,18 @@ from torch import nn
 from diloco.config import Config
 from diloco.data import ShardSampler, load_corpus
 from diloco.errors import DilocoError
+from diloco.metrics import open_metrics
+from diloco.metrics.records import LearnerMeter
 from diloco.models.factory import build_model
 from diloco.runtime.learner import Learner, LinkShape
 from diloco.strategies import build_strategy
 from diloco.training import Replica
+from diloco.transport.shaping import ShapedDirection
 
 log = logging.getLogger("diloco.learner")
+
+ORIGIN_ENV = "DILOCO_RUN_ORIGIN"
+"""Unix time at which `diloco run` started, for every child's metrics to share one time axis."""
 
 
 def init_distributed() -> bool:
@@ -44,10 +50,11 @@ class Standalone:
     """Stands in for a `Learner` when syncing is off: the same loop, the same accounting, no network.
     It is the baseline that shows what syncing costs."""
 
-    rank, world, should_stop = 0, 1, False
+    rank, world, should_stop, core = 0, 1, False, None
 
     def __init__(self, learner: int) -> None:
         self.id = learner
+        self.up, self.down = ShapedDirection(None), ShapedDirection(None)  # nothing crosses them
 
     def request_stop(self) -> None:
         self.should_stop = True
@@ -62,7 +69,7 @@ class Standalone:
 
 def run_learner(config: Config, *, syncer: str | None, learner: int | None = None, out: Path | None = None,
                 emulate_link: bool = False, stop: threading.Event | None = None,
-                connect_timeout_s: float = 30.0) -> dict[str, Any]:
+                connect_timeout_s: float = 30.0, metrics_port: int | None = None) -> dict[str, Any]:
     """Train one learner to the end of its plan (or of the shared budget, or until `stop` is set);
     return its report, also written to OUT/learners/learner-ID.json with a checkpoint. With no
     `syncer`, train the same way without syncing (`learner` is then required)."""
@@ -90,7 +97,20 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     if world > 1:
         replica.model = nn.parallel.DistributedDataParallel(model)
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
-    tokens_trained, busy_s, began = 0, 0.0, time.monotonic()
+    metrics = open_metrics(out / "metrics" if out and rank == 0 else None, name=f"learner-{m}",
+                           tensorboard=config.metrics.tensorboard and rank == 0, wandb=config.metrics.wandb,
+                           prometheus_port=metrics_port if rank == 0 else None, origin=run_origin())
+    if metrics_port is not None and rank == 0:
+        log.info("learner %d serves Prometheus metrics on port %d", m, metrics.sinks[-1].port)
+    meter = LearnerMeter(metrics, m, config.metrics.every_steps)
+    tokens_trained, busy_s, began, started = 0, 0.0, time.monotonic(), time.monotonic()
+
+    def record(final: bool) -> None:
+        meter.step(time.time() - metrics.origin, steps=replica.steps, tokens=tokens_trained * world,
+                   busy_fraction=busy_s / (time.monotonic() - began), step_time_s=time.monotonic() - started,
+                   bytes_up=sync.up.bytes_sent, bytes_down=sync.down.bytes_sent, loss=lambda: replica.last_loss,
+                   core=sync.core, final=final)
+
     while replica.steps < planned and not sync.should_stop:
         started = time.monotonic()
         tokens = replica.train_step()
@@ -101,7 +121,12 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         if stop is not None and stop.is_set():
             sync.request_stop()
         sync.step(tokens)
+        if rank == 0:
+            record(final=False)
     report = sync.close()
+    if rank == 0:
+        record(final=True)  # after the last pushes and the leave: every byte is counted
+    metrics.close()
     wall_s = time.monotonic() - began
     report.update(speed=speed, planned_steps=planned, steps=replica.steps, tokens=tokens_trained * world,
                   busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
@@ -112,6 +137,11 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         (out / "learners").mkdir(parents=True, exist_ok=True)
         (out / "learners" / f"learner-{m}.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def run_origin() -> float:
+    """Time 0 of the run's metrics: the launcher's start when there is one, else now."""
+    return float(os.environ.get(ORIGIN_ENV, time.time()))
 
 
 def save_checkpoint(path: Path, model: nn.Module, replica: Replica) -> None:

@@ -32,6 +32,8 @@ from diloco.core.messages import Push, Update
 from diloco.core.syncer import Action, ProtocolError, Publish, SyncerCore, Timer
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
+from diloco.metrics import MetricsLog
+from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.strategies import build_strategy
 from diloco.transport.frames import FrameError, decode, encode_fp32, message_frames, read_message, tensor_header
 from diloco.v1 import diloco_pb2 as pb
@@ -42,6 +44,8 @@ log = logging.getLogger("diloco.syncer")
 OUTBOX_POLL_S = 0.5
 """How often an idle update stream checks that its learner is still connected."""
 MESSAGE_SLACK_BYTES = 1 << 16
+SILENT_AFTER_S = 5.0
+"""A learner not heard from (heartbeats, pushes) for this long shows as silent on the status page."""
 INIT_LIMIT_BYTES = 1 << 38
 """The largest Θ a shard accepts to be seeded with (256 GiB of fp32)."""
 
@@ -94,7 +98,7 @@ def check_shards(config: Config, count: int) -> None:
 
 
 class SyncerShard(pb_grpc.SyncerServicer):
-    def __init__(self, config: Config, plan: ShardPlan) -> None:
+    def __init__(self, config: Config, plan: ShardPlan, metrics: MetricsLog | None = None) -> None:
         check_shards(config, plan.count)
         self.config = config
         self.plan = plan
@@ -110,10 +114,15 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.joined: set[int] = set()
         self.left: set[int] = set()
         self.tokens: dict[int, int] = {}
+        self.steps: dict[int, int] = {}
         self.last_seen: dict[int, float] = {}
         self.push_errors = 0
         self.finished = False
         self.started = time.time()
+        self.metrics = metrics or MetricsLog([])
+        self.round_meter = RoundMeter(self.metrics, plan.index, origin=self.metrics.origin)
+        self.saved_at: float | None = None
+        self.hosts: dict[int, str] = {}
         self._deadline: float | None = None
         self._timer_cond = threading.Condition(self.lock)
         self._stopping = False
@@ -133,6 +142,17 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 if self._deadline is None or action.at < self._deadline:
                     self._deadline = action.at
                     self._timer_cond.notify_all()
+        if self.core is not None:
+            self.round_meter.emit(self.core.rounds)
+
+    def record_metrics(self) -> None:
+        """The shard's own record: outbox lengths, age of the saved state, memory."""
+        with self.lock:
+            queued = sum(q.qsize() for q in self.outboxes.values())
+            rounds = self.core.rounds_closed if self.core else 0
+            age = time.time() - self.saved_at if self.saved_at is not None else None
+        self.metrics.record("syncer", shard=self.plan.index, queue_length=queued, checkpoint_age_s=age,
+                            memory_bytes=resident_memory_bytes(), rounds=rounds)
 
     def _timer_loop(self) -> None:
         with self.lock:
@@ -173,6 +193,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
             self.joined.add(learner)
             self.left.discard(learner)
             self.last_seen[learner] = time.time()
+            self.hosts[learner] = request.host or context.peer()
             last_seq = self.core.ledger[learner].last_seq if self.core and learner in self.core.ledger else 0
             log.info("learner %d joined from %s", learner, request.host or context.peer())
             shards = [pb.ShardInfo(index=i, address=a, fragments=ShardPlan(i, self.plan.count, ()).fragments(
@@ -299,6 +320,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         with self.lock:
             self.tokens[request.learner] = request.tokens
+            self.steps[request.learner] = request.steps
             self.last_seen[request.learner] = time.time()
             total = sum(self.tokens.values())
             stop = self.settings.shared_budget and total >= self.settings.token_budget
@@ -343,6 +365,38 @@ class SyncerShard(pb_grpc.SyncerServicer):
                           "late": r.late, "grace_s": r.grace_s} for r in core.rounds]
         return out
 
+    def snapshot(self) -> dict:
+        """Membership, each learner's state and the recent rounds, for the status page."""
+        with self.lock:
+            core, now = self.core, time.time()
+            learners = {}
+            for m in sorted(set(range(self.settings.learners)) | self.joined):
+                entry = core.ledger.get(m) if core else None
+                seen = self.last_seen.get(m)
+                if m in self.left:
+                    state = "left"
+                elif m not in self.joined:
+                    state = "not joined"
+                elif seen is not None and now - seen > SILENT_AFTER_S:
+                    state = "silent"
+                else:
+                    state = "training"
+                learners[str(m)] = {
+                    "name": f"learner {m}", "host": self.hosts.get(m, ""), "state": state,
+                    "tokens": self.tokens.get(m, 0), "steps": self.steps.get(m, 0),
+                    "pushes": entry.pushes if entry else 0, "duplicates": entry.duplicates if entry else 0,
+                    "tokens_merged": sum(entry.merged.values()) if entry else 0,
+                    "tokens_late": sum(entry.late.values()) if entry else 0,
+                    "last_seen_s": now - seen if seen is not None else None,
+                    "held_versions": {str(p): v for p, v in core.held_versions.get(m, {}).items()} if core else {}}
+            rounds = [{"fragment": r.fragment, "version": r.version, "opened_at": r.opened_at - self.started,
+                       "closed_at": r.closed_at - self.started, "participants": list(r.participants),
+                       "late": r.late, "grace_s": r.grace_s} for r in (core.rounds[-200:] if core else [])]
+            return {"shard": self.plan.index, "shards": self.plan.count, "strategy": self.spec.name,
+                    "uptime_s": now - self.started, "finished": self.finished, "fragments": self.owned,
+                    "versions": {str(p): s.version for p, s in core.fragments.items()} if core else {},
+                    "learners": learners, "rounds": rounds}
+
     def save(self, path: Path) -> None:
         """Θ, outer-optimizer state, versions and the ledger, written atomically."""
         with self.lock:
@@ -356,6 +410,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         tmp.replace(path)
+        self.saved_at = time.time()
 
     def stop(self) -> None:
         with self.lock:

@@ -24,6 +24,8 @@ from diloco.core.syncer import Action, Publish, SyncerCore, Timer
 from diloco.data import EvalBatches, ShardSampler, load_corpus
 from diloco.fragments import Fragment, Schedule, embedding_names, partition
 from diloco.models.factory import ModelFactory, build_model
+from diloco.metrics.log import MetricsLog
+from diloco.metrics.records import LearnerMeter, RoundMeter, resident_memory_bytes
 from diloco.results import LearnerReport, RunResult
 from diloco.sim.clock import EventQueue
 from diloco.sim.failures import CrashPlan, outage_windows
@@ -89,8 +91,11 @@ class SimLearner:
 
 class Simulation:
     def __init__(self, config: Config, factory: ModelFactory | None = None,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, metrics: MetricsLog | None = None) -> None:
         self.config = config
+        self.metrics = metrics or MetricsLog([])
+        self.meters = [LearnerMeter(self.metrics, m, config.metrics.every_steps) for m in range(config.learners.count)]
+        self.round_meter = RoundMeter(self.metrics)
         self.spec: StrategySpec = build_strategy(config)
         self.progress = progress
         t, d = config.train, config.data
@@ -202,6 +207,7 @@ class Simulation:
         tokens = learner.replica.train_step()
         learner.tokens += tokens
         pushes = learner.core.on_step(tokens, step_time_s=learner.timer.last_s, now=self.now)
+        self._meter(learner)
         for push in pushes:
             self._send_push(learner, push)
         if self.crash_plan.any and learner.replica.steps % self.config.failures.checkpoint_every == 0:
@@ -273,6 +279,8 @@ class Simulation:
                         continue
                     arrival = learner.link.down.send(self.now, update.wire_bytes())
                     self.queue.schedule(arrival, ("update", (m, learner.incarnation, update)))
+        if self.syncer is not None:
+            self.round_meter.emit(self.syncer.rounds)
         return bool(actions)
 
     def _on_update(self, payload: tuple[int, int, Update]) -> None:
@@ -408,6 +416,7 @@ class Simulation:
                 continue  # it crashed after handing in its gradients; it takes a peer's state when back
             learner.resume(self.now)
             learner.replica.apply_gradients()
+            self._meter(learner)
             if learner.replica.steps < learner.planned_steps:
                 self._start_step(learner)
             else:
@@ -436,9 +445,21 @@ class Simulation:
                     p.copy_(self.syncer.theta[name])
         return self.eval_model
 
+    def _meter(self, learner: SimLearner, final: bool = False) -> None:
+        r = learner.replica
+        self.meters[learner.index].step(
+            self.now, steps=r.steps, tokens=learner.tokens, busy_fraction=learner.busy_s / self.now if self.now else 1.0,
+            step_time_s=learner.timer.last_s, bytes_up=learner.link.up.bytes_sent,
+            bytes_down=learner.link.down.bytes_sent, loss=lambda: r.last_loss, core=learner.core, final=final)
+
     def _record_eval(self) -> None:
         loss = evaluate(self.global_model(), self.eval_batches)
         self.eval_curve.append({"time_s": self.now, "tokens": self.tokens_trained, "loss": loss})
+        self.metrics.record("eval", self.now, tokens=self.tokens_trained, loss=loss)
+        if self.syncer is not None:
+            pending = sum(len(s.pending) for s in self.syncer.fragments.values())
+            self.metrics.record("syncer", self.now, shard=0, queue_length=pending, checkpoint_age_s=None,
+                                memory_bytes=resident_memory_bytes(), rounds=self.syncer.rounds_closed)
 
     def _by_parameters(self, per_fragment: list[int]) -> float:
         """A per-fragment token count, averaged with each fragment's share of the parameters."""
@@ -456,6 +477,8 @@ class Simulation:
         if unfinished:
             raise RuntimeError(f"simulation ended with learners {unfinished} still waiting: a round never closed")
         wall = self.last_event_s
+        for learner in self.learners:
+            self._meter(learner, final=True)
         self._record_eval()
         self.eval_curve[-1]["time_s"] = wall
         merged = late = lost = 0.0
@@ -485,6 +508,7 @@ class Simulation:
             per_learner=reports, eval_curve=self.eval_curve, config=self.config.to_dict())
 
 
-def simulate(config: Config, factory: ModelFactory | None = None, progress: Progress | None = None) -> RunResult:
+def simulate(config: Config, factory: ModelFactory | None = None, progress: Progress | None = None,
+             metrics: MetricsLog | None = None) -> RunResult:
     """Run one configuration in the simulator and return what it measured."""
-    return Simulation(config, factory, progress).run()
+    return Simulation(config, factory, progress, metrics).run()

@@ -1,0 +1,45 @@
+"""Every metric by kind of record, with what it means. The simulator and the runtime write the same
+names; JSONL keeps them as they are, Prometheus prefixes them `diloco_<kind>_`, TensorBoard files them
+under `<kind>/<source>/`."""
+
+from __future__ import annotations
+
+LABELS = {"learner": ("learner",), "round": ("shard", "fragment"), "syncer": ("shard",), "eval": ()}
+"""Fields that say whose record it is: Prometheus labels, not values."""
+
+CATALOG: dict[str, dict[str, str]] = {
+    "learner": {
+        "tokens": "tokens this learner trained on so far",
+        "steps": "inner steps so far",
+        "tokens_per_s": "tokens per second since the previous record",
+        "step_time_s": "the latest inner step's time, emulated slowness included",
+        "busy_fraction": "time inside inner steps over time since the learner started",
+        "bytes_up": "bytes this learner's link carried to the syncer so far",
+        "bytes_down": "bytes this learner's link carried from the syncer so far",
+        "loss": "the latest inner step's training loss",
+        "outer_grad_norm": "L2 norm of the latest push's outer gradient",
+        "staleness": "versions the fragment had moved on (by other learners) when the latest merge arrived",
+        "last_merged_version": "the newest version merged, over fragments",
+    },
+    "round": {
+        "version": "the version this round produced",
+        "participants": "learners whose pushes this round merged (a list in JSONL, a count in Prometheus)",
+        "late": "pushes based on an older version than the round's",
+        "time_to_quorum_s": "from the round's first push until it had its quorum",
+        "grace_s": "grace window waited after the quorum",
+        "update_norm": "L2 norm of the change the round made to Θ",
+        "cosine": "mean pairwise cosine similarity of the participants' outer gradients (none with one)",
+        "tokens": "tokens the round merged",
+    },
+    "syncer": {
+        "queue_length": "updates waiting in learners' outboxes",
+        "checkpoint_age_s": "seconds since the shard last saved its state (none before the first)",
+        "memory_bytes": "resident memory of the shard process",
+        "rounds": "rounds merged so far",
+    },
+    "eval": {
+        "tokens": "tokens trained over all learners when Θ was evaluated",
+        "loss": "held-out loss of Θ",
+    },
+}
+KINDS = tuple(CATALOG)

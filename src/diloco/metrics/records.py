@@ -1,0 +1,61 @@
+"""Records built the same way by both drivers, from the cores' own counters."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from diloco.core.learner import LearnerCore
+from diloco.core.syncer import RoundRecord
+from diloco.metrics.log import MetricsLog
+
+
+class LearnerMeter:
+    """A learner's record every `every_steps` inner steps; tokens per second since the previous one."""
+
+    def __init__(self, log: MetricsLog, learner: int, every_steps: int) -> None:
+        self.log, self.learner, self.every_steps = log, learner, every_steps
+        self._last: tuple[float, int] | None = None
+
+    def step(self, time_s: float, *, steps: int, tokens: int, busy_fraction: float, step_time_s: float,
+             bytes_up: int, bytes_down: int, loss: Callable[[], float | None], core: LearnerCore | None,
+             final: bool = False) -> None:
+        """Record if this step is on the period, or if it is the learner's last (`final`)."""
+        if steps % self.every_steps and not final:
+            return
+        last_time, last_tokens = self._last or (0.0, 0)
+        rate = (tokens - last_tokens) / (time_s - last_time) if time_s > last_time else None
+        self._last = (time_s, tokens)
+        self.log.record("learner", time_s, learner=self.learner, tokens=tokens, steps=steps, tokens_per_s=rate,
+                        step_time_s=step_time_s, busy_fraction=busy_fraction, bytes_up=bytes_up,
+                        bytes_down=bytes_down, loss=loss(),
+                        outer_grad_norm=core.last_push_norm if core else None,
+                        staleness=core.last_staleness if core else None,
+                        last_merged_version=max(core.anchor_versions) if core else None)
+
+
+class RoundMeter:
+    """A record for each round the syncer core closed since the last call."""
+
+    def __init__(self, log: MetricsLog, shard: int = 0, origin: float = 0.0) -> None:
+        """`origin`: the core's clock value at the run's start (0 in the simulator, Unix time for real)."""
+        self.log, self.shard, self.origin = log, shard, origin
+        self.seen = 0
+
+    def emit(self, rounds: list[RoundRecord]) -> None:
+        for r in rounds[self.seen:]:
+            self.log.record("round", r.closed_at - self.origin, shard=self.shard, fragment=r.fragment,
+                            version=r.version, participants=list(r.participants), late=r.late,
+                            time_to_quorum_s=r.time_to_quorum_s, grace_s=r.grace_s, update_norm=r.update_norm,
+                            cosine=r.cosine, tokens=r.tokens)
+        self.seen = len(rounds)
+
+
+def resident_memory_bytes() -> int:
+    """This process's resident memory (Linux); 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")

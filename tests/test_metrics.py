@@ -1,0 +1,104 @@
+"""Metrics hold the right values: tokens add up to what learners trained, bytes to what the links
+counted, rounds to what the syncer merged; and every sink gets them under the catalog's names."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from conftest import tiny_config
+from diloco.errors import DilocoError
+from diloco.metrics import CATALOG, MetricsLog, open_metrics
+from diloco.metrics.sinks import PrometheusSink
+from diloco.sim.driver import Simulation
+
+
+def read_records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def last_by_learner(records):
+    last = {}
+    for r in records:
+        if r["kind"] == "learner":
+            last[r["learner"]] = r
+    return last
+
+
+def test_simulated_metrics_add_up_to_what_was_trained_sent_and_merged(tmp_path):
+    config = tiny_config("learners.speeds=[1, 0.5]", "outer.fragments=2", "metrics.every_steps=3")
+    log = open_metrics(tmp_path, origin=0.0)
+    result = Simulation(config, metrics=log).run()
+    log.close()
+    records = read_records(tmp_path / "metrics.jsonl")
+    assert {r["kind"] for r in records} == {"learner", "round", "eval", "syncer"}
+    for r in records:  # only the catalog's names, besides kind, time and labels
+        assert set(r) - {"kind", "time_s"} <= set(CATALOG[r["kind"]]) | {"learner", "shard", "fragment"}
+    last = last_by_learner(records)
+    for report in result.per_learner:
+        final = last[report.learner]
+        assert (final["tokens"], final["steps"]) == (report.tokens, report.steps)
+        assert (final["bytes_up"], final["bytes_down"]) == (report.bytes_up, report.bytes_down)
+        assert final["outer_grad_norm"] > 0 and final["loss"] > 0
+    rounds = [r for r in records if r["kind"] == "round"]
+    assert len(rounds) == result.rounds
+    # Every token is merged once per fragment, on time or late.
+    assert sum(r["tokens"] for r in rounds) == 2 * result.tokens
+    assert all(r["update_norm"] > 0 for r in rounds)
+    assert all((r["cosine"] is None) == (len(r["participants"]) == 1) for r in rounds)
+    assert all(-1 <= r["cosine"] <= 1 for r in rounds if r["cosine"] is not None)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert evals[-1]["loss"] == pytest.approx(result.final_eval_loss)
+
+
+def test_round_cosine_is_one_for_identical_learners_and_the_norm_is_the_step():
+    from diloco.core.syncer import mean_cosine
+
+    import torch
+    same = {"w": torch.tensor([1.0, 2.0])}
+    assert mean_cosine([same, same, same]) == pytest.approx(1.0)
+    assert mean_cosine([same, {"w": torch.tensor([-1.0, -2.0])}]) == pytest.approx(-1.0)
+    assert mean_cosine([same]) is None
+
+
+def test_prometheus_serves_the_latest_value_of_each_metric_with_labels():
+    sink = PrometheusSink(0, host="127.0.0.1")
+    log = MetricsLog([sink])
+    log.record("learner", 1.0, learner=2, tokens=100, steps=3, bytes_up=7)
+    log.record("learner", 2.0, learner=2, tokens=160, steps=4, bytes_up=9)
+    log.record("round", 2.0, shard=0, fragment=1, participants=[0, 2], update_norm=0.5)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=10).read().decode()
+    log.close()
+    assert 'diloco_learner_tokens{learner="2"} 160.0' in text
+    assert 'diloco_learner_bytes_up{learner="2"} 9.0' in text
+    assert 'diloco_round_participants{fragment="1",shard="0"} 2.0' in text
+
+
+def test_tensorboard_gets_every_numeric_metric(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = open_metrics(tmp_path, tensorboard=True, origin=0.0)
+    log.record("learner", 0.5, learner=0, tokens=64, loss=3.5, outer_grad_norm=None)
+    log.record("eval", 1.0, tokens=64, loss=3.25)
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "metrics"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "learner/learner0/tokens" in tags and "eval/run/loss" in tags
+    assert "learner/learner0/outer_grad_norm" not in tags  # none yet: not a zero
+    assert events.Scalars("eval/run/loss")[0].value == pytest.approx(3.25)
+
+
+def test_asking_for_a_sink_that_is_not_installed_fails_clearly(tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(DilocoError, match="Weights & Biases is not installed"):
+        open_metrics(tmp_path, wandb="my-project")
+
+
+def test_a_metric_kind_outside_the_catalog_is_refused():
+    with pytest.raises(ValueError, match="unknown metric kind"):
+        MetricsLog([]).record("learnr", 0.0, tokens=1)

@@ -1,0 +1,251 @@
+"""The syncer's status page: the HTML renderer, its HTTP server, and the page in a real headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from html.parser import HTMLParser
+
+import pytest
+
+from diloco.status.page import TIMELINE_ROUNDS, render_page
+from diloco.status.server import StatusServer
+
+CHROMIUM = "/usr/bin/chromium"
+HOSTILE = "<script>alert(1)</script>"
+
+
+def learner(i: int, **over) -> dict:
+    entry = {"name": f"learner {i}", "host": "vm", "state": "training", "tokens": 1000 * i + 5, "steps": 12,
+             "pushes": 3, "duplicates": 0, "tokens_merged": 900, "tokens_late": 100, "last_seen_s": 0.4,
+             "held_versions": {"0": 5, "1": 4}}
+    entry.update(over)
+    return entry
+
+
+def snapshot(n_learners: int = 3, n_rounds: int = 4, **over) -> dict:
+    rounds = [{"fragment": k % 2, "version": k // 2 + 1, "opened_at": 1.0 + 0.5 * k, "closed_at": 1.3 + 0.5 * k,
+               "participants": list(range(1 + k % n_learners)) if n_learners else [], "late": k % 2,
+               "grace_s": 0.2} for k in range(n_rounds)]
+    snap = {"shard": 0, "shards": 1, "strategy": "decoupled", "uptime_s": 12.3, "finished": False,
+            "fragments": [0, 1], "versions": {"0": 5, "1": 4},
+            "learners": {str(i): learner(i) for i in range(n_learners)}, "rounds": rounds}
+    snap.update(over)
+    return snap
+
+
+class Membership(HTMLParser):
+    """Collects the name cell of every `tr.learner` inside `table#membership`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_table = self.in_name = False
+        self.names: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "table" and a.get("id") == "membership":
+            self.in_table = True
+        elif self.in_table and tag == "td" and "name" in (a.get("class") or "").split():
+            self.in_name = True
+            self.names.append("")
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self.in_table = False
+        elif tag == "td":
+            self.in_name = False
+
+    def handle_data(self, data):
+        if self.in_name:
+            self.names[-1] += data
+
+
+def learner_names(page: str) -> list[str]:
+    p = Membership()
+    p.feed(page)
+    return p.names
+
+
+# ------------------------------------------------------------------ render_page
+
+
+def test_page_lists_learners_by_name_in_the_membership_table():
+    page = render_page(snapshot(3))
+    assert page.startswith("<!DOCTYPE html>")
+    assert learner_names(page) == ["learner 0", "learner 1", "learner 2"]
+    assert page.count('class="learner"') == 3
+    assert 'id="membership"' in page and "decoupled" in page and "running" in page
+    assert "http://" not in page and "https://" not in page  # self-contained: no external assets
+    assert '<meta http-equiv="refresh" content="5">' in page  # the no-script fallback
+
+
+def test_learners_sort_numerically_and_tolerate_missing_fields():
+    snap = snapshot(0, 0, learners={"10": {"state": "not joined"}, "2": learner(2), "9": {}}, finished=True)
+    page = render_page(snap)
+    assert learner_names(page) == ["learner 2", "learner 9", "learner 10"]
+    assert "finished" in page and "state-not-joined" in page
+    render_page({})  # a bare snapshot still renders
+
+
+def test_every_snapshot_string_is_escaped():
+    snap = snapshot(2, 3, strategy=HOSTILE)
+    snap["learners"]["1"].update(host=HOSTILE, name='learner "1" <b>', state=HOSTILE)
+    page = render_page(snap)
+    assert "<script>alert" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<b>" not in page
+    assert page.count("<script>") == 1  # only the page's own refresh script
+
+
+def test_empty_rounds_show_a_note_instead_of_a_timeline():
+    page = render_page(snapshot(2, 0))
+    assert 'id="timeline"' in page and "No rounds yet" in page
+    assert "<svg" not in page
+
+
+def test_timeline_shows_one_bar_per_round_with_participants_in_the_tooltip():
+    page = render_page(snapshot(3, 4))
+    assert page.count('class="round-bar"') == 4
+    titles = re.findall(r"<title>([^<]*)</title>", page)[1:]  # [0] is the document's title
+    assert len(titles) == 4
+    assert "participants (3): learner 0, learner 1, learner 2" in titles[2]
+
+
+def test_many_rounds_are_truncated_to_the_most_recent():
+    snap = snapshot(3, 300)
+    page = render_page(snap)
+    assert page.count('class="round-bar"') == TIMELINE_ROUNDS
+    assert f"the last {TIMELINE_ROUNDS} of 300 rounds" in page
+    assert 'data-version="150"' in page  # the last round
+    assert 'data-version="1"' not in page  # the first ones are gone
+    assert len(page) < 200_000
+
+
+def test_an_open_round_is_drawn_up_to_now():
+    snap = snapshot(2, 1)
+    snap["rounds"][0]["closed_at"] = None
+    page = render_page(snap)
+    assert "still open" in page and 'class="round open"' in page
+
+
+# ------------------------------------------------------------------ StatusServer
+
+
+def get(url: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read().decode()
+
+
+@pytest.fixture
+def served():
+    """A server over a snapshot the test can change (or make raise) through `state`."""
+    state = {"snap": snapshot(3), "fail": False}
+
+    def snap():
+        if state["fail"]:
+            raise RuntimeError("shard lock poisoned")
+        return state["snap"]
+
+    server = StatusServer(snap)
+    yield server, state
+    server.close()
+
+
+def test_server_serves_the_page_and_the_snapshot_as_json(served, capfd):
+    server, state = served
+    code, ctype, body = get(f"http://{server.address}/status.json")
+    assert code == 200 and ctype.startswith("application/json")
+    assert json.loads(body) == state["snap"]
+    code, ctype, body = get(f"http://{server.address}/?x=1")
+    assert code == 200 and ctype.startswith("text/html")
+    assert learner_names(body) == ["learner 0", "learner 1", "learner 2"]
+    assert capfd.readouterr().err == ""  # no line per request
+
+
+def test_unknown_path_is_404(served):
+    server, _ = served
+    assert get(f"http://{server.address}/nope")[0] == 404
+    assert get(f"http://{server.address}/status.json/x")[0] == 404
+
+
+def test_a_failing_snapshot_is_a_500_and_the_server_keeps_serving(served):
+    server, state = served
+    state["fail"] = True
+    for path in ("/", "/status.json"):
+        code, _, body = get(f"http://{server.address}{path}")
+        assert code == 500 and "shard lock poisoned" in body and len(body) < 400
+    state["fail"] = False
+    assert get(f"http://{server.address}/status.json")[0] == 200
+
+
+def test_close_frees_the_port_and_is_idempotent():
+    server = StatusServer(lambda: {})
+    address = server.address
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", address) and not address.endswith(":0")
+    server.close()
+    server.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{address}/", timeout=2)
+
+
+# ------------------------------------------------------------------ a real browser
+
+
+def dump_dom(url: str, tmp_path, budget_ms: int = 3000) -> str:
+    """The DOM headless Chromium holds after `budget_ms` of virtual time (timers run, the clock doesn't wait)."""
+    profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           "--disable-dev-shm-usage", f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
+           "--dump-dom", url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: Chromium's helpers go with it
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-2000:]
+    return out
+
+
+needs_chromium = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason=f"{CHROMIUM} is missing: run `make test`, which installs Chromium (apt-get install -y chromium)",
+)
+
+
+@needs_chromium
+def test_page_in_headless_chromium_shows_learners_and_refreshes_itself(tmp_path):
+    first = snapshot(3)
+    first["learners"]["2"]["host"] = "<img src=x onerror=alert(1)>"
+    state = {"serve": lambda: first, "calls": 0}
+
+    def snap():
+        state["calls"] += 1
+        return state["serve"]()
+
+    with StatusServer(snap) as server:
+        # 1. The page as loaded: three learners in the table; the refresh script ran and kept them.
+        dom = dump_dom(f"http://{server.address}/", tmp_path)
+        assert learner_names(dom) == ["learner 0", "learner 1", "learner 2"]
+        assert re.search(r'<body data-refreshes="[1-9]', dom), "the refresh script did not run"
+        assert "<img" not in dom and "&lt;img src=x" in dom
+
+        # 2. A fourth learner joins right after the page is served: only the self-refresh can show it.
+        joined_at = state["calls"] + 1
+        state["serve"] = lambda: snapshot(3) if state["calls"] <= joined_at else snapshot(4)
+        dom = dump_dom(f"http://{server.address}/", tmp_path)
+        assert state["calls"] > joined_at, "the page never fetched itself again"
+        assert learner_names(dom) == ["learner 0", "learner 1", "learner 2", "learner 3"]
+        assert 'id="conn">live<' in dom
