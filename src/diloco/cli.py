@@ -17,16 +17,10 @@ from diloco import __version__
 from diloco.config import load_config
 from diloco.errors import DilocoError
 from diloco.goodput.command import add_arguments as add_goodput_arguments
+from diloco.report.command import add_arguments as add_report_arguments
+from diloco.results import human_bytes
 from diloco.runtime.commands import (add_learner_arguments, add_run_arguments, add_syncer_arguments, cmd_learner,
                                      cmd_run, cmd_syncer)
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 def results_table(result) -> Table:
@@ -38,9 +32,9 @@ def results_table(result) -> Table:
         ("final eval loss", f"{result.final_eval_loss:.4f}"),
         ("virtual wall-clock", f"{result.virtual_wall_clock_s:.1f} s"),
         ("goodput", f"{result.goodput:.3f}"),
-        ("wire bytes up", _human_bytes(result.wire_bytes_up)),
-        ("wire bytes down", _human_bytes(result.wire_bytes_down)),
-        ("peak bytes per sync", _human_bytes(result.peak_sync_bytes)),
+        ("wire bytes up", human_bytes(result.wire_bytes_up)),
+        ("wire bytes down", human_bytes(result.wire_bytes_down)),
+        ("peak bytes per sync", human_bytes(result.peak_sync_bytes)),
         ("rounds", str(result.rounds)),
         ("tokens merged / late / lost", f"{result.tokens_merged:,.0f} / {result.tokens_late:,.0f} / "
                                         f"{result.tokens_lost:,.0f}"),
@@ -57,7 +51,7 @@ def learners_table(result) -> Table:
         table.add_column(col, justify="right")
     for r in result.per_learner:
         table.add_row(str(r.learner), f"{r.speed:g}", f"{r.tokens:,}", str(r.steps), f"{r.busy_fraction:.3f}",
-                      str(r.crashes), _human_bytes(r.bytes_up), _human_bytes(r.bytes_down))
+                      str(r.crashes), human_bytes(r.bytes_up), human_bytes(r.bytes_down))
     return table
 
 
@@ -115,6 +109,12 @@ def cmd_goodput(args: argparse.Namespace, console: Console) -> int:
     return run(args)
 
 
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from diloco.report.command import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diloco", description=__doc__)
     parser.add_argument("--version", action="version", version=f"diloco {__version__}")
@@ -145,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_learner_arguments(learner)
     common(learner)
     learner.set_defaults(handler=cmd_learner)
+
+    report = sub.add_parser("report", help="plots of a run folder, or a table and plots comparing several")
+    add_report_arguments(report)
+    common(report)
+    report.set_defaults(handler=cmd_report)
 
     goodput = sub.add_parser("goodput", help="goodput of a job of many chips under failures, by policy")
     add_goodput_arguments(goodput)

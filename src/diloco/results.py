@@ -49,3 +49,12 @@ class RunResult:
 
     def summary(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units, as links are rated: 12.83 MB."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")

@@ -197,15 +197,25 @@ class SyncerCore:
     def _copy_theta(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.theta.items()}
 
-    def rejoin_state(self, learner: int, after_seq: int) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
-        """Θ and every fragment's version, sent whole (fp32) to a learner that (re)starts; its pushes
-        from now on are numbered above `after_seq`. From here on the syncer counts it as holding these."""
-        versions = {p: s.version for p, s in self.fragments.items()}
-        self.held[learner] = self._copy_theta()
-        self.held_versions[learner] = dict(versions)
+    def rejoin_state(self, learner: int, after_seq: int, fragments: Iterable[int] | None = None
+                     ) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+        """Θ and the versions of `fragments` (default: all), sent whole (fp32) to a learner that
+        (re)starts; its pushes from now on are numbered above `after_seq`. From here on the syncer
+        counts it as holding these. Fragments may be taken one call at a time (a transfer that breaks
+        resumes with the ones still missing): each is recorded as held when it is sent."""
+        chosen = list(self.fragments) if fragments is None else list(fragments)
+        for p in chosen:
+            if p not in self.fragments:
+                raise ProtocolError(f"fragment {p} is not held here")
+        names = [n for p in chosen for n in self.fragments[p].fragment.names]
+        held = self.held.setdefault(learner, {})
+        values = {n: self.theta[n].clone() for n in names}
+        held.update({n: v.clone() for n, v in values.items()})
+        versions = {p: self.fragments[p].version for p in chosen}
+        self.held_versions.setdefault(learner, {}).update(versions)
         self.session_start[learner] = after_seq
         self.ledger.setdefault(learner, LedgerEntry())
-        return self._copy_theta(), versions
+        return values, versions
 
     # ------------------------------------------------------------ membership
 

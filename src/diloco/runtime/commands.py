@@ -62,7 +62,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.shards < 1:
         raise DilocoError("--shards must be at least 1")
-    launcher = Launcher(config, config_args(args), out, shards=args.shards)
+    launcher = Launcher(config, config_args(args), out, shards=args.shards, verbose=args.verbose)
     try:
         if args.quiet:
             summary = launcher.run()

@@ -67,11 +67,13 @@ def free_port() -> int:
 
 
 class Launcher:
-    def __init__(self, config: Config, config_args: list[str], out: Path, shards: int = 1) -> None:
+    def __init__(self, config: Config, config_args: list[str], out: Path, shards: int = 1,
+                 verbose: bool = False) -> None:
         """`config_args` are the CONFIG path and --set options, passed on to every child as given."""
         settings_of(config)  # refuses a strategy the real runtime cannot run, with the reason
         check_shards(config, shards)
-        self.config, self.config_args, self.out, self.shard_count = config, config_args, out, shards
+        self.config, self.out, self.shard_count = config, out, shards
+        self.config_args = [*config_args, *(["--verbose"] if verbose else [])]  # children log at DEBUG too
         self.children = Children(out / "logs")
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(shards)]
         self.started_unix = time.time()

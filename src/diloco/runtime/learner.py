@@ -31,15 +31,13 @@ from diloco.core.learner import LearnerCore
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, Update
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment, Schedule, embedding_names, partition
-from diloco.transport.client import ShardClient, SyncerUnavailable, with_retries
+from diloco.transport.client import HEARTBEAT_S, ShardClient, SyncerUnavailable, with_retries
 from diloco.transport.frames import decode, tensor_header
 from diloco.transport.shaping import DeliveryQueue, ShapedDirection
 from diloco.v1 import diloco_pb2 as pb
 
 log = logging.getLogger("diloco.learner")
 
-HEARTBEAT_S = 1.0
-"""How often a learner reports its progress; the syncer's budget check and liveness follow it."""
 
 
 @dataclass(frozen=True)
@@ -153,11 +151,13 @@ class Learner:
         theta: dict[str, torch.Tensor] = {}
         versions: dict[int, int] = {}
         for shard in self.shards:
-            values, shard_versions, layout = shard.client.pull(self.id, after_seq=last_seq)
-            # Checked again: another learner may have seeded Θ between our join and our pull.
-            _check_layout(layout, [fragments[p] for p in shard.fragments], self.params, shard.client.address)
-            theta.update(values)
-            versions.update(shard_versions)
+            for p in shard.fragments:  # one fragment at a time: a broken transfer resumes where it broke
+                values, fragment_versions, layout = with_retries(
+                    lambda: shard.client.pull(self.id, after_seq=last_seq, fragments=[p]), what="pull")
+                # Checked again: another learner may have seeded Θ between our join and our pull.
+                _check_layout(layout, [fragments[p]], self.params, shard.client.address)
+                theta.update(values)
+                versions.update(fragment_versions)
         with torch.no_grad():
             for name, value in theta.items():
                 self.params[name].copy_(value)

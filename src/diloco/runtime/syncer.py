@@ -35,6 +35,7 @@ from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.strategies import build_strategy
+from diloco.transport.client import HEARTBEAT_S
 from diloco.transport.frames import FrameError, decode, encode_fp32, message_frames, read_message, tensor_header
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
@@ -46,6 +47,11 @@ OUTBOX_POLL_S = 0.5
 MESSAGE_SLACK_BYTES = 1 << 16
 SILENT_AFTER_S = 5.0
 """A learner not heard from (heartbeats, pushes) for this long shows as silent on the status page."""
+DEAD_AFTER_HEARTBEATS = 5
+"""A learner that missed this many of its heartbeats (at the interval measured from its own) is dead:
+rounds stop counting on it. It counts again as soon as it rejoins."""
+JOIN_BOUND_S = 60.0
+"""A configured learner that has not joined this long after Θ was seeded stops being counted on."""
 INIT_LIMIT_BYTES = 1 << 38
 """The largest Θ a shard accepts to be seeded with (256 GiB of fp32)."""
 
@@ -126,8 +132,15 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self._deadline: float | None = None
         self._timer_cond = threading.Condition(self.lock)
         self._stopping = False
+        self.heartbeat_gap: dict[int, float] = {}
+        self._heartbeat_seen: dict[int, float] = {}
+        self.lost: set[int] = set()
+        """Learners found dead by missed heartbeats (not announced)."""
+        self.seeded_at: float | None = None
         self._timer = threading.Thread(target=self._timer_loop, name="syncer-timer", daemon=True)
         self._timer.start()
+        self._liveness = threading.Thread(target=self._liveness_loop, name="syncer-liveness", daemon=True)
+        self._liveness.start()
 
     # ------------------------------------------------------------ core plumbing
 
@@ -168,6 +181,42 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 if self.core is not None:
                     self._handle(self.core.on_timer(time.time()))
 
+    def _liveness_loop(self) -> None:
+        while not self._stopping:
+            time.sleep(HEARTBEAT_S / 2)
+            with self.lock:
+                self._check_liveness(time.time())
+
+    def _check_liveness(self, now: float) -> None:
+        """Stop counting on learners that went silent: no learner waits for a dead peer. Called under the lock."""
+        core = self.core
+        if core is None:
+            return
+        for m in sorted(core.alive):
+            seen = self.last_seen.get(m)
+            if seen is None or m not in self.joined:
+                if now - (self.seeded_at or now) > JOIN_BOUND_S:
+                    log.warning("learner %d never joined; rounds stop counting on it", m)
+                    self._handle(core.leave(m, now))
+                continue
+            limit = DEAD_AFTER_HEARTBEATS * self.heartbeat_gap.get(m, HEARTBEAT_S)
+            if now - seen > limit:
+                log.warning("learner %d silent for %.1f s (%d heartbeats): counted as dead", m, now - seen,
+                            DEAD_AFTER_HEARTBEATS)
+                self.lost.add(m)
+                self._handle(core.leave(m, now))
+        self._finish_if_everyone_left()
+
+    def _seen(self, learner: int, now: float, heartbeat: bool = False) -> None:
+        last = self.last_seen.get(learner)
+        if heartbeat and last is not None and learner in self._heartbeat_seen:
+            gap = now - self._heartbeat_seen[learner]
+            old = self.heartbeat_gap.get(learner, gap)
+            self.heartbeat_gap[learner] = old + 0.3 * (gap - old)
+        if heartbeat:
+            self._heartbeat_seen[learner] = now
+        self.last_seen[learner] = now
+
     def _require_core(self, context: grpc.ServicerContext) -> SyncerCore:
         if self.core is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Θ is not seeded yet: a learner must Init first")
@@ -192,7 +241,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 learner = next(m for m in range(len(taken) + self.settings.learners + 1) if m not in taken)
             self.joined.add(learner)
             self.left.discard(learner)
-            self.last_seen[learner] = time.time()
+            self._seen(learner, time.time())
             self.hosts[learner] = request.host or context.peer()
             last_seq = self.core.ledger[learner].last_seq if self.core and learner in self.core.ledger else 0
             log.info("learner %d joined from %s", learner, request.host or context.peer())
@@ -221,6 +270,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                                    participation=self.spec.participation,
                                    down_codec=get_codec(self.config.codec.down, self.config.codec.block))
             self.layout = list(header.layout)
+            self.seeded_at = time.time()
             log.info("Θ seeded: fragments %s, %d tensors, %d parameters", self.owned, len(values),
                      sum(v.numel() for v in values.values()))
             return pb.InitReply(accepted=True)
@@ -252,14 +302,22 @@ class SyncerShard(pb_grpc.SyncerServicer):
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):
         with self.lock:
             core = self._require_core(context)
+            fragments = list(request.fragments) or list(core.fragments)
+            unknown = [p for p in fragments if p not in core.fragments]
+            if unknown:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragments {unknown} are not held by shard "
+                                                                f"{self.plan.index}")
             if request.observer:
-                theta = core._copy_theta()
-                versions = {p: s.version for p, s in core.fragments.items()}
+                names = [n for p in fragments for n in core.fragments[p].fragment.names]
+                theta = {n: core.theta[n].clone() for n in names}
+                versions = {p: core.fragments[p].version for p in fragments}
             else:
-                theta, versions = core.rejoin_state(request.learner, after_seq=request.after_seq)
+                theta, versions = core.rejoin_state(request.learner, request.after_seq, fragments)
                 core.join(request.learner, time.time())
                 self.joined.add(request.learner)
                 self.left.discard(request.learner)
+                self.lost.discard(request.learner)
+                self._seen(request.learner, time.time())
                 self.finished = False
         encoded = encode_fp32(theta)
         header = pb.StateHeader(versions=[pb.FragmentVersion(fragment=p, version=v) for p, v in versions.items()],
@@ -294,7 +352,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
             except ProtocolError as exc:
                 self.push_errors += 1
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            self.last_seen[push.learner] = time.time()
+            self._seen(push.learner, time.time())
             return pb.PushReply(duplicate=core.ledger[push.learner].duplicates > duplicates)
 
     def _push_limit(self) -> int:
@@ -321,7 +379,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         with self.lock:
             self.tokens[request.learner] = request.tokens
             self.steps[request.learner] = request.steps
-            self.last_seen[request.learner] = time.time()
+            self._seen(request.learner, time.time(), heartbeat=True)
             total = sum(self.tokens.values())
             stop = self.settings.shared_budget and total >= self.settings.token_budget
             return pb.HeartbeatReply(stop=stop, tokens_reported=total)
@@ -375,6 +433,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 seen = self.last_seen.get(m)
                 if m in self.left:
                     state = "left"
+                elif m in self.lost:
+                    state = "lost"
                 elif m not in self.joined:
                     state = "not joined"
                 elif seen is not None and now - seen > SILENT_AFTER_S:

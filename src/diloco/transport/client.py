@@ -18,6 +18,9 @@ from diloco.v1 import diloco_pb2_grpc as pb_grpc
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
                    ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_permit_without_calls", 1)]
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+HEARTBEAT_S = 1.0
+"""How often a learner reports its progress; the syncer measures the actual interval and counts a
+learner dead after several missed ones."""
 
 
 class SyncerUnavailable(DilocoError):
@@ -63,10 +66,10 @@ class ShardClient:
                                                tensors=[tensor_header(n, e) for n, e in encoded.items()]))
         return self._call("init", self.stub.Init, message_frames(header, encoded), timeout=300).accepted
 
-    def pull(self, learner: int, *, observer: bool = False, after_seq: int = 0
+    def pull(self, learner: int, *, observer: bool = False, after_seq: int = 0, fragments: list[int] = ()
              ) -> tuple[dict[str, torch.Tensor], dict[int, int], list[pb.FragmentLayout]]:
-        """Θ of the shard's fragments, their versions, and the layout."""
-        request = pb.PullRequest(learner=learner, observer=observer, after_seq=after_seq)
+        """Θ of the shard's `fragments` (default: all), their versions, and the layout."""
+        request = pb.PullRequest(learner=learner, observer=observer, after_seq=after_seq, fragments=fragments)
 
         def fetch():
             stream = self.stub.Pull(request, timeout=300)

@@ -179,14 +179,16 @@ class InitReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner", "observer", "after_seq")
+    __slots__ = ("learner", "observer", "after_seq", "fragments")
     LEARNER_FIELD_NUMBER: _ClassVar[int]
     OBSERVER_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     learner: int
     observer: bool
     after_seq: int
-    def __init__(self, learner: _Optional[int] = ..., observer: _Optional[bool] = ..., after_seq: _Optional[int] = ...) -> None: ...
+    fragments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, learner: _Optional[int] = ..., observer: _Optional[bool] = ..., after_seq: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("duplicate",)
