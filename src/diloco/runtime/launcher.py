@@ -86,6 +86,7 @@ class Launcher:
         self.corpus = load_corpus(d.source, dtype=d.dtype, vocab_size=d.vocab_size, eval_fraction=d.eval_fraction)
         self.eval_batches = EvalBatches(self.corpus.eval, seq_len=t.seq_len, batch_size=t.batch_size,
                                         batches=t.eval_batches).batches
+        torch.set_num_threads(1)  # evaluating Θ here must not take the cores the learners share
         self.model = build_model(config, self.corpus.vocab_size)
         speeds = config.speeds()
         tokens_per_step = t.batch_size * t.seq_len

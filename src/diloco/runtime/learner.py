@@ -178,6 +178,12 @@ class Learner:
         """The run's shared token budget is spent (as the syncer counts it)."""
         return self._stop_requested
 
+    def resume(self, step: int) -> None:
+        """The user's loop restored its own checkpoint taken at inner step `step`: the fragment schedule
+        continues from there. Call before the first `step()`."""
+        if self.core is not None:
+            self.core.step = step
+
     def request_stop(self) -> None:
         """Stop at the end of this step (e.g. on Ctrl-C); under torchrun, rank 0's request counts."""
         self._stop_requested = True

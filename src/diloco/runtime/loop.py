@@ -59,6 +59,9 @@ class Standalone:
     def request_stop(self) -> None:
         self.should_stop = True
 
+    def resume(self, step: int) -> None:
+        pass
+
     def step(self, tokens: int) -> None:
         pass
 
@@ -94,6 +97,13 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     replica.sampler = ShardSampler(corpus.train, learner=m * world + rank, learners=max(len(speeds), m + 1) * world,
                                    seq_len=t.seq_len, batch_size=t.batch_size, seed=config.seed)
     replica.planned_steps = planned
+    checkpoint = out / "checkpoints" / f"learner-{m}.pt" if out is not None else None
+    if checkpoint is not None and checkpoint.is_file():
+        restore_checkpoint(checkpoint, replica, world)
+        sync.resume(replica.steps)
+        log.info("learner %d resumes at step %d from %s (inner optimizer and data position)", m,
+                 replica.steps, checkpoint)
+    resumed_from = replica.steps
     if world > 1:
         replica.model = nn.parallel.DistributedDataParallel(model)
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
@@ -123,17 +133,19 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         sync.step(tokens)
         if rank == 0:
             record(final=False)
+            if checkpoint is not None and replica.steps % config.failures.checkpoint_every == 0:
+                save_checkpoint(checkpoint, model, replica)
     report = sync.close()
     if rank == 0:
         record(final=True)  # after the last pushes and the leave: every byte is counted
     metrics.close()
     wall_s = time.monotonic() - began
-    report.update(speed=speed, planned_steps=planned, steps=replica.steps, tokens=tokens_trained * world,
+    report.update(speed=speed, planned_steps=planned, steps=replica.steps, resumed_from_step=resumed_from, tokens=tokens_trained * world,
                   busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
                   tokens_per_s=tokens_trained * world / wall_s if wall_s else 0.0,
                   interrupted=bool(stop is not None and stop.is_set()))
-    if out is not None and rank == 0:
-        save_checkpoint(out / "checkpoints" / f"learner-{m}.pt", model, replica)
+    if checkpoint is not None and rank == 0:
+        save_checkpoint(checkpoint, model, replica)
         (out / "learners").mkdir(parents=True, exist_ok=True)
         (out / "learners" / f"learner-{m}.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -142,6 +154,16 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
 def run_origin() -> float:
     """Time 0 of the run's metrics: the launcher's start when there is one, else now."""
     return float(os.environ.get(ORIGIN_ENV, time.time()))
+
+
+def restore_checkpoint(path: Path, replica: Replica, world: int) -> None:
+    """A restarted learner's own state: inner optimizer, data position, step count. Its parameters come
+    from the syncer's current Θ instead, which is newer. Loaded without unpickling code."""
+    state = torch.load(path, weights_only=True)
+    replica.optimizer.load_state_dict(state["optimizer"])
+    if world == 1:  # with several ranks each has its own position; rank 0's checkpoint holds only its own
+        replica.sampler.load_state_dict(state["data"])
+    replica.steps = int(state["steps"])
 
 
 def save_checkpoint(path: Path, model: nn.Module, replica: Replica) -> None:

@@ -121,8 +121,10 @@ def decode(encoded: Encoded) -> torch.Tensor:
     except DilocoError as exc:
         raise FrameError(str(exc)) from None
     values = values.reshape(encoded.shape)
-    if values.numel() and not bool(torch.isfinite(values).all()):
-        raise FrameError("a tensor holds NaN or Inf")
+    if values.numel():  # the extremes are NaN or infinite if any element is: no tensor-sized mask
+        low, high = torch.aminmax(values.reshape(-1))
+        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+            raise FrameError("a tensor holds NaN or Inf")
     return values
 
 

@@ -76,10 +76,18 @@ def secret_token(secret: bytes) -> str:
     return hmac.new(secret, _TOKEN_CONTEXT, hashlib.sha256).hexdigest()
 
 
+_PEM_MARKERS = {"--tls-cert": (b"-----BEGIN CERTIFICATE-----", "certificate"),
+                "--tls-ca": (b"-----BEGIN CERTIFICATE-----", "certificate"),
+                "--tls-key": (b"PRIVATE KEY-----", "private key")}
+
+
 def _read_pem(path: str, option: str) -> bytes:
     data = _read(path, option)
     if b"-----BEGIN" not in data:
         raise DilocoError(f"{option} {path} is not a PEM file (no -----BEGIN line)")
+    marker, what = _PEM_MARKERS[option]
+    if marker not in data:
+        raise DilocoError(f"{option} {path} holds no PEM {what}")
     return data
 
 
