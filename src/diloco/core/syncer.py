@@ -171,6 +171,8 @@ class SyncerCore:
         self.fragments = {f.index: FragmentState(f, optimizer()) for f in fragments}
         """By global fragment index: a shard of a sharded syncer holds some fragments only."""
         self.alive = set(members)
+        self.finished: set[int] = set()
+        """Learners that left having trained their share."""
         self.merge_rule = merge_rule
         self.embeddings = frozenset(embeddings)
         self.quorum, self.grace, self.grace_cap_steps, self.tau = quorum, grace, grace_cap_steps, tau
@@ -224,10 +226,15 @@ class SyncerCore:
         if learner not in self.held:
             raise ProtocolError(f"learner {learner} joins without having taken the current state")
         self.alive.add(learner)
+        self.finished.discard(learner)
 
-    def leave(self, learner: int, now: float) -> list[Action]:
-        """A learner left or was found dead: rounds stop counting on it (its pushes already in stay)."""
+    def leave(self, learner: int, now: float, finished: bool = False) -> list[Action]:
+        """A learner left or was found dead: rounds stop waiting for it (its pushes already in stay).
+        One that `finished` its share of the run still counts in the rounds' shares: the fleet's
+        average includes it, so the last learners still training do not speak for the whole fleet."""
         self.alive.discard(learner)
+        if finished:
+            self.finished.add(learner)
         return self._evaluate_all(now)
 
     # ------------------------------------------------------------ events
@@ -333,7 +340,7 @@ class SyncerCore:
         present = {c.learner for c in contributions}
         known = list(self.last_weight.values())
         typical = sum(known) / len(known)
-        absent = sum(self.last_weight.get(m, typical) for m in self.alive - present)
+        absent = sum(self.last_weight.get(m, typical) for m in (self.alive | self.finished) - present)
         return sum(weights) / (sum(weights) + absent)
 
     def _close(self, state: FragmentState, now: float) -> Publish:

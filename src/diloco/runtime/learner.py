@@ -242,8 +242,9 @@ class Learner:
             if self._error is not None:
                 raise DilocoError(f"learner {self.id}: syncing failed: {self._error}") from self._error
 
-    def close(self) -> dict[str, Any]:
-        """Push what no push has carried yet, leave, stop the threads; return this learner's report."""
+    def close(self, finished: bool = True) -> dict[str, Any]:
+        """Push what no push has carried yet, leave, stop the threads; return this learner's report.
+        `finished`: it trained its share of the run (False: it was interrupted and may come back)."""
         if self._closed:
             return self.report()
         self._closed = True
@@ -251,7 +252,7 @@ class Learner:
         if self.rank == 0:
             for push in self.core.finish(time.time()):
                 self._send(push)
-            self._outbox.put(("leave", None))
+            self._outbox.put(("leave", finished))
             self._outbox.put(None)
             for thread in self._threads:
                 if thread.name.startswith(("learner-encode", "learner-deliver")):
@@ -306,7 +307,7 @@ class Learner:
             kind, push = item
             if kind == "leave":
                 for shard in self.shards:
-                    self._wire.put(self.up.send(MESSAGE_HEADER_BYTES), ("leave", shard, None, None))
+                    self._wire.put(self.up.send(MESSAGE_HEADER_BYTES), ("leave", shard, push, None))
                 continue
             encoded = self.core.encode(push.deltas)
             header = pb.PushHeader(learner=self.id, fragment=push.fragment, base_version=push.base_version,
@@ -324,7 +325,7 @@ class Learner:
             kind, shard, header, encoded = item
             if kind == "leave":
                 try:
-                    with_retries(lambda: shard.client.leave(self.id), what="leave")
+                    with_retries(lambda: shard.client.leave(self.id, finished=header), what="leave")
                 except SyncerUnavailable as exc:
                     log.warning("learner %d: could not announce leaving: %s", self.id, exc)
                 continue

@@ -33,6 +33,8 @@ from diloco.transport.shaping import ShapedDirection
 
 log = logging.getLogger("diloco.learner")
 
+SHARED_BUDGET_CAP = 4
+"""With a shared budget, a learner stops at this many times its plan even if no stop came (a bound)."""
 ORIGIN_ENV = "DILOCO_RUN_ORIGIN"
 """Unix time at which `diloco run` started, for every child's metrics to share one time axis."""
 
@@ -65,7 +67,7 @@ class Standalone:
     def step(self, tokens: int) -> None:
         pass
 
-    def close(self) -> dict[str, Any]:
+    def close(self, finished: bool = True) -> dict[str, Any]:
         return {"learner": self.id, "rank": 0, "world": 1, "merges": 0, "pushes": 0, "bytes_up": 0,
                 "bytes_down": 0, "peak_message_bytes_up": 0}
 
@@ -92,7 +94,8 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     speeds = config.speeds()
     speed = speeds[m] if m < len(speeds) else 1.0
     tokens_per_step = t.batch_size * t.seq_len
-    plans = build_strategy(config).planned_steps(speeds, config.token_budget(), tokens_per_step)
+    spec = build_strategy(config)
+    plans = spec.planned_steps(speeds, config.token_budget(), tokens_per_step)
     planned = plans[m] if m < len(plans) else plans[-1]
     replica.sampler = ShardSampler(corpus.train, learner=m * world + rank, learners=max(len(speeds), m + 1) * world,
                                    seq_len=t.seq_len, batch_size=t.batch_size, seed=config.seed)
@@ -121,7 +124,11 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
                    bytes_up=sync.up.bytes_sent, bytes_down=sync.down.bytes_sent, loss=lambda: replica.last_loss,
                    core=sync.core, final=final)
 
-    while replica.steps < planned and not sync.should_stop:
+    # With a shared budget every learner trains until the syncer says the budget is spent, so all stop
+    # together as in the simulator (its plan only shapes its learning-rate schedule); a learner that
+    # stopped at its own plan would leave the others' last rounds to speak for the whole fleet.
+    last_step = planned * SHARED_BUDGET_CAP if spec.shared_budget and syncer is not None else planned
+    while replica.steps < last_step and not sync.should_stop:
         started = time.monotonic()
         tokens = replica.train_step()
         if speed < 1:
@@ -135,7 +142,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
             record(final=False)
             if checkpoint is not None and replica.steps % config.failures.checkpoint_every == 0:
                 save_checkpoint(checkpoint, model, replica)
-    report = sync.close()
+    report = sync.close(finished=not (stop is not None and stop.is_set()))
     if rank == 0:
         record(final=True)  # after the last pushes and the leave: every byte is counted
     metrics.close()

@@ -390,7 +390,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
             self.streams.pop(request.learner, None)
             log.info("learner %d left", request.learner)
             if self.core is not None:
-                self._handle(self.core.leave(request.learner, time.time()))
+                self._handle(self.core.leave(request.learner, time.time(), finished=request.finished))
                 self._finish_if_everyone_left()
         return pb.LeaveReply()
 

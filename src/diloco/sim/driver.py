@@ -262,7 +262,7 @@ class Simulation:
         self._handle(self.syncer.on_push(push, self.now))
 
     def _on_leave(self, m: int) -> None:
-        self._handle(self.syncer.leave(m, self.now))
+        self._handle(self.syncer.leave(m, self.now, finished=self.learners[m].finished))
 
     def _on_timer(self, _: None) -> None:
         self._handle(self.syncer.on_timer(self.now))

@@ -108,8 +108,8 @@ class ShardClient:
         return self._call("heartbeat", self.stub.Heartbeat,
                           pb.HeartbeatRequest(learner=learner, tokens=tokens, steps=steps), timeout=10)
 
-    def leave(self, learner: int) -> None:
-        self._call("leave", self.stub.Leave, pb.LeaveRequest(learner=learner), timeout=30)
+    def leave(self, learner: int, finished: bool = False) -> None:
+        self._call("leave", self.stub.Leave, pb.LeaveRequest(learner=learner, finished=finished), timeout=30)
 
     def status(self, timeout_s: float = 10) -> pb.StatusReply:
         return self._call("status", self.stub.Status, pb.StatusRequest(), timeout=timeout_s)

@@ -221,10 +221,12 @@ class HeartbeatReply(_message.Message):
     def __init__(self, stop: _Optional[bool] = ..., tokens_reported: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("learner",)
+    __slots__ = ("learner", "finished")
     LEARNER_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     learner: int
-    def __init__(self, learner: _Optional[int] = ...) -> None: ...
+    finished: bool
+    def __init__(self, learner: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()
