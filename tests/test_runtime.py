@@ -247,3 +247,19 @@ def test_killing_the_launcher_takes_its_children_with_it(tmp_path):
     finally:
         launcher.kill()
     wait_gone(launcher.pid, timeout=10)
+
+
+def test_a_learner_without_the_run_secret_is_refused_in_one_line():
+    port = free_port()
+    env = {**os.environ, "DILOCO_SECRET": "the-right-one"}
+    syncer = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "--bind", f"127.0.0.1:{port}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert "shared secret" in syncer.stdout.readline()  # listening, and says how it is secured
+        done = diloco("learner", "--syncer", f"127.0.0.1:{port}", "--connect-timeout", "20", timeout=60,
+                      env={**os.environ, "DILOCO_SECRET": "a-wrong-one"})
+    finally:
+        syncer.kill()
+        syncer.wait()
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
+    assert "missing or wrong shared secret" in done.stderr

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from diloco.config import load_config
 from diloco.errors import DilocoError
 from diloco.metrics import open_metrics
+from diloco.transport.security import add_security_arguments, security_from_args, with_run_secret
 
 METRICS_EVERY_S = 2.0
 """How often a syncer shard records its own metrics."""
@@ -49,6 +50,7 @@ def stop_on_signals() -> threading.Event:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
+    add_security_arguments(p)
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/run-STRATEGY-TIME)")
     p.add_argument("--shards", type=int, default=1, metavar="N", help="syncer shard processes (default 1)")
 
@@ -62,7 +64,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.shards < 1:
         raise DilocoError("--shards must be at least 1")
-    launcher = Launcher(config, config_args(args), out, shards=args.shards, verbose=args.verbose)
+    security, secret_env = with_run_secret(security_from_args(args, role="both"))
+    launcher = Launcher(config, config_args(args), out, shards=args.shards, verbose=args.verbose,
+                        security=security, env=secret_env)
     try:
         if args.quiet:
             summary = launcher.run()
@@ -107,6 +111,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
+    add_security_arguments(p)
     p.add_argument("--bind", default="127.0.0.1:7070", metavar="HOST:PORT", help="address to serve on")
     p.add_argument("--shard", default="0/1", metavar="i/N", help="this shard's index and the shard count")
     p.add_argument("--shards", metavar="ADDR,...", help="every shard's address, by index (needed when N > 1)")
@@ -125,6 +130,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     die_with_parent()
     setup_logging(args.verbose)
     config = load_config(args.config, args.set or [])
+    security = security_from_args(args, role="server")
     index, count = parse_shard(args.shard)
     check_shards(config, count)
     addresses = tuple(a.strip() for a in args.shards.split(",")) if args.shards else (args.bind,)
@@ -136,7 +142,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
                            tensorboard=config.metrics.tensorboard, wandb=config.metrics.wandb,
                            prometheus_port=args.metrics_port, origin=run_origin())
     shard = SyncerShard(config, ShardPlan(index, count, addresses), metrics)
-    server, port = serve(shard, args.bind)
+    server, port = serve(shard, args.bind, security=security)
     host = args.bind.rsplit(":", 1)[0]
     status = None
     if args.status_port is not None:
@@ -150,7 +156,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     if args.bind.endswith(":0"):
         shard.plan = ShardPlan(index, count, tuple(f"{host}:{port}" if i == index else a
                                                    for i, a in enumerate(addresses)))
-    print(f"diloco syncer shard {index}/{count} listening on {host}:{port}", flush=True)
+    print(f"diloco syncer shard {index}/{count} listening on {host}:{port} ({security.describe()})", flush=True)
     while not stop.wait(METRICS_EVERY_S):
         shard.record_metrics()
         if args.exit_when_finished and shard.finished:
@@ -173,6 +179,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
 
 def add_learner_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
+    add_security_arguments(p)
     p.add_argument("--syncer", metavar="HOST:PORT", help="any syncer shard of the run")
     p.add_argument("--no-sync", action="store_true",
                    help="train the same way without syncing (a baseline for what syncing costs); needs --id")
@@ -196,11 +203,12 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
         raise DilocoError(f"--id must be zero or positive, got {args.id}")
     if bool(args.syncer) == args.no_sync:
         raise DilocoError("give --syncer HOST:PORT, or --no-sync to train without syncing")
+    security = security_from_args(args, role="client")
     stop = stop_on_signals()
     init_distributed()
     report = run_learner(config, syncer=args.syncer, learner=args.id, out=Path(args.out) if args.out else None,
                          emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout,
-                         metrics_port=args.metrics_port)
+                         metrics_port=args.metrics_port, security=security)
     if not args.quiet and report["rank"] == 0:
         print(json.dumps(report), flush=True)
     return 0

@@ -31,6 +31,7 @@ from diloco.runtime.syncer import check_shards, settings_of
 from diloco.strategies import build_strategy
 from diloco.training import evaluate
 from diloco.transport.client import ShardClient
+from diloco.transport.security import PLAINTEXT, TransportSecurity
 
 POLL_S = 0.5
 STARTUP_TIMEOUT_S = 60.0
@@ -68,16 +69,20 @@ def free_port() -> int:
 
 class Launcher:
     def __init__(self, config: Config, config_args: list[str], out: Path, shards: int = 1,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, security: TransportSecurity | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """`security` and `env` (a generated shared secret) reach every child: options by argv, the
+        secret only by environment."""
         """`config_args` are the CONFIG path and --set options, passed on to every child as given."""
         settings_of(config)  # refuses a strategy the real runtime cannot run, with the reason
         check_shards(config, shards)
         self.config, self.out, self.shard_count = config, out, shards
-        self.config_args = [*config_args, *(["--verbose"] if verbose else [])]  # children log at DEBUG too
+        self.security = security or PLAINTEXT
+        self.config_args = [*config_args, *(["--verbose"] if verbose else []), *self.security.argv]
         self.children = Children(out / "logs")
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(shards)]
         self.started_unix = time.time()
-        self.env = {ORIGIN_ENV: repr(self.started_unix)}
+        self.env = {ORIGIN_ENV: repr(self.started_unix), **(env or {})}
         self.endpoints: dict[str, str] = {}
         """What each child serves: its Prometheus metrics and, for shard 0, the status page."""
         self.metrics = open_metrics(out / "metrics", name="launcher", origin=self.started_unix)
@@ -136,7 +141,7 @@ class Launcher:
                 "--out", str(self.out), *ports), env=self.env)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for i, address in enumerate(self.addresses):
-            client = ShardClient(address)
+            client = ShardClient(address, self.security)
             self.clients.append(client)
             while True:
                 self._check_children()

@@ -33,6 +33,7 @@ from diloco.errors import DilocoError
 from diloco.fragments import Fragment, Schedule, embedding_names, partition
 from diloco.transport.client import HEARTBEAT_S, ShardClient, SyncerUnavailable, with_retries
 from diloco.transport.frames import decode, tensor_header
+from diloco.transport.security import TransportSecurity
 from diloco.transport.shaping import DeliveryQueue, ShapedDirection
 from diloco.v1 import diloco_pb2 as pb
 
@@ -63,7 +64,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 class Learner:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, syncer: str,
                  learner: int | None = None, link: LinkShape | None = None, connect_timeout_s: float = 30.0,
-                 host: str = "") -> None:
+                 host: str = "", security: TransportSecurity | None = None) -> None:
         """Join the run served at `syncer` (any shard's HOST:PORT) and load its current Θ into `model`.
         `learner` asks for an id (a restart keeps its own); by default the syncer picks one."""
         self.model = model
@@ -74,6 +75,7 @@ class Learner:
         self.rank = dist.get_rank() if distributed else 0
         self.world = dist.get_world_size() if distributed else 1
         self.link = link
+        self.security = security
         self.up = ShapedDirection(link.bandwidth_mbit if link else None, link.latency_ms if link else 0.0)
         self.down = ShapedDirection(link.bandwidth_mbit if link else None, link.latency_ms if link else 0.0)
         self.tokens = self.steps = self.merges = 0
@@ -123,7 +125,7 @@ class Learner:
 
     def _join_all(self, address: str, learner: int | None, timeout_s: float, host: str,
                   joined: list[ShardClient]) -> None:
-        first = ShardClient(address)
+        first = ShardClient(address, self.security)
         first.wait_ready(timeout_s)
         reply = with_retries(lambda: first.join(learner, host), what="join")
         joined.append(first)
@@ -133,7 +135,7 @@ class Learner:
         for info in reply.shards:
             if info.index in replies:
                 continue
-            client = ShardClient(info.address)
+            client = ShardClient(info.address, self.security)
             client.wait_ready(timeout_s)
             replies[info.index] = (client, with_retries(lambda c=client: c.join(self.id, host), what="join"))
             joined.append(client)

@@ -29,6 +29,7 @@ from diloco.models.factory import build_model
 from diloco.runtime.learner import Learner, LinkShape
 from diloco.strategies import build_strategy
 from diloco.training import Replica
+from diloco.transport.security import TransportSecurity
 from diloco.transport.shaping import ShapedDirection
 
 log = logging.getLogger("diloco.learner")
@@ -74,7 +75,8 @@ class Standalone:
 
 def run_learner(config: Config, *, syncer: str | None, learner: int | None = None, out: Path | None = None,
                 emulate_link: bool = False, stop: threading.Event | None = None,
-                connect_timeout_s: float = 30.0, metrics_port: int | None = None) -> dict[str, Any]:
+                connect_timeout_s: float = 30.0, metrics_port: int | None = None,
+                security: TransportSecurity | None = None) -> dict[str, Any]:
     """Train one learner to the end of its plan (or of the shared budget, or until `stop` is set);
     return its report, also written to OUT/learners/learner-ID.json with a checkpoint. With no
     `syncer`, train the same way without syncing (`learner` is then required)."""
@@ -89,7 +91,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     else:
         link = LinkShape(config.link.bandwidth_mbit, config.link.latency_ms) if emulate_link else None
         sync = Learner(model, replica.optimizer, syncer=syncer, learner=learner, link=link,
-                       connect_timeout_s=connect_timeout_s, host=os.uname().nodename)
+                       connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security)
     m, rank, world = sync.id, sync.rank, sync.world
     speeds = config.speeds()
     speed = speeds[m] if m < len(speeds) else 1.0

@@ -36,6 +36,7 @@ from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.strategies import build_strategy
 from diloco.transport.client import HEARTBEAT_S
+from diloco.transport.security import PLAINTEXT, TransportSecurity, secure_server_port, server_interceptors
 from diloco.transport.frames import FrameError, decode, encode_fp32, message_frames, read_message, tensor_header
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
@@ -483,16 +484,18 @@ def _plain_state(optimizer) -> dict:
     return {k: v for k, v in vars(optimizer).items() if isinstance(v, (int, float, torch.Tensor, dict))}
 
 
-def serve(shard: SyncerShard, bind: str, workers: int = 32) -> tuple[grpc.Server, int]:
+def serve(shard: SyncerShard, bind: str, workers: int = 32,
+          security: TransportSecurity | None = None) -> tuple[grpc.Server, int]:
     """Start serving `shard` on `bind` (HOST:PORT; port 0 picks a free one); return the server and its
     port. A one-line error if the port is taken."""
+    security = security or PLAINTEXT
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="syncer-rpc"),
-                         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
+                         interceptors=server_interceptors(security), options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20)])
     pb_grpc.add_SyncerServicer_to_server(shard, server)
     check_bindable(bind)
     try:
-        port = server.add_insecure_port(bind)
+        port = secure_server_port(server, bind, security)
     except RuntimeError:
         port = 0
     if port == 0:

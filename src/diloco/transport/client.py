@@ -11,6 +11,7 @@ import torch
 
 from diloco.codecs import Encoded
 from diloco.errors import DilocoError
+from diloco.transport.security import TransportSecurity, default_security, make_channel
 from diloco.transport.frames import decode, encode_fp32, message_frames, read_message, tensor_header
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
@@ -34,9 +35,11 @@ def describe(error: grpc.RpcError) -> str:
 
 
 class ShardClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: TransportSecurity | None = None) -> None:
+        """`security`: the shared secret and TLS settings; by default the secret in DILOCO_SECRET, if any."""
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = make_channel(address, security if security is not None else default_security(),
+                                    CHANNEL_OPTIONS)
         self.stub = pb_grpc.SyncerStub(self.channel)
 
     def _call(self, what: str, fn, *args, **kwargs):
