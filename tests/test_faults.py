@@ -80,3 +80,59 @@ def test_a_restarted_learner_resumes_its_own_state_and_takes_the_current_theta(t
     assert shard.finished  # both left at the end: the last rounds are merged
     for p in range(2):  # conservation over both lives of learner 1
         assert entry.merged[p] + entry.late[p] == first["tokens"] + second["tokens"]
+
+
+def test_a_syncer_killed_mid_run_restarts_from_its_journal_and_counts_every_token_once(tmp_path):
+    """SIGKILL the shard while learners train; restart it with --resume: learners keep training meanwhile,
+    retry their pushes, reconnect, and every token each trained is merged exactly once per fragment."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from diloco.transport.client import ShardClient
+    from test_runtime import free_port, sets
+    from conftest import TINY
+
+    overrides = [*TINY, "learners.count=2", "outer.H=4", "outer.fragments=2", "train.tokens=60000"]
+    config = tiny_config(*overrides[len(TINY):])
+    address = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "diloco", "syncer", *sets(*overrides), "--bind", address,
+               "--out", str(tmp_path), "--exit-when-finished"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "syncer.log", "w")
+    syncer = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    reports, restarted = {}, None
+    try:
+        learners = [threading.Thread(target=lambda m=m: reports.update({m: run_learner(
+            config, syncer=address, learner=m, out=tmp_path, connect_timeout_s=60)})) for m in range(2)]
+        for thread in learners:
+            thread.start()
+        client = ShardClient(address)
+        client.wait_ready(60)
+        deadline = time.monotonic() + 60
+        while client.status().rounds < 4:
+            assert time.monotonic() < deadline and syncer.poll() is None, (tmp_path / "syncer.log").read_text()
+            time.sleep(0.05)
+        rounds_before = client.status().rounds
+        client.close()
+        syncer.send_signal(signal.SIGKILL)  # mid-run, mid-round: no chance to save anything
+        syncer.wait()
+        time.sleep(1.0)
+        restarted = subprocess.Popen([*command, "--resume"], stdout=log, stderr=subprocess.STDOUT,
+                                     env=env)
+        for thread in learners:
+            thread.join(timeout=120)
+        assert restarted.wait(timeout=60) == 0
+    finally:
+        for process in (syncer, restarted):
+            if process is not None and process.poll() is None:
+                process.kill()
+    report = json.loads((tmp_path / "syncer" / "shard-0.json").read_text())
+    assert report["finished"] and len(report["rounds"]) > rounds_before
+    for m in range(2):
+        entry = report["ledger"][str(m)]
+        trained = reports[m]["tokens"]
+        for p in ("0", "1"):  # exactly once: nothing lost in the crash, nothing counted twice
+            assert entry["merged"].get(p, 0) + entry["late"].get(p, 0) == trained

@@ -80,7 +80,7 @@ def test_run_trains_and_writes_the_summary_the_simulator_writes_plus_wall_clock(
     slow = summary["per_learner"][1]
     # Half of each of its steps is emulated slowness: counted as waiting it would leave at most 0.5.
     assert slow["speed"] == 0.5 and slow["busy_fraction"] > 0.7
-    assert (tmp_path / "model.pt").is_file() and (tmp_path / "syncer" / "shard-0.pt").is_file()
+    assert (tmp_path / "model.pt").is_file() and (tmp_path / "syncer" / "shard-0.state.pt").is_file()
     assert all((tmp_path / "checkpoints" / f"learner-{m}.pt").is_file() for m in range(2))
     # The metrics of every process, in one file: the same totals as the summary and the transport.
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -220,8 +220,8 @@ def test_ctrl_c_stops_every_process_cleanly_with_state_saved(tmp_path):
     for m in range(2):  # each learner pushed what it had, left, and saved its own state
         report = json.loads((tmp_path / "learners" / f"learner-{m}.json").read_text())
         assert report["interrupted"] and (tmp_path / "checkpoints" / f"learner-{m}.pt").is_file()
-    state = torch.load(tmp_path / "syncer" / "shard-0.pt", weights_only=True)
-    assert state["theta"] and state["report"]["finished"]
+    state = torch.load(tmp_path / "syncer" / "shard-0.state.pt", weights_only=True)
+    assert state["core"]["theta"] and state["report"]["finished"]
 
 
 def test_a_learner_that_dies_ends_the_run_with_its_name_and_no_orphans(tmp_path):

@@ -29,6 +29,7 @@ Several pushes from one learner in one round add up to one contribution.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -219,6 +220,57 @@ class SyncerCore:
         self.ledger.setdefault(learner, LedgerEntry())
         return values, versions
 
+    # ------------------------------------------------------------ saving and restoring
+
+    def state_dict(self) -> dict:
+        """Everything the core decides from, as tensors and plain data (loadable with
+        torch.load(weights_only=True)): a restarted syncer continues exactly where this one was."""
+        return {
+            "theta": {n: t.clone() for n, t in self.theta.items()},
+            "fragments": {p: {"version": s.version, "optimizer": s.optimizer.state_dict(),
+                              "first_arrival": s.first_arrival, "quorum_at": s.quorum_at,
+                              "deadline": s.deadline, "grace_s": s.grace_s,
+                              "pending": {m: {"base_version": c.base_version, "deltas": dict(c.deltas),
+                                              "tokens": c.tokens, "steps": c.steps, "last_seq": c.last_seq}
+                                          for m, c in s.pending.items()}}
+                          for p, s in self.fragments.items()},
+            "alive": sorted(self.alive), "finished": sorted(self.finished), "last_weight": dict(self.last_weight),
+            "ledger": {m: {"pushes": e.pushes, "merged": dict(e.merged), "late": dict(e.late),
+                           "steps_merged": e.steps_merged, "duplicates": e.duplicates, "last_seq": e.last_seq}
+                       for m, e in self.ledger.items()},
+            "held": {m: {n: t.clone() for n, t in h.items()} for m, h in self.held.items()},
+            "held_versions": {m: dict(v) for m, v in self.held_versions.items()},
+            "session_start": dict(self.session_start), "step_time": dict(self.step_time),
+            "one_way_s": self.one_way_s,
+            "rounds": [dataclasses.astuple(r) for r in self.rounds],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["fragments"]) != set(self.fragments) or set(state["theta"]) != set(self.theta):
+            raise ProtocolError("the saved state holds other fragments or tensors than this syncer")
+        self.theta = {n: t.clone().to(torch.float32) for n, t in state["theta"].items()}
+        for p, saved in state["fragments"].items():
+            s = self.fragments[p]
+            s.version = saved["version"]
+            s.optimizer.load_state_dict(saved["optimizer"])
+            s.first_arrival, s.quorum_at = saved["first_arrival"], saved["quorum_at"]
+            s.deadline, s.grace_s = saved["deadline"], saved["grace_s"]
+            s.pending = {m: Contribution(m, c["base_version"], dict(c["deltas"]), c["tokens"], c["steps"],
+                                         c["last_seq"]) for m, c in saved["pending"].items()}
+        self.alive, self.finished = set(state["alive"]), set(state["finished"])
+        self.last_weight = dict(state["last_weight"])
+        self.ledger = {}
+        for m, e in state["ledger"].items():
+            entry = self.ledger[m] = LedgerEntry(e["pushes"], steps_merged=e["steps_merged"],
+                                                 duplicates=e["duplicates"], last_seq=e["last_seq"])
+            entry.merged.update(e["merged"])
+            entry.late.update(e["late"])
+        self.held = {m: {n: t.clone() for n, t in h.items()} for m, h in state["held"].items()}
+        self.held_versions = {m: dict(v) for m, v in state["held_versions"].items()}
+        self.session_start, self.step_time = dict(state["session_start"]), dict(state["step_time"])
+        self.one_way_s = state["one_way_s"]
+        self.rounds = [RoundRecord(*r) for r in state["rounds"]]
+
     # ------------------------------------------------------------ membership
 
     def join(self, learner: int, now: float) -> None:
@@ -241,7 +293,7 @@ class SyncerCore:
 
     def on_push(self, push: Push, now: float) -> list[Action]:
         """Take one push; return what to publish and when to call back."""
-        self._check(push)
+        self.check(push)
         entry = self.ledger[push.learner]
         if push.seq <= entry.last_seq:
             entry.duplicates += 1  # a retry of a push already taken: counted once
@@ -313,7 +365,8 @@ class SyncerCore:
             return [self._close(state, now)]
         return []
 
-    def _check(self, push: Push) -> None:
+    def check(self, push: Push) -> None:
+        """Raise ProtocolError for a push this syncer must refuse; nothing changes either way."""
         if push.learner not in self.ledger:
             raise ProtocolError(f"push from learner {push.learner}, which never joined")
         if push.fragment not in self.fragments:

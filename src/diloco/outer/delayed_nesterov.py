@@ -57,3 +57,12 @@ class DelayedNesterov:
             total.zero_()
         if full_round:
             self.accumulated = 0.0
+
+    def state_dict(self) -> dict:
+        return {"accumulated": self.accumulated, "sums": {n: t.clone() for n, t in self.sums.items()},
+                "buffers": {n: t.clone() for n, t in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.accumulated = float(state["accumulated"])
+        self.sums = {n: t.clone().to(torch.float32) for n, t in state["sums"].items()}
+        self.buffers = {n: t.clone().to(torch.float32) for n, t in state["buffers"].items()}

@@ -115,7 +115,8 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default="127.0.0.1:7070", metavar="HOST:PORT", help="address to serve on")
     p.add_argument("--shard", default="0/1", metavar="i/N", help="this shard's index and the shard count")
     p.add_argument("--shards", metavar="ADDR,...", help="every shard's address, by index (needed when N > 1)")
-    p.add_argument("--out", metavar="DIR", help="where to save state and the report on exit")
+    p.add_argument("--out", metavar="DIR", help="where to journal events and save state (and the report on exit)")
+    p.add_argument("--resume", action="store_true", help="continue from the state a previous process left in --out")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on PORT")
@@ -141,7 +142,8 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     metrics = open_metrics(out / "metrics" if out else None, name=f"syncer-{index}",
                            tensorboard=config.metrics.tensorboard, wandb=config.metrics.wandb,
                            prometheus_port=args.metrics_port, origin=run_origin())
-    shard = SyncerShard(config, ShardPlan(index, count, addresses), metrics)
+    shard = SyncerShard(config, ShardPlan(index, count, addresses), metrics,
+                        state_dir=out / "syncer" if out else None, resume=args.resume)
     server, port = serve(shard, args.bind, security=security)
     host = args.bind.rsplit(":", 1)[0]
     status = None
@@ -163,7 +165,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
             break
     shard.stop()
     if out:
-        shard.save(out / "syncer" / f"shard-{index}.pt")
+        shard.save_state()
         with shard.lock:
             report = shard.report()
         (out / "syncer" / f"shard-{index}.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -41,6 +41,10 @@ log = logging.getLogger("diloco.learner")
 
 
 
+CLOSE_BOUND_S = 60.0
+"""How long `close()` keeps trying to hand its last pushes to a syncer that does not answer."""
+
+
 @dataclass(frozen=True)
 class LinkShape:
     """An emulated link: per direction, a bandwidth and a one-way latency."""
@@ -258,7 +262,12 @@ class Learner:
             self._outbox.put(None)
             for thread in self._threads:
                 if thread.name.startswith(("learner-encode", "learner-deliver")):
-                    thread.join()
+                    thread.join(timeout=CLOSE_BOUND_S)
+                    if thread.is_alive():  # the syncer stayed away: what is left unsent is lost
+                        log.warning("learner %d: syncer unreachable for %g s at close; giving up", self.id,
+                                    CLOSE_BOUND_S)
+                        self._give_up.set()
+                        thread.join()
             self._halt.set()
             for shard in self.shards:
                 shard.client.close()
@@ -281,6 +290,7 @@ class Learner:
 
     def _start_threads(self) -> None:
         self._halt = threading.Event()
+        self._give_up = threading.Event()
         targets = [("learner-encode", self._encode_loop), ("learner-deliver", self._deliver_loop),
                    ("learner-heartbeat", self._heartbeat_loop)]
         targets += [(f"learner-receive-{s.index}", lambda s=s: self._receive_loop(s)) for s in self.shards]
@@ -331,7 +341,10 @@ class Learner:
                 except SyncerUnavailable as exc:
                     log.warning("learner %d: could not announce leaving: %s", self.id, exc)
                 continue
-            with_retries(lambda: shard.client.push(header, encoded), what="push")
+            # A shard that restarts comes back with everything it acknowledged: keep trying (the
+            # learner trains on meanwhile); a push it took before it went down is counted once.
+            with_retries(lambda: shard.client.push(header, encoded), attempts=None, what="push",
+                         give_up=self._give_up)
 
     def _receive_loop(self, shard: _Shard) -> None:
         """New versions from one shard: decoded here, handed over when the emulated link delivers them."""

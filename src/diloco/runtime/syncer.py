@@ -15,8 +15,10 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import queue
 import socket
+import struct
 import threading
 import time
 from concurrent import futures
@@ -26,7 +28,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from diloco.codecs import get_codec
+from diloco.codecs import Encoded, get_codec
 from diloco.config import Config
 from diloco.core.messages import Push, Update
 from diloco.core.syncer import Action, ProtocolError, Publish, SyncerCore, Timer
@@ -34,6 +36,7 @@ from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
+from diloco.runtime.journal import Journal, payload_frames, push_payload
 from diloco.strategies import build_strategy
 from diloco.transport.client import HEARTBEAT_S
 from diloco.transport.security import PLAINTEXT, TransportSecurity, secure_server_port, server_interceptors
@@ -53,6 +56,8 @@ DEAD_AFTER_HEARTBEATS = 5
 rounds stop counting on it. It counts again as soon as it rejoins."""
 JOIN_BOUND_S = 60.0
 """A configured learner that has not joined this long after Θ was seeded stops being counted on."""
+SAVE_EVERY_S = 10.0
+"""How often a shard with a state folder saves its whole state (and empties its journal)."""
 INIT_LIMIT_BYTES = 1 << 38
 """The largest Θ a shard accepts to be seeded with (256 GiB of fp32)."""
 
@@ -105,7 +110,10 @@ def check_shards(config: Config, count: int) -> None:
 
 
 class SyncerShard(pb_grpc.SyncerServicer):
-    def __init__(self, config: Config, plan: ShardPlan, metrics: MetricsLog | None = None) -> None:
+    def __init__(self, config: Config, plan: ShardPlan, metrics: MetricsLog | None = None,
+                 state_dir: Path | None = None, resume: bool = False) -> None:
+        """With a `state_dir`, the shard journals every event and saves its state there now and then;
+        `resume` continues from what a previous process of this shard left there."""
         check_shards(config, plan.count)
         self.config = config
         self.plan = plan
@@ -138,6 +146,23 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.lost: set[int] = set()
         """Learners found dead by missed heartbeats (not announced)."""
         self.seeded_at: float | None = None
+        self.last_updates: dict[int, dict[int, Update]] = {}
+        """Per learner and fragment, the latest answer sent: sent again after a restart (a learner drops
+        an answer it already has)."""
+        self.journal: Journal | None = None
+        self._replaying = False
+        if state_dir is not None:
+            self.state_path = state_dir / f"shard-{plan.index}.state.pt"
+            journal_path = state_dir / f"shard-{plan.index}.journal"
+            saved = self.state_path.is_file() or journal_path.is_file()
+            if saved and not resume:
+                raise DilocoError(f"{state_dir} holds the saved state of shard {plan.index}: pass --resume to "
+                                  f"continue that run, or give another --out")
+            with self.lock:
+                last_seq = self._restore(journal_path) if saved else 0
+            self.journal = Journal(journal_path, last_seq)
+            if saved:
+                self.save_state()
         self._timer = threading.Thread(target=self._timer_loop, name="syncer-timer", daemon=True)
         self._timer.start()
         self._liveness = threading.Thread(target=self._liveness_loop, name="syncer-liveness", daemon=True)
@@ -150,14 +175,47 @@ class SyncerShard(pb_grpc.SyncerServicer):
         for action in actions:
             if isinstance(action, Publish):
                 for learner, update in action.updates.items():
+                    self.last_updates.setdefault(learner, {})[update.fragment] = update
                     if learner not in self.left:
                         self.outboxes.setdefault(learner, queue.Queue()).put(update)
             elif isinstance(action, Timer):
                 if self._deadline is None or action.at < self._deadline:
                     self._deadline = action.at
                     self._timer_cond.notify_all()
-        if self.core is not None:
+        if self.core is not None and not self._replaying:
             self.round_meter.emit(self.core.rounds)
+
+    def _event(self, kind: str, now: float, push: Push | None = None, raw: bytes = b"", **fields):
+        """Journal one event, then hand it to the core (under the lock). Replay takes the same path."""
+        if self.journal is not None and not self._replaying:
+            payload = struct.pack("<d", now) + raw if kind == "push" else json.dumps({"now": now, **fields}).encode()
+            self.journal.append(kind, payload)
+        core = self.core
+        if kind == "push":
+            self._handle(core.on_push(push, now))
+        elif kind == "timer":
+            self._handle(core.on_timer(now))
+        elif kind in ("leave", "lost"):
+            learner = fields["learner"]
+            if kind == "leave":
+                self.left.add(learner)
+                self.streams.pop(learner, None)
+            else:
+                self.lost.add(learner)
+            self._handle(core.leave(learner, now, finished=fields.get("finished", False)))
+            self._finish_if_everyone_left(now)
+        elif kind == "rejoin":
+            learner = fields["learner"]
+            values = core.rejoin_state(learner, fields["after_seq"], fields["fragments"])
+            core.join(learner, now)
+            self.joined.add(learner)
+            self.left.discard(learner)
+            self.lost.discard(learner)
+            self.finished = False
+            return values
+        else:
+            raise ValueError(f"unknown journal event {kind!r}")
+        return None
 
     def record_metrics(self) -> None:
         """The shard's own record: outbox lengths, age of the saved state, memory."""
@@ -180,13 +238,18 @@ class SyncerShard(pb_grpc.SyncerServicer):
                     continue
                 self._deadline = None
                 if self.core is not None:
-                    self._handle(self.core.on_timer(time.time()))
+                    self._event("timer", time.time())
 
     def _liveness_loop(self) -> None:
         while not self._stopping:
             time.sleep(HEARTBEAT_S / 2)
             with self.lock:
+                if self._stopping:
+                    return
                 self._check_liveness(time.time())
+                if self.journal is not None and self.core is not None and \
+                        time.time() - (self.saved_at or 0.0) > SAVE_EVERY_S:
+                    self.save_state()
 
     def _check_liveness(self, now: float) -> None:
         """Stop counting on learners that went silent: no learner waits for a dead peer. Called under the lock."""
@@ -198,15 +261,13 @@ class SyncerShard(pb_grpc.SyncerServicer):
             if seen is None or m not in self.joined:
                 if now - (self.seeded_at or now) > JOIN_BOUND_S:
                     log.warning("learner %d never joined; rounds stop counting on it", m)
-                    self._handle(core.leave(m, now))
+                    self._event("lost", now, learner=m)
                 continue
             limit = DEAD_AFTER_HEARTBEATS * self.heartbeat_gap.get(m, HEARTBEAT_S)
             if now - seen > limit:
                 log.warning("learner %d silent for %.1f s (%d heartbeats): counted as dead", m, now - seen,
                             DEAD_AFTER_HEARTBEATS)
-                self.lost.add(m)
-                self._handle(core.leave(m, now))
-        self._finish_if_everyone_left()
+                self._event("lost", now, learner=m)
 
     def _seen(self, learner: int, now: float, heartbeat: bool = False) -> None:
         last = self.last_seen.get(learner)
@@ -223,11 +284,11 @@ class SyncerShard(pb_grpc.SyncerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Θ is not seeded yet: a learner must Init first")
         return self.core
 
-    def _finish_if_everyone_left(self) -> None:
+    def _finish_if_everyone_left(self, now: float) -> None:
         core = self.core
         if core is None or self.finished or core.alive:
             return
-        self._handle(core.flush(time.time()))
+        self._handle(core.flush(now))
         self.finished = True
         log.info("every learner left; last rounds merged (%d rounds in all)", core.rounds_closed)
 
@@ -257,26 +318,32 @@ class SyncerShard(pb_grpc.SyncerServicer):
             if message is None:
                 raise FrameError("empty Init stream")
             header, tensors = message
-            fragments, embeddings = self._check_layout(header.layout, tensors)
+            fragments, embeddings = self._fragments_of(header.layout, tensors)
             values = {name: decode(e) for name, e in tensors.items()}
         except FrameError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad Init: {exc}")
         with self.lock:
             if self.core is not None:
                 return pb.InitReply(accepted=False)
-            self.core = SyncerCore(values, fragments, range(self.settings.learners),
-                                   optimizer=self.spec.outer_optimizer, merge_rule=self.spec.merge_rule,
-                                   embeddings=embeddings, quorum=self.spec.quorum, grace=self.spec.grace,
-                                   grace_cap_steps=self.spec.grace_cap_steps, tau=self.spec.tau,
-                                   participation=self.spec.participation,
-                                   down_codec=get_codec(self.config.codec.down, self.config.codec.block))
+            self.core = self._make_core(values, fragments, embeddings)
             self.layout = list(header.layout)
             self.seeded_at = time.time()
+            if self.journal is not None:
+                self.save_state()  # the seeded Θ is the base every journaled event applies to
             log.info("Θ seeded: fragments %s, %d tensors, %d parameters", self.owned, len(values),
                      sum(v.numel() for v in values.values()))
             return pb.InitReply(accepted=True)
 
-    def _check_layout(self, layout, tensors) -> tuple[list[Fragment], set[str]]:
+    def _make_core(self, values: dict[str, torch.Tensor], fragments: list[Fragment], embeddings: set[str]
+                   ) -> SyncerCore:
+        return SyncerCore(values, fragments, range(self.settings.learners), optimizer=self.spec.outer_optimizer,
+                          merge_rule=self.spec.merge_rule, embeddings=embeddings, quorum=self.spec.quorum,
+                          grace=self.spec.grace, grace_cap_steps=self.spec.grace_cap_steps, tau=self.spec.tau,
+                          participation=self.spec.participation,
+                          down_codec=get_codec(self.config.codec.down, self.config.codec.block))
+
+    def _fragments_of(self, layout, tensors: dict | None = None) -> tuple[list[Fragment], set[str]]:
+        """The fragments a layout describes, checked against this shard (and against the values, at Init)."""
         indices = sorted(f.index for f in layout)
         if indices != self.owned:
             raise FrameError(f"layout has fragments {indices}; shard {self.plan.index}/{self.plan.count} owns "
@@ -288,15 +355,15 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 if t.name in names:
                     raise FrameError(f"tensor {t.name!r} is in two fragments")
                 names.add(t.name)
-                got = tensors.get(t.name)
-                if got is None or got.codec != "fp32" or list(got.shape) != list(t.shape):
+                got = tensors.get(t.name) if tensors is not None else None
+                if tensors is not None and (got is None or got.codec != "fp32" or list(got.shape) != list(t.shape)):
                     raise FrameError(f"tensor {t.name!r}: values missing or not fp32 of shape {list(t.shape)}")
                 if t.embedding:
                     embeddings.add(t.name)
             numel = sum(int(torch.Size(t.shape).numel()) for t in specs)
             fragments.append(Fragment(f.index, tuple(t.name for t in specs), numel,
                                       bool(specs) and all(t.embedding for t in specs)))
-        if names != set(tensors):
+        if tensors is not None and names != set(tensors):
             raise FrameError(f"values for tensors outside the layout: {sorted(set(tensors) - names)[:3]}")
         return fragments, embeddings
 
@@ -313,13 +380,9 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 theta = {n: core.theta[n].clone() for n in names}
                 versions = {p: core.fragments[p].version for p in fragments}
             else:
-                theta, versions = core.rejoin_state(request.learner, request.after_seq, fragments)
-                core.join(request.learner, time.time())
-                self.joined.add(request.learner)
-                self.left.discard(request.learner)
-                self.lost.discard(request.learner)
+                theta, versions = self._event("rejoin", time.time(), learner=request.learner,
+                                              after_seq=request.after_seq, fragments=fragments)
                 self._seen(request.learner, time.time())
-                self.finished = False
         encoded = encode_fp32(theta)
         header = pb.StateHeader(versions=[pb.FragmentVersion(fragment=p, version=v) for p, v in versions.items()],
                                 tensors=[tensor_header(n, e) for n, e in encoded.items()], layout=self.layout)
@@ -341,20 +404,27 @@ class SyncerShard(pb_grpc.SyncerServicer):
         except FrameError as exc:
             self.push_errors += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")
-        push = Push(learner=header.learner, fragment=header.fragment, base_version=header.base_version,
-                    seq=header.seq, deltas=deltas, tokens=header.tokens, steps=header.steps,
-                    step_time_s=header.step_time_s, sent_at=header.sent_at or None,
-                    payload_bytes=sum(e.wire_bytes() for e in tensors.values()))
+        push = self._push_of(header, tensors, deltas)
         with self.lock:
             entry = core.ledger.get(push.learner)
             duplicates = entry.duplicates if entry else 0
             try:
-                self._handle(core.on_push(push, time.time()))
+                core.check(push)  # refused before it is journaled: a refused push changes nothing
             except ProtocolError as exc:
                 self.push_errors += 1
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self._event("push", time.time(), push, push_payload(header, tensors) if self.journal else b"")
             self._seen(push.learner, time.time())
             return pb.PushReply(duplicate=core.ledger[push.learner].duplicates > duplicates)
+
+    @staticmethod
+    def _push_of(header: pb.PushHeader, tensors: dict[str, Encoded], deltas: dict | None = None) -> Push:
+        if deltas is None:
+            deltas = {name: decode(e) for name, e in tensors.items()}
+        return Push(learner=header.learner, fragment=header.fragment, base_version=header.base_version,
+                    seq=header.seq, deltas=deltas, tokens=header.tokens, steps=header.steps,
+                    step_time_s=header.step_time_s, sent_at=header.sent_at or None,
+                    payload_bytes=sum(e.wire_bytes() for e in tensors.values()))
 
     def _push_limit(self) -> int:
         """The most data one push of any fragment here may carry: fp32, the widest encoding."""
@@ -387,12 +457,11 @@ class SyncerShard(pb_grpc.SyncerServicer):
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         with self.lock:
-            self.left.add(request.learner)
-            self.streams.pop(request.learner, None)
             log.info("learner %d left", request.learner)
             if self.core is not None:
-                self._handle(self.core.leave(request.learner, time.time(), finished=request.finished))
-                self._finish_if_everyone_left()
+                self._event("leave", time.time(), learner=request.learner, finished=request.finished)
+            else:
+                self.left.add(request.learner)
         return pb.LeaveReply()
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
@@ -458,20 +527,65 @@ class SyncerShard(pb_grpc.SyncerServicer):
                     "versions": {str(p): s.version for p, s in core.fragments.items()} if core else {},
                     "learners": learners, "rounds": rounds}
 
-    def save(self, path: Path) -> None:
-        """Θ, outer-optimizer state, versions and the ledger, written atomically."""
+    def save_state(self) -> None:
+        """Everything the shard decides from, written atomically, then the journal emptied: what it
+        held is in the state now. Loaded with torch.load(weights_only=True): no code is unpickled."""
         with self.lock:
             core = self.core
-            if core is None:
+            if core is None or self.journal is None:
                 return
-            state = {"theta": {n: t.clone() for n, t in core.theta.items()},
-                     "optimizers": {p: _plain_state(s.optimizer) for p, s in core.fragments.items()},
+            state = {"core": core.state_dict(), "journal_seq": self.journal.seq,
+                     "layout": [torch.frombuffer(bytearray(f.SerializeToString()), dtype=torch.uint8)
+                                for f in self.layout],
+                     "joined": sorted(self.joined), "left": sorted(self.left), "lost": sorted(self.lost),
+                     "finished": self.finished,
+                     "last_updates": {m: {p: _plain_update(u) for p, u in by_fragment.items()}
+                                      for m, by_fragment in self.last_updates.items()},
                      "report": self.report()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)
-        self.saved_at = time.time()
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.state_path.with_suffix(".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, self.state_path)
+            self.journal.truncate()
+            self.saved_at = time.time()
+
+    def _restore(self, journal_path: Path) -> int:
+        """Load the saved state, replay the journal after it; return the last journaled number."""
+        state = torch.load(self.state_path, weights_only=True)
+        self.layout = [pb.FragmentLayout.FromString(bytes(t.numpy())) for t in state["layout"]]
+        fragments, embeddings = self._fragments_of(self.layout)
+        self.core = self._make_core(state["core"]["theta"], fragments, embeddings)
+        self.core.load_state_dict(state["core"])
+        self.joined, self.left, self.lost = set(state["joined"]), set(state["left"]), set(state["lost"])
+        self.finished = state["finished"]
+        for m, by_fragment in state["last_updates"].items():
+            for p, plain in by_fragment.items():
+                self._handle([Publish(p, plain["version"], {m: _update_of(plain)})])
+        last_seq, replayed = state["journal_seq"], 0
+        self._replaying = True
+        try:
+            for seq, kind, payload in Journal.read(journal_path):
+                if seq <= last_seq:
+                    continue
+                self._replay(kind, payload)
+                last_seq, replayed = seq, replayed + 1
+        finally:
+            self._replaying = False
+        self.seeded_at = now = time.time()
+        for m in self.joined - self.left:
+            self.last_seen[m] = now  # they get the usual missed heartbeats to show they are alive
+        log.info("shard %d resumed: %d rounds, versions %s, %d journaled events replayed", self.plan.index,
+                 self.core.rounds_closed, {p: s.version for p, s in self.core.fragments.items()}, replayed)
+        return last_seq
+
+    def _replay(self, kind: str, payload: bytes) -> None:
+        if kind == "push":
+            (now,) = struct.unpack_from("<d", payload)
+            header, tensors = read_message(payload_frames(payload[8:]), "push", limit=1 << 40)
+            self._event("push", now, self._push_of(header, tensors))
+            return
+        fields = json.loads(payload)
+        self._event(kind, fields.pop("now"), **fields)
 
     def stop(self) -> None:
         with self.lock:
@@ -479,9 +593,25 @@ class SyncerShard(pb_grpc.SyncerServicer):
             self._timer_cond.notify_all()
 
 
-def _plain_state(optimizer) -> dict:
-    """An outer optimizer's tensors and numbers, loadable with torch.load(weights_only=True)."""
-    return {k: v for k, v in vars(optimizer).items() if isinstance(v, (int, float, torch.Tensor, dict))}
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _plain_update(update: Update) -> dict:
+    """An answer as tensors and plain data, to save."""
+    return {"fragment": update.fragment, "version": update.version, "ack_seq": update.ack_seq,
+            "payload_bytes": update.payload_bytes, "relative": update.relative,
+            "values": dict(update.values),
+            "wire": {n: {"codec": e.codec, "shape": list(e.shape), "block": e.block,
+                         "payload": _bytes_tensor(e.payload), "scales": _bytes_tensor(e.scales)}
+                     for n, e in update.wire.items()}}
+
+
+def _update_of(plain: dict) -> Update:
+    wire = {n: Encoded(w["codec"], tuple(w["shape"]), w["block"], bytes(w["payload"].numpy()),
+                       bytes(w["scales"].numpy())) for n, w in plain["wire"].items()}
+    return Update(plain["fragment"], plain["version"], dict(plain["values"]), ack_seq=plain["ack_seq"],
+                  payload_bytes=plain["payload_bytes"], wire=wire, relative=plain["relative"])
 
 
 def serve(shard: SyncerShard, bind: str, workers: int = 32,

@@ -3,6 +3,7 @@ one-line errors naming the shard."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -122,15 +123,21 @@ class ShardClient:
         self.channel.close()
 
 
-def with_retries(fn, *, attempts: int = 8, first_delay_s: float = 0.1, what: str = "call"):
-    """Run `fn`, retrying with exponential backoff while the syncer is unavailable."""
+def with_retries(fn, *, attempts: int | None = 8, first_delay_s: float = 0.1, what: str = "call",
+                 give_up: threading.Event | None = None):
+    """Run `fn`, retrying with exponential backoff (up to 5 s apart) while the syncer is unavailable:
+    `attempts` times, or with None until it answers or `give_up` is set."""
     delay = first_delay_s
-    for attempt in range(attempts):
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             return fn()
         except SyncerUnavailable:
-            if attempt == attempts - 1:
+            if (attempts is not None and attempt >= attempts) or (give_up is not None and give_up.is_set()):
                 raise
-            time.sleep(delay)
+            if give_up is not None:
+                give_up.wait(delay)
+            else:
+                time.sleep(delay)
             delay = min(delay * 2, 5.0)
-    raise AssertionError("unreachable")
