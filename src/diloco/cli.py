@@ -19,8 +19,8 @@ from diloco.errors import DilocoError
 from diloco.goodput.command import add_arguments as add_goodput_arguments
 from diloco.report.command import add_arguments as add_report_arguments
 from diloco.results import human_bytes
-from diloco.runtime.commands import (add_learner_arguments, add_run_arguments, add_syncer_arguments, cmd_learner,
-                                     cmd_run, cmd_syncer)
+from diloco.runtime.commands import (add_chaos_arguments, add_learner_arguments, add_run_arguments,
+                                     add_syncer_arguments, cmd_chaos, cmd_learner, cmd_run, cmd_syncer)
 
 
 def results_table(result) -> Table:
@@ -135,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(run)
     common(run)
     run.set_defaults(handler=cmd_run)
+
+    chaos = sub.add_parser("chaos", help="the real runtime with learners and syncers SIGKILLed, against a clean run")
+    add_chaos_arguments(chaos)
+    common(chaos)
+    chaos.set_defaults(handler=cmd_chaos)
 
     syncer = sub.add_parser("syncer", help="serve one syncer shard (CPU only) for learners on any hosts")
     add_syncer_arguments(syncer)

@@ -106,6 +106,55 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- diloco chaos
+
+
+def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    add_security_arguments(p)
+    p.add_argument("--kill-learners", type=int, default=10, metavar="N", help="learner kills (default 10)")
+    p.add_argument("--kill-syncer", type=int, default=2, metavar="N", help="syncer shard kills (default 2)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seeds the kill times and victims")
+    p.add_argument("--restart-after", type=float, default=2.0, metavar="S",
+                   help="seconds from a kill to the restart (default 2)")
+    p.add_argument("--shards", type=int, default=1, metavar="N", help="syncer shard processes (default 1)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: runs/chaos-TIME)")
+
+
+def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from diloco.runtime.chaos import run_chaos
+
+    config = load_config(args.config, args.set or [])
+    if min(args.kill_learners, args.kill_syncer) < 0 or args.restart_after < 0:
+        raise DilocoError("--kill-learners, --kill-syncer and --restart-after must be zero or positive")
+    out = Path(args.out) if args.out else Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    security, secret_env = with_run_secret(security_from_args(args, role="both"))
+    console.print(f"fault-free run, then {args.kill_learners} learner and {args.kill_syncer} syncer kills "
+                  f"(seed {args.seed}); about twice as long as `diloco run`")
+    result = run_chaos(config, config_args(args), out, kill_learners=args.kill_learners,
+                       kill_syncer=args.kill_syncer, seed=args.seed, restart_after_s=args.restart_after,
+                       shards=args.shards, security=security, env=secret_env)
+    clean, faulty = result["clean"], result["faulty"]
+    table = Table(title=f"diloco chaos: {len(result['kills'])} kills, seed {args.seed}")
+    for column in ("", "fault-free", "with kills", "target"):
+        table.add_column(column, justify="right")
+    goodput = faulty["goodput_of_survivors"]
+    table.add_row("final eval loss", f"{clean['final_eval_loss']:.4f}", f"{faulty['final_eval_loss']:.4f} "
+                  f"({result['loss_vs_clean']:+.2%})", "within 2%")
+    table.add_row("goodput of surviving learners", f"{clean['goodput']:.3f}",
+                  "no learner survived" if goodput is None else f"{goodput:.3f}", "≥ 0.95")
+    table.add_row("rounds merged", str(clean["rounds"]), str(faulty["rounds"]), "")
+    table.add_row("tokens trained / lost", "", f"{faulty['tokens_trained']:,} / {faulty['tokens_lost']:,.0f}",
+                  "each accounted")
+    table.add_row("tokens counted twice", "", f"{faulty['tokens_counted_twice']:,.0f}", "0")
+    table.add_row("retried pushes recognised", "", str(faulty["retries_recognised"]), "")
+    console.print(table)
+    console.print(f"details: {out / 'chaos.json'}")
+    return 0 if faulty["tokens_counted_twice"] == 0 else 1
+
+
 # ---------------------------------------------------------------- diloco syncer
 
 

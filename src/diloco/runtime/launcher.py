@@ -101,6 +101,8 @@ class Launcher:
         self.eval_marks = [self.budget * k // t.eval_points for k in range(1, t.eval_points)]
         self.eval_curve: list[dict[str, float]] = []
         self.started = time.monotonic()
+        self.expected_down: set[str] = set()
+        """Children that are down on purpose (the chaos command's kills) and will be restarted."""
 
     # ------------------------------------------------------------ the run
 
@@ -173,18 +175,25 @@ class Launcher:
         """A child that failed ends the run with its name, exit code and last log lines."""
         for child in self.children.children.values():
             code = child.returncode
-            if code not in (None, 0):
+            if code not in (None, 0) and child.name not in self.expected_down:
                 raise DilocoError(f"{child.name} exited with code {code}; its log ({child.log_path}) ends:\n"
                                   f"{child.log_tail()}")
 
     def _watch(self, on_progress: Callable[[Progress], None] | None) -> None:
         while True:
             self._check_children()
-            learners_done = not self.children.running("learner")
-            self._poll_status()
+            learners_done = not self.children.running("learner") and not any(
+                n.startswith("learner") for n in self.expected_down)
+            try:
+                self._poll_status()
+            except DilocoError:  # a shard is restarting: look again next time
+                pass
             while self.eval_marks and sum(self.progress.tokens.values()) >= self.eval_marks[0]:
                 self.eval_marks.pop(0)
-                self._record_eval()
+                try:
+                    self._record_eval()
+                except DilocoError:  # a shard is restarting: this point is skipped
+                    pass
             if on_progress:
                 on_progress(self.progress)
             if learners_done:
@@ -204,11 +213,17 @@ class Launcher:
     def _wait_finished(self) -> None:
         """Every learner has left: each shard merges what is still open; wait for that to be done."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not all(c.status().finished for c in self.clients):
+        while not self._all_finished():
             self._check_children()
             if time.monotonic() > deadline:
                 raise DilocoError("the syncer did not finish its last rounds after every learner left")
             time.sleep(0.1)
+
+    def _all_finished(self) -> bool:
+        try:
+            return all(c.status().finished for c in self.clients)
+        except DilocoError:
+            return False
 
     # ------------------------------------------------------------ evaluation and the summary
 

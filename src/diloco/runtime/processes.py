@@ -1,7 +1,8 @@
 """Child processes of `diloco run`: started, watched, stopped in order, and never left behind.
 
 - Every child asks the kernel to kill it when the launcher dies (PR_SET_PDEATHSIG), so even a
-  SIGKILLed launcher leaves no orphan.
+  SIGKILLed launcher leaves no orphan. The kernel counts the thread that started the child as its
+  parent: a thread that starts children must live as long as they should.
 - Children run in sessions of their own: Ctrl-C reaches the launcher only, which then stops them in
   order (learners first, so they push and leave; then the syncer shards, so they save their state).
 - A stop is SIGINT, then SIGKILL for whatever has not exited within the grace period.
@@ -40,6 +41,8 @@ class Child:
     process: subprocess.Popen
     log_path: Path
     log_file: IO[bytes]
+    argv: list[str]
+    env: dict[str, str]
 
     @property
     def returncode(self) -> int | None:
@@ -62,13 +65,26 @@ class Children:
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        log_file = open(log_path, "wb")
+        log_file = open(log_path, "ab")  # a restarted child's log goes on after its previous life's
         full_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=full_env, start_new_session=True)
-        child = Child(name, process, log_path, log_file)
+        child = Child(name, process, log_path, log_file, list(argv), dict(env or {}))
         self.children[name] = child
         return child
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a child and its session: a crash, as the chaos command causes them."""
+        child = self.children[name]
+        _signal(child, signal.SIGKILL)
+        child.process.wait()
+        child.log_file.close()
+
+    def restart(self, name: str, extra_args: tuple[str, ...] = ()) -> Child:
+        """Start a child again with the arguments it had, plus `extra_args`."""
+        old = self.children[name]
+        argv = old.argv + [a for a in extra_args if a not in old.argv]
+        return self.start(name, argv, old.env)
 
     def running(self, prefix: str = "") -> list[Child]:
         return [c for n, c in self.children.items() if n.startswith(prefix) and c.returncode is None]

@@ -1,0 +1,159 @@
+"""`diloco chaos`: the real runtime under SIGKILL, next to the same run without faults.
+
+The faulty run kills learners and syncer shards at random times (seeded) and restarts each after a
+delay: a learner with its id (it resumes from its own checkpoint and the current Θ), a shard with
+`--resume` (its saved state and journal). Then both runs are compared, and every token is accounted
+for: what each learner trained, in all its lives (from its per-step metrics), against what the syncer
+merged, on time or late; the difference is lost (trained after a learner's last push, before it was
+killed), and a token counted more often than it was trained would be a duplicate.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from diloco.config import Config
+from diloco.runtime.launcher import Launcher
+
+
+@dataclass
+class Kill:
+    at_s: float
+    """Seconds into training."""
+    victim: str
+    restarted_at_s: float | None = None
+
+
+@dataclass
+class ChaosMonkey:
+    launcher: Launcher
+    kills: list[Kill]
+    restart_after_s: float
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="chaos", daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        launcher = self.launcher
+        while not hasattr(launcher, "training_started"):
+            if self.done.wait(0.1):
+                return
+        for kill in self.kills:
+            if self.done.wait(max(0.0, launcher.training_started + kill.at_s - time.monotonic())):
+                return
+            child = launcher.children.children.get(kill.victim)
+            if child is None or child.returncode is not None:
+                continue  # it already finished: nothing to kill
+            launcher.expected_down.add(kill.victim)
+            launcher.children.kill(kill.victim)
+            if self.done.wait(self.restart_after_s):
+                return
+            extra = ("--resume",) if kill.victim.startswith("syncer") else ()
+            launcher.children.restart(kill.victim, extra)
+            kill.restarted_at_s = time.monotonic() - launcher.training_started
+            launcher.expected_down.discard(kill.victim)
+        # The kernel ends a child when the *thread* that started it ends (PR_SET_PDEATHSIG): the
+        # children restarted here must outlive this thread's work, so it waits for the run's end.
+        self.done.wait()
+
+
+def plan_kills(rng: random.Random, learners: int, shards: int, kill_learners: int, kill_syncer: int,
+               duration_s: float) -> list[Kill]:
+    """Kill times spread over the middle of the run, victims drawn at random."""
+    victims = [f"learner-{rng.randrange(learners)}" for _ in range(kill_learners)]
+    victims += [f"syncer-{rng.randrange(shards)}" for _ in range(kill_syncer)]
+    rng.shuffle(victims)
+    times = sorted(rng.uniform(0.1, 0.8) * duration_s for _ in victims)
+    return [Kill(t, v) for t, v in zip(times, victims)]
+
+
+def learner_lives(metrics: Path) -> dict[int, list[dict[str, Any]]]:
+    """Per learner, the last record of each life (a restart starts its counters from zero)."""
+    lives: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(metrics.glob("learner-*.jsonl")):
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the line a kill cut short
+            if record.get("kind") == "learner":
+                records.append(record)
+        ends = []
+        for i, record in enumerate(records):
+            nxt = records[i + 1] if i + 1 < len(records) else None
+            if nxt is None or nxt["tokens"] < record["tokens"] or nxt["steps"] < record["steps"]:
+                ends.append(record)
+        if records:
+            lives[records[0]["learner"]] = ends
+    return lives
+
+
+def account(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """Trained against merged, per learner and fragment, over every life of every learner."""
+    shards = json.loads((out / "syncer" / "shards.json").read_text())
+    numel = {int(p): n for s in shards for p, n in s["fragment_numel"].items()}
+    parameters = sum(numel.values())
+    lives = learner_lives(out / "metrics")
+    lost = unaccounted = 0.0
+    per_learner = []
+    for m, ends in sorted(lives.items()):
+        trained = sum(r["tokens"] for r in ends)
+        counted = {p: 0 for p in numel}
+        for s in shards:
+            entry = s.get("ledger", {}).get(str(m), {})
+            for kind in ("merged", "late"):
+                for p, tokens in entry.get(kind, {}).items():
+                    counted[int(p)] += tokens
+        lost_m = sum((trained - counted[p]) * n for p, n in numel.items() if trained >= counted[p]) / parameters
+        over_m = sum((counted[p] - trained) * n for p, n in numel.items() if counted[p] > trained) / parameters
+        lost, unaccounted = lost + lost_m, unaccounted + over_m
+        per_learner.append({"learner": m, "lives": len(ends), "trained": trained, "lost": lost_m,
+                            "counted_twice": over_m})
+    duplicates = sum(e.get("duplicates", 0) for s in shards for e in s.get("ledger", {}).values())
+    return {"tokens_trained": sum(r["trained"] for r in per_learner), "tokens_lost": lost,
+            "tokens_counted_twice": unaccounted, "retries_recognised": duplicates,
+            "per_learner": per_learner}
+
+
+def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learners: int, kill_syncer: int,
+              seed: int, restart_after_s: float, shards: int = 1, **launcher_options) -> dict[str, Any]:
+    """The fault-free run, then the faulty one; their comparison (also written to OUT/chaos.json)."""
+    args = [*config_args, "--set", "metrics.every_steps=1"]  # every step recorded: tokens are accounted exactly
+    clean = Launcher(config, args, out / "clean", shards=shards, **launcher_options).run()
+    faulty_launcher = Launcher(config, args, out / "faulty", shards=shards, **launcher_options)
+    kills = plan_kills(random.Random(seed), config.learners.count, shards, kill_learners, kill_syncer,
+                       clean["training_wall_clock_s"])
+    monkey = ChaosMonkey(faulty_launcher, kills, restart_after_s)
+    thread = monkey.start()
+    try:
+        faulty = faulty_launcher.run()
+    finally:
+        monkey.done.set()
+        thread.join()
+    accounting = account(out / "faulty", faulty)
+    killed = {k.victim for k in kills if k.restarted_at_s is not None}
+    survivors = [r for r in faulty["per_learner"] if f"learner-{r['learner']}" not in killed]
+    result = {
+        "seed": seed, "kills": [vars(k) for k in kills],
+        "clean": {"final_eval_loss": clean["final_eval_loss"], "goodput": clean["goodput"],
+                  "rounds": clean["rounds"], "training_wall_clock_s": clean["training_wall_clock_s"]},
+        "faulty": {"final_eval_loss": faulty["final_eval_loss"], "rounds": faulty["rounds"],
+                   "training_wall_clock_s": faulty["training_wall_clock_s"],
+                   "goodput_of_survivors": (sum(r["busy_s"] for r in survivors) /
+                                            sum(r["busy_s"] / r["busy_fraction"] for r in survivors)
+                                            if survivors else None),
+                   "survivors": [r["learner"] for r in survivors], **accounting},
+    }
+    result["loss_vs_clean"] = result["faulty"]["final_eval_loss"] / clean["final_eval_loss"] - 1
+    (out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
