@@ -5,8 +5,9 @@ import torch
 
 from conftest import tiny_config
 from diloco.core import Push, SyncerCore, Timer
-from diloco.core.syncer import token_weight
-from diloco.fragments import Fragment
+from diloco.core.learner import LearnerCore
+from diloco.core.syncer import ProtocolError, token_weight
+from diloco.fragments import Fragment, Schedule
 from diloco.outer import DelayedNesterov, Nesterov
 from diloco.sim.driver import Simulation
 from diloco.sim.link import Direction
@@ -308,3 +309,42 @@ def test_data_parallel_stalls_through_crashes_and_its_replicas_stay_identical():
     for learner in sim.learners[1:]:
         for name, p in learner.replica.model.named_parameters():
             assert torch.equal(p, reference[name]), name
+
+
+# ---------------------------------------------------------------- outlier pushes
+
+
+def warm_up(syncer):
+    """Three ordinary pushes (norm 1): the outlier rule has its median."""
+    for seq in range(1, 4):
+        syncer.on_push(push(seq % 3, seq, [1.0, 0.0], base=syncer.version(0)), now=float(seq))
+
+
+def test_an_outlier_push_is_refused_with_the_reason_and_changes_nothing():
+    syncer = hub(quorum=3, outlier="reject", outlier_factor=5.0)
+    warm_up(syncer)
+    before = (syncer.theta["w"].clone(), dict(syncer.fragments[0].pending), syncer.ledger[0].pushes)
+    with pytest.raises(ProtocolError, match="refused as an outlier"):
+        syncer.on_push(push(0, 10, [100.0, 0.0], base=syncer.version(0)), now=5.0)
+    assert torch.equal(syncer.theta["w"], before[0]) and syncer.fragments[0].pending == before[1]
+    assert syncer.ledger[0].pushes == before[2]
+    syncer.on_push(push(0, 11, [2.0, 0.0], base=syncer.version(0)), now=6.0)  # an ordinary one still goes in
+
+
+def test_an_outlier_push_is_clipped_to_the_bound():
+    syncer = hub(quorum=3, outlier="clip", outlier_factor=5.0)
+    warm_up(syncer)
+    syncer.on_push(push(0, 10, [0.0, 100.0], base=syncer.version(0)), now=5.0)
+    torch.testing.assert_close(syncer.fragments[0].pending[0].deltas["w"], torch.tensor([0.0, 5.0]))
+
+
+def test_a_refused_push_frees_the_fragment_and_its_tokens_go_with_the_next_push():
+    params = {"w": torch.zeros(2)}
+    core = LearnerCore(0, params, FRAGMENT, Schedule(2, 1), tau=0, alpha=0.0, wait_for_updates=False)
+    core.on_step(10)
+    (sent,) = core.on_step(10)
+    core.on_refused(sent)
+    assert not core.in_flight and core.unpushed_tokens() == [20]
+    core.on_step(10)
+    (again,) = core.on_step(10)
+    assert again.tokens == 40 and again.seq > sent.seq

@@ -76,6 +76,10 @@ class OuterConfig:
     """How the decoupled syncer merges a round (DiLoCo and Streaming DiLoCo use the mean)."""
     dn_buffer: int = 0
     """Delayed Nesterov: arrivals per momentum update; 0 means the number of learners."""
+    outlier: Literal["off", "clip", "reject"] = "off"
+    """A push whose norm is above outlier_factor x the median of the fragment's recent pushes is clipped
+    to that bound, or refused (the learner is told why and sends that progress again later)."""
+    outlier_factor: float = 5.0
 
 
 @dataclass
@@ -347,6 +351,7 @@ def validate(config: Config) -> None:
     _require(o.grace >= 0, "outer.grace", "must be zero or positive (0 turns the grace window off)", o.grace)
     _require(o.grace_cap_steps >= 0, "outer.grace_cap_steps", "must be zero or positive", o.grace_cap_steps)
     _require(o.dn_buffer >= 0, "outer.dn_buffer", "must be zero or positive", o.dn_buffer)
+    _require(o.outlier_factor > 1, "outer.outlier_factor", "must be above 1", o.outlier_factor)
     f = config.failures
     for kind, events in (("crashes", f.crashes), ("outages", f.outages)):
         for i, event in enumerate(events):

@@ -77,6 +77,7 @@ class LearnerCore:
         self.now: float | None = None
         self.finished = False
         self.stale_updates = 0
+        self.refused = 0
         self.last_push_norm: float | None = None
         """L2 norm of the latest push's outer gradient (before encoding)."""
         self.last_staleness: int | None = None
@@ -148,6 +149,18 @@ class LearnerCore:
                 pushes.append(self._make_push(p, sent.base_version, deltas))
         self.finished = True
         return pushes
+
+    def on_refused(self, push: Push) -> None:
+        """The syncer refused `push` (an outlier, a non-finite value): its progress is not merged. The
+        fragment is free to be pushed again, and that push carries this progress (Δ is measured from
+        the anchor) and its tokens."""
+        flight = self.in_flight.get(push.fragment)
+        if flight is not None and flight.push.seq == push.seq:
+            del self.in_flight[push.fragment]
+            self.overdue.discard(push.fragment)
+        self.tokens_since[push.fragment] += push.tokens
+        self.steps_since[push.fragment] += push.steps
+        self.refused += 1
 
     def unpushed_tokens(self) -> list[int]:
         """Per fragment, tokens trained that no push has carried: what a crash now would lose."""

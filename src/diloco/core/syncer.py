@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
@@ -42,6 +42,8 @@ from diloco.core.messages import Push, Update
 from diloco.fragments import Fragment
 from diloco.outer.merge import MergeRule, merge_fragment
 
+OUTLIER_WINDOW = 16
+"""Accepted pushes per fragment that the outlier rule takes its median from (it needs 3 at least)."""
 EMA = 0.3
 """Weight of the newest sample in the running estimates of ξ_step and ξ_sync."""
 
@@ -167,7 +169,8 @@ class SyncerCore:
     def __init__(self, params: dict[str, torch.Tensor], fragments: list[Fragment], members: Iterable[int], *,
                  optimizer: Callable[[], OuterOptimizer], merge_rule: MergeRule, embeddings: Iterable[str] = (),
                  quorum: int | None = None, grace: float = 0.0, grace_cap_steps: float = 2.0,
-                 tau: int = 0, participation: bool = False, down_codec: Codec | None = None) -> None:
+                 tau: int = 0, participation: bool = False, down_codec: Codec | None = None,
+                 outlier: str = "off", outlier_factor: float = 5.0) -> None:
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
         self.fragments = {f.index: FragmentState(f, optimizer()) for f in fragments}
         """By global fragment index: a shard of a sharded syncer holds some fragments only."""
@@ -178,6 +181,9 @@ class SyncerCore:
         self.embeddings = frozenset(embeddings)
         self.quorum, self.grace, self.grace_cap_steps, self.tau = quorum, grace, grace_cap_steps, tau
         self.participation = participation
+        self.outlier, self.outlier_factor = outlier, outlier_factor
+        self.recent_norms: dict[int, deque[float]] = {f.index: deque(maxlen=OUTLIER_WINDOW) for f in fragments}
+        """Per fragment, the norms of the latest accepted pushes: what an outlier is measured against."""
         self.last_weight: dict[int, float] = {}
         self.ledger = {m: LedgerEntry() for m in self.alive}
         self.down_codec = down_codec or get_codec("fp32")
@@ -301,6 +307,7 @@ class SyncerCore:
         state = self.fragments[push.fragment]
         entry.last_seq = push.seq
         entry.pushes += 1
+        push = self._bounded(push)
         if push.step_time_s > 0:
             old = self.step_time.get(push.learner)
             self.step_time[push.learner] = push.step_time_s if old is None else old + EMA * (push.step_time_s - old)
@@ -316,6 +323,23 @@ class SyncerCore:
         else:
             held.add(push)
         return self._evaluate(state, now)
+
+    def outlier_bound(self, push: Push) -> tuple[float, float | None]:
+        """The push's norm, and the most the outlier rule allows (None while it is off or warming up)."""
+        norm = math.sqrt(sum(float(d.pow(2).sum()) for d in push.deltas.values()))
+        recent = sorted(self.recent_norms.get(push.fragment, ()))
+        if self.outlier == "off" or len(recent) < 3:
+            return norm, None
+        return norm, self.outlier_factor * recent[len(recent) // 2]
+
+    def _bounded(self, push: Push) -> Push:
+        """Clip an outlier (rule `clip`); remember the norm of what is accepted."""
+        norm, bound = self.outlier_bound(push)
+        if bound is not None and norm > bound and self.outlier == "clip":
+            push = dataclasses.replace(push, deltas={n: d * (bound / norm) for n, d in push.deltas.items()})
+            norm = bound
+        self.recent_norms[push.fragment].append(norm)
+        return push
 
     def on_timer(self, now: float) -> list[Action]:
         return self._evaluate_all(now)
@@ -383,6 +407,11 @@ class SyncerCore:
             if delta.shape != self.theta[name].shape:
                 raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} has shape "
                                     f"{tuple(delta.shape)}, expected {tuple(self.theta[name].shape)}")
+        if self.outlier == "reject" and push.seq > self.ledger[push.learner].last_seq:
+            norm, bound = self.outlier_bound(push)
+            if bound is not None and norm > bound:
+                raise ProtocolError(f"push of fragment {push.fragment} refused as an outlier: its norm {norm:.4g} "
+                                    f"is above {self.outlier_factor:g} x the median of recent pushes ({bound:.4g})")
 
     def _participation_share(self, contributions: list[Contribution], weights: list[float]) -> float:
         """The round's weight over the weight of every learner alive (absent ones at their last known)."""

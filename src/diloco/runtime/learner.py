@@ -103,6 +103,7 @@ class Learner:
         self.fragments = self.core.fragments if self.core else self._partition(fragment_count)
         self._inbox: DeliveryQueue[Update] = DeliveryQueue()
         self._outbox: queue.Queue[Any] = queue.Queue()
+        self._refused: queue.Queue[Push] = queue.Queue()
         self._wire: DeliveryQueue[Any] = DeliveryQueue()
         self._threads: list[threading.Thread] = []
         if self.rank == 0:
@@ -232,6 +233,8 @@ class Learner:
 
     def _merge_arrived(self, wait: bool) -> None:
         core = self.core
+        while not self._refused.empty():
+            core.on_refused(self._refused.get())
         while True:
             for update in self._inbox.ready():
                 core.on_update(update)
@@ -327,7 +330,7 @@ class Learner:
                                    step_time_s=push.step_time_s, sent_at=push.sent_at or time.time(),
                                    tensors=[tensor_header(n, e) for n, e in encoded.items()])
             nbytes = MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in encoded.values())
-            self._wire.put(self.up.send(nbytes), ("push", self._shard_of[push.fragment], header, encoded))
+            self._wire.put(self.up.send(nbytes), ("push", self._shard_of[push.fragment], header, (encoded, push)))
         self._wire.close()
 
     def _deliver_loop(self) -> None:
@@ -343,8 +346,15 @@ class Learner:
                 continue
             # A shard that restarts comes back with everything it acknowledged: keep trying (the
             # learner trains on meanwhile); a push it took before it went down is counted once.
-            with_retries(lambda: shard.client.push(header, encoded), attempts=None, what="push",
-                         give_up=self._give_up)
+            tensors, push = encoded
+            try:
+                with_retries(lambda: shard.client.push(header, tensors), attempts=None, what="push",
+                             give_up=self._give_up)
+            except SyncerUnavailable:
+                raise
+            except DilocoError as exc:  # refused with a reason (an outlier, a non-finite value)
+                log.warning("learner %d: push of fragment %d refused: %s", self.id, push.fragment, exc)
+                self._refused.put(push)
 
     def _receive_loop(self, shard: _Shard) -> None:
         """New versions from one shard: decoded here, handed over when the emulated link delivers them."""

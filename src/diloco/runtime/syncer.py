@@ -340,7 +340,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
                           merge_rule=self.spec.merge_rule, embeddings=embeddings, quorum=self.spec.quorum,
                           grace=self.spec.grace, grace_cap_steps=self.spec.grace_cap_steps, tau=self.spec.tau,
                           participation=self.spec.participation,
-                          down_codec=get_codec(self.config.codec.down, self.config.codec.block))
+                          down_codec=get_codec(self.config.codec.down, self.config.codec.block),
+                          outlier=self.config.outer.outlier, outlier_factor=self.config.outer.outlier_factor)
 
     def _fragments_of(self, layout, tensors: dict | None = None) -> tuple[list[Fragment], set[str]]:
         """The fragments a layout describes, checked against this shard (and against the values, at Init)."""

@@ -20,7 +20,7 @@ from diloco.codecs import get_codec
 from diloco.config import Config
 from diloco.core.learner import LearnerCore
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, Update, tensors_wire_bytes
-from diloco.core.syncer import Action, Publish, SyncerCore, Timer
+from diloco.core.syncer import Action, ProtocolError, Publish, SyncerCore, Timer
 from diloco.data import EvalBatches, ShardSampler, load_corpus
 from diloco.fragments import Fragment, Schedule, embedding_names, partition
 from diloco.models.factory import ModelFactory, build_model
@@ -145,7 +145,8 @@ class Simulation:
                                  merge_rule=spec.merge_rule, embeddings=embeddings, quorum=spec.quorum,
                                  grace=spec.grace, grace_cap_steps=spec.grace_cap_steps, tau=spec.tau,
                                  participation=spec.participation,
-                                 down_codec=get_codec(self.config.codec.down, self.config.codec.block))
+                                 down_codec=get_codec(self.config.codec.down, self.config.codec.block),
+                                 outlier=self.config.outer.outlier, outlier_factor=self.config.outer.outlier_factor)
 
     def _learner_core(self, learner: SimLearner, versions: list[int] | None, step: int) -> LearnerCore:
         spec = self.spec
@@ -259,7 +260,12 @@ class Simulation:
         self.queue.schedule(arrival, ("push", push))
 
     def _on_push(self, push: Push) -> None:
-        self._handle(self.syncer.on_push(push, self.now))
+        try:
+            self._handle(self.syncer.on_push(push, self.now))
+        except ProtocolError:  # refused (an outlier): the learner sends that progress again later
+            learner = self.learners[push.learner]
+            if learner.core is not None and learner.alive:
+                learner.core.on_refused(push)
 
     def _on_leave(self, m: int) -> None:
         self._handle(self.syncer.leave(m, self.now, finished=self.learners[m].finished))
