@@ -154,7 +154,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         if state_dir is not None:
             self.state_path = state_dir / f"shard-{plan.index}.state.pt"
             journal_path = state_dir / f"shard-{plan.index}.journal"
-            saved = self.state_path.is_file() or journal_path.is_file()
+            saved = self.state_path.is_file()  # none yet: killed before Θ was seeded, nothing to resume
             if saved and not resume:
                 raise DilocoError(f"{state_dir} holds the saved state of shard {plan.index}: pass --resume to "
                                   f"continue that run, or give another --out")
