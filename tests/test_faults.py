@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from conftest import tiny_config
@@ -136,3 +137,171 @@ def test_a_syncer_killed_mid_run_restarts_from_its_journal_and_counts_every_toke
         trained = reports[m]["tokens"]
         for p in ("0", "1"):  # exactly once: nothing lost in the crash, nothing counted twice
             assert entry["merged"].get(p, 0) + entry["late"].get(p, 0) == trained
+
+
+# ---------------------------------------------------------------- the network misbehaves
+
+
+class Relay:
+    """A TCP relay between a learner and the syncer that can be cut (a network partition) and healed."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        self.socket_module = socket
+        self.target = target.rsplit(":", 1)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.links: list = []
+        self.cut_off = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.cut_off.is_set():
+                client.close()
+                continue
+            upstream = self.socket_module.create_connection((self.target[0], int(self.target[1])))
+            self.links += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source, sink) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for s in (source, sink):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        self.cut_off.set()
+        for s in self.links:
+            try:
+                s.shutdown(self.socket_module.SHUT_RDWR)
+            except OSError:
+                pass
+        self.links.clear()
+
+    def heal(self) -> None:
+        self.cut_off.clear()
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+
+def test_a_partitioned_learner_trains_on_and_loses_nothing_when_the_network_heals():
+    shard, server, address = live_shard("learners.count=2", "outer.H=4", "outer.fragments=2")
+    relay = Relay(address)
+    try:
+        cut_off = Learner(tiny_model(), syncer=relay.address, learner=0)
+        other = Learner(tiny_model(), syncer=address, learner=1)
+        optimizers = {lr: torch.optim.SGD(lr.model.parameters(), lr=0.1) for lr in (cut_off, other)}
+
+        def steps(n: int) -> float:
+            """The slowest step of `n` lockstep steps of both learners."""
+            slowest = 0.0
+            for _ in range(n):
+                for learner, opt in optimizers.items():
+                    started = time.monotonic()
+                    train(learner, opt, 1)
+                    slowest = max(slowest, time.monotonic() - started)
+                time.sleep(0.05)
+            return slowest
+
+        steps(8)
+        relay.cut()
+        slowest = steps(140)  # ~7 s apart: longer than the syncer waits before counting it dead
+        assert 0 in shard.lost and slowest < 1.0  # nobody waited for the network
+        relay.heal()
+        steps(40)
+        assert 0 not in shard.lost and 0 in shard.core.alive  # it spoke again, so it counts again
+        merges_after_heal = cut_off.merges
+        reports = [cut_off.close(), other.close()]
+    finally:
+        relay.close()
+        shard.stop()
+        server.stop(0)
+    assert merges_after_heal > 0 and shard.finished
+    for m, report in enumerate(reports):  # every token of the partition reached the syncer once
+        entry = shard.core.ledger[m]
+        assert [entry.merged[p] + entry.late[p] for p in range(2)] == [report["tokens"]] * 2
+
+
+def test_a_client_sending_one_byte_at_a_time_does_not_hold_up_anyone():
+    import socket
+    shard, server, address = live_shard("learners.count=1", "outer.H=3", "outer.fragments=1")
+    host, port = address.rsplit(":", 1)
+    slow = socket.create_connection((host, int(port)))
+    stop = threading.Event()
+
+    def dribble() -> None:
+        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(1000)
+        for byte in preface:
+            if stop.wait(0.1):
+                return
+            try:
+                slow.send(bytes([byte]))
+            except OSError:
+                return
+
+    threading.Thread(target=dribble, daemon=True).start()
+    try:
+        learner = Learner(tiny_model(), syncer=address, learner=0)
+        started = time.monotonic()
+        train(learner, torch.optim.SGD(learner.model.parameters(), lr=0.1), 30)
+        elapsed = time.monotonic() - started
+        time.sleep(0.3)
+        learner.step(tokens=0)
+        assert learner.merges > 0 and elapsed < 10
+        learner.close()
+    finally:
+        stop.set()
+        slow.close()
+        shard.stop()
+        server.stop(0)
+
+
+def test_a_push_cut_off_mid_stream_changes_nothing_and_its_retry_counts():
+    from diloco.transport.client import ShardClient
+    from diloco.transport.frames import encode_fp32, message_frames, tensor_header
+    from diloco.v1 import diloco_pb2 as pb
+
+    shard, server, address = live_shard("learners.count=2", "outer.fragments=1")
+    try:
+        learner = Learner(tiny_model(), syncer=address, learner=0)
+        fragment = learner.fragments[0]
+        encoded = encode_fp32({n: torch.full_like(learner.params[n], 0.01) for n in fragment.names})
+        header = pb.PushHeader(learner=0, fragment=0, base_version=0, seq=learner.core.seq + 1, tokens=8, steps=1,
+                               tensors=[tensor_header(n, encoded[n]) for n in fragment.names])
+        theta = {n: t.clone() for n, t in shard.core.theta.items()}
+
+        def dies_mid_push():
+            frames = message_frames(pb.Frame(push=header), encoded)
+            yield next(frames)  # the header goes out, then the learner's process dies
+            raise ConnectionAbortedError("killed")
+
+        client = ShardClient(address)
+        with pytest.raises(Exception):
+            client.stub.Push(dies_mid_push(), timeout=10)
+        assert shard.core.ledger[0].pushes == 0 and not shard.core.fragments[0].pending
+        assert all(torch.equal(shard.core.theta[n], theta[n]) for n in theta)
+        assert not client.push(header, encoded).duplicate  # the retry is the first time it counts
+        assert shard.core.ledger[0].pushes == 1
+        client.close()
+        learner.close()
+    finally:
+        shard.stop()
+        server.stop(0)

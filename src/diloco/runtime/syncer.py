@@ -204,6 +204,9 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 self.lost.add(learner)
             self._handle(core.leave(learner, now, finished=fields.get("finished", False)))
             self._finish_if_everyone_left(now)
+        elif kind == "revive":
+            core.join(fields["learner"], now)
+            self.lost.discard(fields["learner"])
         elif kind == "rejoin":
             learner = fields["learner"]
             values = core.rejoin_state(learner, fields["after_seq"], fields["fragments"])
@@ -270,6 +273,11 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 self._event("lost", now, learner=m)
 
     def _seen(self, learner: int, now: float, heartbeat: bool = False) -> None:
+        """A learner was heard from. One counted dead by missed heartbeats (a partition, a stall) that
+        speaks again counts again: its anchors are as the syncer recorded them."""
+        if learner in self.lost and self.core is not None and learner in self.core.held:
+            log.info("learner %d is back after %.1f s of silence", learner, now - self.last_seen.get(learner, now))
+            self._event("revive", now, learner=learner)
         last = self.last_seen.get(learner)
         if heartbeat and last is not None and learner in self._heartbeat_seen:
             gap = now - self._heartbeat_seen[learner]

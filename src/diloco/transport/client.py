@@ -18,7 +18,11 @@ from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                   ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_permit_without_calls", 1)]
+                   ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_permit_without_calls", 1),
+                   # After a partition or a shard restart, try again within 2 s (gRPC's own backoff
+                   # would grow to minutes): the learner's pushes wait in its queue meanwhile.
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 HEARTBEAT_S = 1.0
 """How often a learner reports its progress; the syncer measures the actual interval and counts a
