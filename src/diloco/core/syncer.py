@@ -42,6 +42,8 @@ from diloco.core.messages import Push, Update
 from diloco.fragments import Fragment
 from diloco.outer.merge import MergeRule, merge_fragment
 
+MAX_STEP_TIME_S = 3600.0
+"""A reported inner step longer than an hour is taken for a broken clock, not a slow chip."""
 OUTLIER_WINDOW = 16
 """Accepted pushes per fragment that the outlier rule takes its median from (it needs 3 at least)."""
 EMA = 0.3
@@ -291,7 +293,7 @@ class SyncerCore:
         One that `finished` its share of the run still counts in the rounds' shares: the fleet's
         average includes it, so the last learners still training do not speak for the whole fleet."""
         self.alive.discard(learner)
-        if finished:
+        if finished and learner in self.held:  # only one that took part has a share to keep
             self.finished.add(learner)
         return self._evaluate_all(now)
 
@@ -401,6 +403,10 @@ class SyncerCore:
                                 f"but the latest is {state.version}")
         if push.tokens < 0 or push.steps < 0:
             raise ProtocolError(f"push of fragment {push.fragment} with negative counters")
+        if not (math.isfinite(push.step_time_s) and 0 <= push.step_time_s <= MAX_STEP_TIME_S) or \
+                (push.sent_at is not None and not math.isfinite(push.sent_at)):
+            raise ProtocolError(f"push of fragment {push.fragment} with an impossible step time "
+                                f"({push.step_time_s!r} s) or send time ({push.sent_at!r})")
         if set(push.deltas) != set(state.fragment.names):
             raise ProtocolError(f"push of fragment {push.fragment} does not carry exactly the fragment's tensors")
         for name, delta in push.deltas.items():

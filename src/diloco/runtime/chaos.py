@@ -152,7 +152,10 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
                    "goodput_of_survivors": (sum(r["busy_s"] for r in survivors) /
                                             sum(r["busy_s"] / r["busy_fraction"] for r in survivors)
                                             if survivors else None),
-                   "survivors": [r["learner"] for r in survivors], **accounting},
+                   "survivors": [r["learner"] for r in survivors],
+                   "goodput_while_up": (sum(r["busy_s"] for r in faulty["per_learner"]) /
+                                        sum(r["busy_s"] / r["busy_fraction"] for r in faulty["per_learner"])),
+                   **accounting},
     }
     result["loss_vs_clean"] = result["faulty"]["final_eval_loss"] / clean["final_eval_loss"] - 1
     (out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -144,7 +144,8 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
     table.add_row("final eval loss", f"{clean['final_eval_loss']:.4f}", f"{faulty['final_eval_loss']:.4f} "
                   f"({result['loss_vs_clean']:+.2%})", "within 2%")
     table.add_row("goodput of surviving learners", f"{clean['goodput']:.3f}",
-                  "no learner survived" if goodput is None else f"{goodput:.3f}", "≥ 0.95")
+                  "none survived" if goodput is None else f"{goodput:.3f}", "≥ 0.95")
+    table.add_row("goodput of every learner, in its last life", "", f"{faulty['goodput_while_up']:.3f}", "")
     table.add_row("rounds merged", str(clean["rounds"]), str(faulty["rounds"]), "")
     table.add_row("tokens trained / lost", "", f"{faulty['tokens_trained']:,} / {faulty['tokens_lost']:,.0f}",
                   "each accounted")

@@ -56,6 +56,9 @@ DEAD_AFTER_HEARTBEATS = 5
 rounds stop counting on it. It counts again as soon as it rejoins."""
 JOIN_BOUND_S = 60.0
 """A configured learner that has not joined this long after Θ was seeded stops being counted on."""
+MAX_LEARNER_ID = 2**32 - 1
+"""Learner ids travel as uint32."""
+MAX_TOKENS = 2**64 - 1
 SAVE_EVERY_S = 10.0
 """How often a shard with a state folder saves its whole state (and empties its journal)."""
 INIT_LIMIT_BYTES = 1 << 38
@@ -129,6 +132,9 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.joined: set[int] = set()
         self.left: set[int] = set()
         self.tokens: dict[int, int] = {}
+        """Per learner, tokens trained in its current life (its heartbeats)."""
+        self.tokens_banked: dict[int, int] = {}
+        """Per learner, tokens trained in its earlier lives: the shared budget counts them too."""
         self.steps: dict[int, int] = {}
         self.last_seen: dict[int, float] = {}
         self.push_errors = 0
@@ -209,6 +215,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
             self.lost.discard(fields["learner"])
         elif kind == "rejoin":
             learner = fields["learner"]
+            if not self._replaying and learner in self.tokens:  # a new life counts its tokens from zero
+                self.tokens_banked[learner] = self.tokens_banked.get(learner, 0) + self.tokens.pop(learner)
             values = core.rejoin_state(learner, fields["after_seq"], fields["fragments"])
             core.join(learner, now)
             self.joined.add(learner)
@@ -237,11 +245,15 @@ class SyncerShard(pb_grpc.SyncerServicer):
                     continue
                 wait = self._deadline - time.time()
                 if wait > 0:
-                    self._timer_cond.wait(wait)
+                    self._timer_cond.wait(min(wait, threading.TIMEOUT_MAX))
                     continue
                 self._deadline = None
                 if self.core is not None:
                     self._event("timer", time.time())
+                    # Other rounds may still be in their grace windows: wake for the earliest of them.
+                    pending = [s.deadline for s in self.core.fragments.values() if s.pending and s.deadline]
+                    if pending and (self._deadline is None or min(pending) < self._deadline):
+                        self._deadline = min(pending)
 
     def _liveness_loop(self) -> None:
         while not self._stopping:
@@ -303,6 +315,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
     # ------------------------------------------------------------ RPCs
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        if request.learner > MAX_LEARNER_ID:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"learner id {request.learner} is above {MAX_LEARNER_ID}")
         with self.lock:
             if request.learner >= 0:
                 learner = request.learner
@@ -321,8 +335,12 @@ class SyncerShard(pb_grpc.SyncerServicer):
                                 layout=self.layout, last_seq=last_seq)
 
     def Init(self, request_iterator, context: grpc.ServicerContext) -> pb.InitReply:
+        if self.core is not None:
+            return pb.InitReply(accepted=False)  # seeded already: not worth reading
         try:
             message = read_message(iter(request_iterator), "state", limit=INIT_LIMIT_BYTES)
+            if not context.is_active():
+                raise FrameError("the stream broke")
             if message is None:
                 raise FrameError("empty Init stream")
             header, tensors = message
@@ -407,6 +425,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
             header, tensors = message
             if next(frames, None) is not None:
                 raise FrameError("a push stream carries one message")
+            if not context.is_active():  # gRPC ends the requests quietly when one fails to parse
+                raise FrameError("the stream broke")
             if header.fragment not in core.fragments:
                 raise FrameError(f"fragment {header.fragment} is not held by shard {self.plan.index}")
             deltas = {name: decode(e) for name, e in tensors.items()}
@@ -457,15 +477,18 @@ class SyncerShard(pb_grpc.SyncerServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         with self.lock:
-            self.tokens[request.learner] = request.tokens
-            self.steps[request.learner] = request.steps
-            self._seen(request.learner, time.time(), heartbeat=True)
-            total = sum(self.tokens.values())
+            if request.learner in self.joined and request.learner not in self.left:  # strangers count for nothing
+                self.tokens[request.learner] = request.tokens
+                self.steps[request.learner] = request.steps
+                self._seen(request.learner, time.time(), heartbeat=True)
+            total = sum(self.tokens.values()) + sum(self.tokens_banked.values())
             stop = self.settings.shared_budget and total >= self.settings.token_budget
-            return pb.HeartbeatReply(stop=stop, tokens_reported=total)
+            return pb.HeartbeatReply(stop=stop, tokens_reported=min(total, MAX_TOKENS))
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         with self.lock:
+            if request.learner not in self.joined:
+                return pb.LeaveReply()  # never took part: nothing to change
             log.info("learner %d left", request.learner)
             if self.core is not None:
                 self._event("leave", time.time(), learner=request.learner, finished=request.finished)
@@ -480,7 +503,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 if core else []
             return pb.StatusReply(shard=self.plan.index, initialised=core is not None, finished=self.finished,
                                   versions=versions, rounds=core.rounds_closed if core else 0,
-                                  tokens_reported=sum(self.tokens.values()), alive=sorted(core.alive) if core else [],
+                                  tokens_reported=min(sum(self.tokens.values()), MAX_TOKENS), alive=sorted(core.alive) if core else [],
                                   report_json=json.dumps(self.report()))
 
     # ------------------------------------------------------------ reports and state
@@ -489,7 +512,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
         """What this shard counted, for run summaries and reports (call under the lock)."""
         core = self.core
         out = {"shard": self.plan.index, "shards": self.plan.count, "fragments": self.owned,
-               "finished": self.finished, "push_errors": self.push_errors, "tokens_reported": dict(self.tokens)}
+               "finished": self.finished, "push_errors": self.push_errors, "tokens_reported": {
+                   m: self.tokens.get(m, 0) + self.tokens_banked.get(m, 0) for m in self.tokens | self.tokens_banked}}
         if core is None:
             return out
         out["fragment_numel"] = {p: s.fragment.numel for p, s in core.fragments.items()}
@@ -547,6 +571,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                      "layout": [torch.frombuffer(bytearray(f.SerializeToString()), dtype=torch.uint8)
                                 for f in self.layout],
                      "joined": sorted(self.joined), "left": sorted(self.left), "lost": sorted(self.lost),
+                     "tokens": dict(self.tokens), "tokens_banked": dict(self.tokens_banked),
                      "finished": self.finished,
                      "last_updates": {m: {p: _plain_update(u) for p, u in by_fragment.items()}
                                       for m, by_fragment in self.last_updates.items()},
@@ -567,6 +592,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.core.load_state_dict(state["core"])
         self.joined, self.left, self.lost = set(state["joined"]), set(state["left"]), set(state["lost"])
         self.finished = state["finished"]
+        self.tokens, self.tokens_banked = dict(state["tokens"]), dict(state["tokens_banked"])
         for m, by_fragment in state["last_updates"].items():
             for p, plain in by_fragment.items():
                 self._handle([Publish(p, plain["version"], {m: _update_of(plain)})])

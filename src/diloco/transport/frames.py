@@ -22,6 +22,8 @@ FRAME_BYTES = 1 << 20
 """Data per frame: large enough that per-message costs vanish, small enough to interleave streams."""
 
 HEADER_KINDS = ("push", "update", "state")
+MAX_DIM = 1 << 63
+"""torch's sizes are signed 64-bit: no dimension, nor product of dimensions, reaches this."""
 
 
 class FrameError(DilocoError):
@@ -64,6 +66,8 @@ def checked_header(header: pb.TensorHeader) -> tuple[int, int]:
         raise FrameError(f"tensor {header.name!r}: unknown codec {header.codec!r}")
     if len(header.shape) > MAX_NDIM:
         raise FrameError(f"tensor {header.name!r}: {len(header.shape)} dimensions, at most {MAX_NDIM}")
+    if any(d >= MAX_DIM for d in header.shape) or math.prod(d for d in header.shape if d) >= MAX_DIM:
+        raise FrameError(f"tensor {header.name!r}: shape {list(header.shape)} is larger than any tensor can be")
     numel = math.prod(header.shape)
     codec = get_codec(header.codec, header.block or DEFAULT_BLOCK)
     if not codec.valid_block(header.block):
@@ -118,9 +122,9 @@ def decode(encoded: Encoded) -> torch.Tensor:
     """An fp32 CPU tensor of the encoded shape; FrameError if the bytes do not decode to finite values."""
     try:
         values = get_codec(encoded.codec, encoded.block or DEFAULT_BLOCK).decode(encoded)
-    except DilocoError as exc:
+        values = values.reshape(encoded.shape)
+    except (DilocoError, RuntimeError, ValueError) as exc:
         raise FrameError(str(exc)) from None
-    values = values.reshape(encoded.shape)
     if values.numel():  # the extremes are NaN or infinite if any element is: no tensor-sized mask
         low, high = torch.aminmax(values.reshape(-1))
         if not (math.isfinite(float(low)) and math.isfinite(float(high))):
