@@ -305,3 +305,25 @@ def test_a_push_cut_off_mid_stream_changes_nothing_and_its_retry_counts():
     finally:
         shard.stop()
         server.stop(0)
+
+
+def test_diloco_chaos_kills_and_restarts_and_counts_no_token_twice(tmp_path):
+    """The chaos command end to end on a tiny run: learners and the shard SIGKILLed and restarted."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import TINY
+    from test_runtime import sets
+
+    done = subprocess.run([sys.executable, "-m", "diloco", "chaos", *sets(*TINY, "learners.count=2",
+                                                                           "train.tokens=40960"),
+                           "--kill-learners", "2", "--kill-syncer", "1", "--restart-after", "0.5", "--seed", "3",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "chaos.json").read_text())
+    faulty = result["faulty"]
+    assert sum(k["restarted_at_s"] is not None for k in result["kills"]) >= 1
+    assert faulty["tokens_counted_twice"] == 0
+    assert faulty["tokens_trained"] >= faulty["tokens_lost"] >= 0
+    assert all(life["lives"] >= 1 for life in faulty["per_learner"])
