@@ -19,8 +19,9 @@ from diloco.errors import DilocoError
 from diloco.goodput.command import add_arguments as add_goodput_arguments
 from diloco.report.command import add_arguments as add_report_arguments
 from diloco.results import human_bytes
-from diloco.runtime.commands import (add_chaos_arguments, add_learner_arguments, add_run_arguments,
-                                     add_syncer_arguments, cmd_chaos, cmd_learner, cmd_run, cmd_syncer)
+from diloco.runtime.commands import (add_chaos_arguments, add_config_arguments, add_learner_arguments,
+                                     add_run_arguments, add_syncer_arguments, cmd_chaos, cmd_learner, cmd_run,
+                                     cmd_syncer)
 
 
 def results_table(result) -> Table:
@@ -124,42 +125,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and more detail")
         p.add_argument("-q", "--quiet", action="store_true", help="print only the summary path")
 
-    sim = sub.add_parser("sim", help="compare strategies in the simulator (virtual clock, real training)")
-    sim.add_argument("config", nargs="?", help="TOML config; the built-in default when omitted")
-    sim.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
-    sim.add_argument("--out", metavar="DIR", help="output folder for summary.json (default: runs/sim-...)")
-    common(sim)
-    sim.set_defaults(handler=cmd_sim)
+    def add_sim_arguments(p: argparse.ArgumentParser) -> None:
+        add_config_arguments(p)
+        p.add_argument("--out", metavar="DIR", help="output folder for summary.json (default: runs/sim-...)")
 
-    run = sub.add_parser("run", help="train for real: syncer shard(s) and learners as processes on this machine")
-    add_run_arguments(run)
-    common(run)
-    run.set_defaults(handler=cmd_run)
-
-    chaos = sub.add_parser("chaos", help="the real runtime with learners and syncers SIGKILLed, against a clean run")
-    add_chaos_arguments(chaos)
-    common(chaos)
-    chaos.set_defaults(handler=cmd_chaos)
-
-    syncer = sub.add_parser("syncer", help="serve one syncer shard (CPU only) for learners on any hosts")
-    add_syncer_arguments(syncer)
-    common(syncer)
-    syncer.set_defaults(handler=cmd_syncer)
-
-    learner = sub.add_parser("learner", help="train the configured model as one learner of a run")
-    add_learner_arguments(learner)
-    common(learner)
-    learner.set_defaults(handler=cmd_learner)
-
-    report = sub.add_parser("report", help="plots of a run folder, or a table and plots comparing several")
-    add_report_arguments(report)
-    common(report)
-    report.set_defaults(handler=cmd_report)
-
-    goodput = sub.add_parser("goodput", help="goodput of a job of many chips under failures, by policy")
-    add_goodput_arguments(goodput)
-    common(goodput)
-    goodput.set_defaults(handler=cmd_goodput)
+    commands = [
+        ("sim", "compare strategies in the simulator (virtual clock, real training)", add_sim_arguments, cmd_sim),
+        ("run", "train for real: syncer shard(s) and learners as processes on this machine", add_run_arguments,
+         cmd_run),
+        ("chaos", "the real runtime with learners and syncers SIGKILLed, against a clean run", add_chaos_arguments,
+         cmd_chaos),
+        ("syncer", "serve one syncer shard (CPU only) for learners on any hosts", add_syncer_arguments, cmd_syncer),
+        ("learner", "train the configured model as one learner of a run", add_learner_arguments, cmd_learner),
+        ("report", "plots of a run folder, or a table and plots comparing several", add_report_arguments,
+         cmd_report),
+        ("goodput", "goodput of a job of many chips under failures, by policy", add_goodput_arguments, cmd_goodput),
+    ]
+    for name, help_text, add_arguments, handler in commands:
+        command = sub.add_parser(name, help=help_text)
+        add_arguments(command)
+        common(command)
+        command.set_defaults(handler=handler)
     return parser
 
 
