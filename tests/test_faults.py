@@ -327,3 +327,42 @@ def test_diloco_chaos_kills_and_restarts_and_counts_no_token_twice(tmp_path):
     assert faulty["tokens_counted_twice"] == 0
     assert faulty["tokens_trained"] >= faulty["tokens_lost"] >= 0
     assert all(life["lives"] >= 1 for life in faulty["per_learner"])
+
+
+def test_a_shard_that_dies_right_after_a_merge_comes_back_with_it_and_answers_again(tmp_path):
+    """Kill at merge: the round closed and its answer was queued, then the process died before saving
+    anything more. The restarted shard replays its journal to the same state and sends the answer."""
+    from diloco.transport.client import ShardClient
+    from diloco.transport.frames import encode_fp32, tensor_header
+    from diloco.v1 import diloco_pb2 as pb
+
+    config = tiny_config("learners.count=1", "outer.fragments=1", "outer.H=4")
+    first = SyncerShard(config, ShardPlan(0, 1, ("",)), state_dir=tmp_path)
+    server, port = serve(first, "127.0.0.1:0")
+    address = f"127.0.0.1:{port}"
+    first.plan = ShardPlan(0, 1, (address,))
+    learner = Learner(tiny_model(), syncer=address, learner=0)
+    learner._halt.set()  # this learner only sends by hand here
+    fragment = learner.fragments[0]
+    client = ShardClient(address)
+    for seq in (learner.core.seq + 1, learner.core.seq + 2):
+        encoded = encode_fp32({n: torch.full_like(learner.params[n], 0.01 * seq) for n in fragment.names})
+        header = pb.PushHeader(learner=0, fragment=0, base_version=first.core.version(0), seq=seq, tokens=8,
+                               steps=1, step_time_s=0.1, tensors=[tensor_header(n, encoded[n]) for n in fragment.names])
+        client.push(header, encoded)
+    client.close()
+    assert first.core.rounds_closed == 2  # K = 1, everyone in: each push merged at once
+    before = first.core.state_dict()
+    first.stop()
+    server.stop(0)  # the process dies: nothing saved since Init, everything since is in the journal
+
+    second = SyncerShard(config, ShardPlan(0, 1, (address,)), state_dir=tmp_path, resume=True)
+    try:
+        after = second.core.state_dict()
+        assert after["fragments"][0]["version"] == before["fragments"][0]["version"] == 2
+        assert all(torch.equal(after["theta"][n], before["theta"][n]) for n in before["theta"])
+        assert after["ledger"][0]["last_seq"] == before["ledger"][0]["last_seq"]  # a retry counts once
+        answer = second.outboxes[0].get_nowait()  # the answer goes out again
+        assert answer.version == 2 and answer.ack_seq == before["ledger"][0]["last_seq"]
+    finally:
+        second.stop()

@@ -593,9 +593,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.joined, self.left, self.lost = set(state["joined"]), set(state["left"]), set(state["lost"])
         self.finished = state["finished"]
         self.tokens, self.tokens_banked = dict(state["tokens"]), dict(state["tokens_banked"])
-        for m, by_fragment in state["last_updates"].items():
-            for p, plain in by_fragment.items():
-                self._handle([Publish(p, plain["version"], {m: _update_of(plain)})])
+        self.last_updates = {m: {p: _update_of(plain) for p, plain in by_fragment.items()}
+                             for m, by_fragment in state["last_updates"].items()}
         last_seq, replayed = state["journal_seq"], 0
         self._replaying = True
         try:
@@ -606,6 +605,12 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 last_seq, replayed = seq, replayed + 1
         finally:
             self._replaying = False
+        self.outboxes = {}  # only the latest answer per fragment goes out again, not every replayed one
+        for m, by_fragment in self.last_updates.items():
+            if m not in self.left:
+                outbox = self.outboxes[m] = queue.Queue()
+                for update in by_fragment.values():
+                    outbox.put(update)
         self.seeded_at = now = time.time()
         for m in self.joined - self.left:
             self.last_seen[m] = now  # they get the usual missed heartbeats to show they are alive
