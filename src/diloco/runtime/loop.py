@@ -109,6 +109,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         log.info("learner %d resumes at step %d from %s (inner optimizer and data position)", m,
                  replica.steps, checkpoint)
     resumed_from = replica.steps
+    writer = CheckpointWriter(checkpoint) if checkpoint is not None else None
     if world > 1:
         replica.model = nn.parallel.DistributedDataParallel(model)
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
@@ -143,18 +144,18 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         if rank == 0:
             record(final=False)
             if checkpoint is not None and replica.steps % config.failures.checkpoint_every == 0:
-                save_checkpoint(checkpoint, model, replica)
+                writer.save(model, replica)
     report = sync.close(finished=not (stop is not None and stop.is_set()))
     if rank == 0:
         record(final=True)  # after the last pushes and the leave: every byte is counted
     metrics.close()
     wall_s = time.monotonic() - began
-    report.update(speed=speed, planned_steps=planned, steps=replica.steps, resumed_from_step=resumed_from, tokens=tokens_trained * world,
-                  busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
+    report.update(speed=speed, planned_steps=planned, steps=replica.steps, resumed_from_step=resumed_from,
+                  tokens=tokens_trained * world, busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
                   tokens_per_s=tokens_trained * world / wall_s if wall_s else 0.0,
                   interrupted=bool(stop is not None and stop.is_set()))
     if checkpoint is not None and rank == 0:
-        save_checkpoint(checkpoint, model, replica)
+        writer.save(model, replica, wait=True)
         (out / "learners").mkdir(parents=True, exist_ok=True)
         (out / "learners" / f"learner-{m}.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -175,10 +176,40 @@ def restore_checkpoint(path: Path, replica: Replica, world: int) -> None:
     replica.steps = int(state["steps"])
 
 
-def save_checkpoint(path: Path, model: nn.Module, replica: Replica) -> None:
-    """The learner's own state: model, inner optimizer, data position and step count, written atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": replica.optimizer.state_dict(),
-                "data": replica.sampler.state_dict(), "steps": replica.steps}, tmp)
-    tmp.replace(path)
+def _snapshot(value: Any) -> Any:
+    """A copy of a state dict that training can no longer change: tensors cloned, containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(v) for v in value)
+    return value
+
+
+class CheckpointWriter:
+    """The learner's own state (model, inner optimizer, data position, step), written atomically on a
+    background thread: the training thread only takes a copy, then trains on while it reaches the disk."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._thread: threading.Thread | None = None
+
+    def save(self, model: nn.Module, replica: Replica, wait: bool = False) -> None:
+        self.wait()  # one write at a time, in order
+        state = _snapshot({"model": model.state_dict(), "optimizer": replica.optimizer.state_dict(),
+                           "data": replica.sampler.state_dict(), "steps": replica.steps})
+        self._thread = threading.Thread(target=self._write, args=(state,), name="learner-checkpoint", daemon=True)
+        self._thread.start()
+        if wait:
+            self.wait()
+
+    def _write(self, state: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.path)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
