@@ -224,9 +224,12 @@ def test_a_partitioned_learner_trains_on_and_loses_nothing_when_the_network_heal
         steps(8)
         relay.cut()
         slowest = steps(140)  # ~7 s apart: longer than the syncer waits before counting it dead
-        assert 0 in shard.lost and slowest < 1.0  # nobody waited for the network
+        assert 0 in shard.lost and slowest < 2.0  # nobody waited for the network (a wait would be seconds)
         relay.heal()
-        steps(40)
+        deadline = time.monotonic() + 30
+        while 0 in shard.lost and time.monotonic() < deadline:  # it reconnects within a few seconds
+            steps(5)
+        steps(20)
         assert 0 not in shard.lost and 0 in shard.core.alive  # it spoke again, so it counts again
         merges_after_heal = cut_off.merges
         reports = [cut_off.close(), other.close()]

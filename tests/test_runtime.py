@@ -77,9 +77,10 @@ def test_run_trains_and_writes_the_summary_the_simulator_writes_plus_wall_clock(
     # Conservation: every token a learner trained is merged (on time or late) exactly once.
     assert summary["tokens_lost"] == pytest.approx(0, abs=1e-6)
     assert summary["tokens_merged"] + summary["tokens_late"] == pytest.approx(summary["tokens"])
-    slow = summary["per_learner"][1]
-    # Half of each of its steps is emulated slowness: counted as waiting it would leave at most 0.5.
-    assert slow["speed"] == 0.5 and slow["busy_fraction"] > 0.7
+    fast, slow = summary["per_learner"]
+    # Half of each of the slow learner's steps is emulated slowness, and it counts as compute: its busy
+    # time per step is about twice the fast one's.
+    assert slow["speed"] == 0.5 and slow["busy_s"] / slow["steps"] > 1.5 * fast["busy_s"] / fast["steps"]
     assert (tmp_path / "model.pt").is_file() and (tmp_path / "syncer" / "shard-0.state.pt").is_file()
     assert all((tmp_path / "checkpoints" / f"learner-{m}.pt").is_file() for m in range(2))
     # The metrics of every process, in one file: the same totals as the summary and the transport.
