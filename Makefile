@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench bench-heterogeneous bench-compression bench-runtime proto clean
+.PHONY: setup run test bench bench-heterogeneous bench-compression bench-runtime bench-gpu proto clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,9 @@ bench-compression: $(STAMP)
 
 bench-runtime: $(STAMP)
 	$(BIN)/python benchmarks/runtime.py
+
+bench-gpu: $(STAMP)
+	$(BIN)/python benchmarks/gpu.py
 
 # Regenerate the committed protocol modules after editing src/diloco/v1/diloco.proto.
 proto: $(STAMP)

@@ -37,6 +37,13 @@ class TrainConfig:
     eval_points: int = 8
     """How many times the global model is evaluated during the run (the last one at the end)."""
     eval_batches: int = 8
+    device: str = "auto"
+    """Where a real learner trains: `auto` (the GPU when there is one), `cpu`, `cuda` or `cuda:N`. The
+    simulator always trains on the CPU."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: forward and backward under bf16 autocast; parameters, optimizer state and syncing stay fp32."""
+    compile: bool = False
+    """torch.compile the model of a real learner."""
 
 
 DEFAULT_SPEEDS = (1.0, 1.0, 0.5, 0.25)
@@ -333,6 +340,8 @@ def validate(config: Config) -> None:
     _require(t.lr > 0, "train.lr", "must be positive", t.lr)
     _require(t.weight_decay >= 0, "train.weight_decay", "must be zero or positive", t.weight_decay)
     _require(t.warmup_steps >= 0, "train.warmup_steps", "must be zero or positive", t.warmup_steps)
+    _require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), "train.device",
+             "must be auto, cpu, cuda or cuda:N", t.device)
     _require(t.grad_clip >= 0, "train.grad_clip", "must be zero or positive (0 turns clipping off)", t.grad_clip)
     if lc.speeds:
         _require(len(lc.speeds) == lc.count, "learners.speeds",

@@ -13,6 +13,7 @@ from torch import nn
 
 from diloco.config import TrainConfig
 from diloco.data.shards import Batch, ShardSampler
+from diloco.errors import DilocoError
 from diloco.models.factory import check_loss
 
 
@@ -27,12 +28,24 @@ def learning_rate(cfg: TrainConfig, step: int, planned_steps: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def resolve_device(name: str) -> torch.device:
+    """`auto`: the GPU when torch sees one, else the CPU. A GPU asked for and missing is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DilocoError(f"train.device = {name!r}, but torch sees no CUDA device here")
+    return device
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on biases, norms)."""
+    """AdamW with weight decay on matrices only (not on biases, norms); fused into one kernel per step
+    when the parameters are on a GPU."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95))
+    fused = all(p.is_cuda for p in params)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), fused=fused or None)
 
 
 class Replica:
@@ -42,6 +55,7 @@ class Replica:
         self.sampler = sampler
         self.planned_steps = planned_steps
         self.optimizer = make_optimizer(model, cfg)
+        self.device = next(model.parameters()).device
         self.steps = 0
         self._last_loss: torch.Tensor | None = None
 
@@ -51,8 +65,13 @@ class Replica:
     def compute_gradients(self) -> int:
         """Forward and backward on the next batch; returns the tokens it took."""
         inputs, targets = self.sampler.next_batch()
+        device = self.device
+        if device.type != "cpu":  # pinned pages copy without holding up the host
+            inputs = inputs.pin_memory().to(device, non_blocking=True)
+            targets = targets.pin_memory().to(device, non_blocking=True)
         self.model.train()
-        loss = check_loss(self.model(inputs, targets))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+            loss = check_loss(self.model(inputs, targets))
         loss.backward()
         self._last_loss = loss.detach()  # read only when asked: reading it would wait for the device
         return targets.numel()
@@ -81,7 +100,8 @@ class Replica:
 def evaluate(model: nn.Module, batches: list[Batch]) -> float:
     was_training = model.training
     model.eval()
-    total = sum(float(check_loss(model(x, y), need_grad=False)) for x, y in batches)
+    device = next(model.parameters()).device
+    total = sum(float(check_loss(model(x.to(device), y.to(device)), need_grad=False)) for x, y in batches)
     model.train(was_training)
     return total / len(batches)
 

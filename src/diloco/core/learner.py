@@ -18,7 +18,6 @@ due, computes their outer gradients Δ = anchor − θ, merges answers τ steps 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -78,8 +77,7 @@ class LearnerCore:
         self.finished = False
         self.stale_updates = 0
         self.refused = 0
-        self.last_push_norm: float | None = None
-        """L2 norm of the latest push's outer gradient (before encoding)."""
+        self._last_push_norm: torch.Tensor | None = None
         self.last_staleness: int | None = None
         """Versions the fragment had moved on by others when the latest merge arrived."""
 
@@ -162,6 +160,11 @@ class LearnerCore:
         self.steps_since[push.fragment] += push.steps
         self.refused += 1
 
+    @property
+    def last_push_norm(self) -> float | None:
+        """L2 norm of the latest push's outer gradient (before encoding)."""
+        return None if self._last_push_norm is None else float(self._last_push_norm)
+
     def unpushed_tokens(self) -> list[int]:
         """Per fragment, tokens trained that no push has carried: what a crash now would lose."""
         return list(self.tokens_since)
@@ -191,7 +194,9 @@ class LearnerCore:
 
     def _make_push(self, p: int, base_version: int, deltas: dict[str, torch.Tensor]) -> Push:
         self.seq += 1
-        self.last_push_norm = math.sqrt(sum(float(d.pow(2).sum()) for d in deltas.values()))
+        # Kept on the device and read only when asked: reading it would wait for the device.
+        self._last_push_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d)
+                                                                     for d in deltas.values()]))
         decoded, nbytes = self._encode(deltas)
         push = Push(self.learner, p, base_version, self.seq, decoded, self.tokens_since[p], self.steps_since[p],
                     step_time_s=self.step_time_s, sent_at=self.now, payload_bytes=nbytes)

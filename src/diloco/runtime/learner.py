@@ -33,6 +33,7 @@ from diloco.errors import DilocoError
 from diloco.fragments import Fragment, Schedule, embedding_names, partition
 from diloco.transport.client import HEARTBEAT_S, ShardClient, SyncerUnavailable, with_retries
 from diloco.transport.frames import decode, tensor_header
+from diloco.runtime.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
 from diloco.transport.shaping import DeliveryQueue, ShapedDirection
 from diloco.v1 import diloco_pb2 as pb
@@ -75,6 +76,7 @@ class Learner:
         self.optimizer = optimizer
         self.module = _unwrap(model)
         self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        self.staging = DeviceStaging(next(iter(self.params.values())).device)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world = dist.get_world_size() if distributed else 1
@@ -101,7 +103,7 @@ class Learner:
                 dist.broadcast(p.data, 0)
         self.id, fragment_count = int(header[0]), int(header[1])
         self.fragments = self.core.fragments if self.core else self._partition(fragment_count)
-        self._inbox: DeliveryQueue[Update] = DeliveryQueue()
+        self._inbox: DeliveryQueue[tuple[Update, Any]] = DeliveryQueue()
         self._outbox: queue.Queue[Any] = queue.Queue()
         self._refused: queue.Queue[Push] = queue.Queue()
         self._wire: DeliveryQueue[Any] = DeliveryQueue()
@@ -236,7 +238,8 @@ class Learner:
         while not self._refused.empty():
             core.on_refused(self._refused.get())
         while True:
-            for update in self._inbox.ready():
+            for update, ready in self._inbox.ready():
+                self.staging.wait_in_training(ready)
                 core.on_update(update)
             poll = core.poll(time.time())
             for push in poll.pushes:
@@ -244,9 +247,11 @@ class Learner:
             if not (wait and poll.waiting_for):
                 return
             waited_from = time.monotonic()
-            update = self._inbox.get(timeout=1.0)
+            arrived = self._inbox.get(timeout=1.0)
             self.waiting_s += time.monotonic() - waited_from
-            if update is not None:
+            if arrived is not None:
+                update, ready = arrived
+                self.staging.wait_in_training(ready)
                 core.on_update(update)
             if self._error is not None:
                 raise DilocoError(f"learner {self.id}: syncing failed: {self._error}") from self._error
@@ -314,17 +319,19 @@ class Learner:
         return run
 
     def _send(self, push: Push) -> None:
-        self._outbox.put(("push", push))
+        self._outbox.put(("push", (push, self.staging.hand_off(push.deltas.values()))))
 
     def _encode_loop(self) -> None:
         """Encode pushes in order (error feedback carries over) and put them on the link."""
         while (item := self._outbox.get()) is not None:
-            kind, push = item
+            kind, payload = item
             if kind == "leave":
                 for shard in self.shards:
-                    self._wire.put(self.up.send(MESSAGE_HEADER_BYTES), ("leave", shard, push, None))
+                    self._wire.put(self.up.send(MESSAGE_HEADER_BYTES), ("leave", shard, payload, None))
                 continue
-            encoded = self.core.encode(push.deltas)
+            push, handed_off = payload
+            with self.staging.side(handed_off):  # encoded on the device, then copied to the host
+                encoded = self.core.encode(push.deltas)
             header = pb.PushHeader(learner=self.id, fragment=push.fragment, base_version=push.base_version,
                                    seq=push.seq, tokens=push.tokens, steps=push.steps,
                                    step_time_s=push.step_time_s, sent_at=push.sent_at or time.time(),
@@ -363,7 +370,7 @@ class Learner:
                 for header, tensors in shard.client.updates(self.id):
                     nbytes = MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in tensors.values())
                     arrival = self.down.send(nbytes)
-                    self._inbox.put(arrival, self._decode_update(header, tensors, nbytes))
+                    self._inbox.put(arrival, self._decode_update(header, tensors, nbytes))  # (update, event)
                 return
             except (SyncerUnavailable, ValueError) as exc:
                 if self._halt.is_set():
@@ -371,19 +378,21 @@ class Learner:
                 log.warning("learner %d: %s; reconnecting", self.id, exc)
                 time.sleep(0.5)
 
-    def _decode_update(self, header: pb.UpdateHeader, tensors: dict[str, Encoded], nbytes: int) -> Update:
+    def _decode_update(self, header: pb.UpdateHeader, tensors: dict[str, Encoded], nbytes: int
+                       ) -> tuple[Update, torch.cuda.Event | None]:
         """A relative update is a difference to the anchor, which cannot change meanwhile: the fragment
         has a push in flight, and its anchor moves only when this answer is merged."""
         p = header.fragment
         anchors = self.core.anchors[p]
         relative = {t.name: t.relative for t in header.tensors}
         values = {}
-        for name, encoded in tensors.items():
-            value = decode(encoded)
-            if relative[name]:
-                value = anchors[name].cpu() + value
-            values[name] = value.to(anchors[name].device)
-        return Update(p, header.version, values, ack_seq=header.ack_seq, payload_bytes=nbytes - MESSAGE_HEADER_BYTES)
+        with self.staging.side():
+            for name, encoded in tensors.items():
+                value = self.staging.to_device(decode(encoded))
+                values[name] = anchors[name] + value if relative[name] else value  # fp32 adds round alike
+            ready = self.staging.done()
+        update = Update(p, header.version, values, ack_seq=header.ack_seq, payload_bytes=nbytes - MESSAGE_HEADER_BYTES)
+        return update, ready
 
     def _heartbeat_loop(self) -> None:
         while not self._halt.wait(HEARTBEAT_S):

@@ -28,7 +28,7 @@ from diloco.metrics.records import LearnerMeter
 from diloco.models.factory import build_model
 from diloco.runtime.learner import Learner, LinkShape
 from diloco.strategies import build_strategy
-from diloco.training import Replica
+from diloco.training import Replica, resolve_device
 from diloco.transport.security import TransportSecurity
 from diloco.transport.shaping import ShapedDirection
 
@@ -82,7 +82,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     `syncer`, train the same way without syncing (`learner` is then required)."""
     t, d = config.train, config.data
     corpus = load_corpus(d.source, dtype=d.dtype, vocab_size=d.vocab_size, eval_fraction=d.eval_fraction)
-    model = build_model(config, corpus.vocab_size)
+    model = build_model(config, corpus.vocab_size).to(resolve_device(t.device))
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
     if syncer is None:
         if learner is None:
@@ -112,6 +112,8 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     writer = CheckpointWriter(checkpoint) if checkpoint is not None else None
     if world > 1:
         replica.model = nn.parallel.DistributedDataParallel(model)
+    if t.compile:
+        replica.model = torch.compile(replica.model)
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
     metrics = open_metrics(out / "metrics" if out and rank == 0 else None, name=f"learner-{m}",
                            tensorboard=config.metrics.tensorboard and rank == 0, wandb=config.metrics.wandb,
