@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 from diloco.core.learner import LearnerCore
 from diloco.core.syncer import RoundRecord
@@ -59,3 +61,25 @@ def resident_memory_bytes() -> int:
     except (OSError, ValueError, IndexError):
         return 0
     return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def learner_lives(metrics: Path) -> dict[int, list[dict[str, Any]]]:
+    """Per learner, the last record of each life (a restart starts its counters from zero)."""
+    lives: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(metrics.glob("learner-*.jsonl")):
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the line a kill cut short
+            if record.get("kind") == "learner":
+                records.append(record)
+        ends = []
+        for i, record in enumerate(records):
+            nxt = records[i + 1] if i + 1 < len(records) else None
+            if nxt is None or nxt["tokens"] < record["tokens"] or nxt["steps"] < record["steps"]:
+                ends.append(record)
+        if records:
+            lives[records[0]["learner"]] = ends
+    return lives

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.config import Config
+from diloco.metrics.records import learner_lives
 from diloco.runtime.launcher import Launcher
 
 
@@ -74,28 +75,6 @@ def plan_kills(rng: random.Random, learners: int, shards: int, kill_learners: in
     rng.shuffle(victims)
     times = sorted(rng.uniform(0.1, 0.8) * duration_s for _ in victims)
     return [Kill(t, v) for t, v in zip(times, victims)]
-
-
-def learner_lives(metrics: Path) -> dict[int, list[dict[str, Any]]]:
-    """Per learner, the last record of each life (a restart starts its counters from zero)."""
-    lives: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted(metrics.glob("learner-*.jsonl")):
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the line a kill cut short
-            if record.get("kind") == "learner":
-                records.append(record)
-        ends = []
-        for i, record in enumerate(records):
-            nxt = records[i + 1] if i + 1 < len(records) else None
-            if nxt is None or nxt["tokens"] < record["tokens"] or nxt["steps"] < record["steps"]:
-                ends.append(record)
-        if records:
-            lives[records[0]["learner"]] = ends
-    return lives
 
 
 def account(out: Path, summary: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from diloco.errors import DilocoError
 from diloco.models.factory import build_model
 from diloco.results import LearnerReport, RunResult
 from diloco.metrics import open_metrics
+from diloco.metrics.records import learner_lives
 from diloco.runtime.loop import ORIGIN_ENV
 from diloco.runtime.processes import Children
 from diloco.runtime.syncer import check_shards, settings_of
@@ -270,15 +271,19 @@ class Launcher:
                     total += tokens * shard["fragment_numel"][p] / parameters
             return total
 
+        lives = learner_lives(self.out / "metrics")
         reports, merged, late, lost = [], 0.0, 0.0, 0.0
         for r in learners:
             m = r["learner"]
+            # A learner that was killed and restarted trained in each of its lives: count them all.
+            trained = sum(life["tokens"] for life in lives[m]) if m in lives else r["tokens"]
+            restarts = len(lives[m]) - 1 if m in lives else 0
             merged_m, late_m = by_parameters("merged", m), by_parameters("late", m)
-            lost_m = r["tokens"] - merged_m - late_m
+            lost_m = trained - merged_m - late_m
             merged, late, lost = merged + merged_m, late + late_m, lost + lost_m
-            reports.append(LearnerReport(learner=m, speed=r["speed"], tokens=r["tokens"], steps=r["steps"],
+            reports.append(LearnerReport(learner=m, speed=r["speed"], tokens=trained, steps=r["steps"],
                                          busy_s=r["busy_s"], waiting_s=r["waiting_s"], down_s=0.0,
-                                         busy_fraction=r["busy_fraction"], crashes=0, tokens_lost=lost_m,
+                                         busy_fraction=r["busy_fraction"], crashes=restarts, tokens_lost=lost_m,
                                          bytes_up=r["bytes_up"], bytes_down=r["bytes_down"]))
         self.eval_curve[-1]["time_s"] = self.training_s
         result = RunResult(
