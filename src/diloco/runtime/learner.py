@@ -172,6 +172,7 @@ class Learner:
                 self.params[name].copy_(value)
         s = self.settings
         period = s.learner_periods[self.id] if self.id < len(s.learner_periods) else s.period
+        self._first_seq = last_seq  # numbers before it belong to this learner's earlier lives
         self.core = LearnerCore(self.id, self.params, fragments, Schedule(period, len(fragments)), tau=s.tau,
                                 alpha=s.alpha, wait_for_updates=s.wait_for_updates,
                                 versions=[versions[p] for p in range(len(fragments))], first_seq=last_seq,
@@ -289,7 +290,7 @@ class Learner:
         return {"learner": self.id, "rank": self.rank, "world": self.world, "tokens": self.tokens,
                 "steps": self.steps, "busy_s": self.busy_s, "waiting_s": self.waiting_s, "wall_s": wall,
                 "busy_fraction": self.busy_s / wall if wall else 1.0, "merges": self.merges,
-                "pushes": core.seq if core else 0, "stale_updates": core.stale_updates if core else 0,
+                "pushes": core.seq - self._first_seq if core else 0, "stale_updates": core.stale_updates if core else 0,
                 "bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent,
                 "messages_up": self.up.messages, "messages_down": self.down.messages,
                 "peak_message_bytes_up": self.up.peak_message_bytes}

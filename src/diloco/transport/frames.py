@@ -21,7 +21,6 @@ from diloco.v1 import diloco_pb2 as pb
 FRAME_BYTES = 1 << 20
 """Data per frame: large enough that per-message costs vanish, small enough to interleave streams."""
 
-HEADER_KINDS = ("push", "update", "state")
 MAX_DIM = 1 << 63
 """torch's sizes are signed 64-bit: no dimension, nor product of dimensions, reaches this."""
 
