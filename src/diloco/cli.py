@@ -37,8 +37,9 @@ def results_table(result) -> Table:
         ("wire bytes down", human_bytes(result.wire_bytes_down)),
         ("peak bytes per sync", human_bytes(result.peak_sync_bytes)),
         ("rounds", str(result.rounds)),
-        ("tokens merged / late / lost", f"{result.tokens_merged:,.0f} / {result.tokens_late:,.0f} / "
-                                        f"{result.tokens_lost:,.0f}"),
+        ("tokens merged / stale / lost", f"{result.tokens_merged:,.0f} / {result.tokens_stale:,.0f} / "
+                                         f"{result.tokens_lost:,.0f}"),
+        *_round_rows(result),
         ("parameters", f"{result.parameters:,}"),
     ]
     for name, value in rows:
@@ -46,13 +47,31 @@ def results_table(result) -> Table:
     return table
 
 
+def _round_rows(result) -> list[tuple[str, str]]:
+    stats = result.round_stats
+    if not stats:
+        return []
+    histogram = " ".join(f"{k}:{v}" for k, v in stats["participants_histogram"].items())
+    staleness = " ".join(f"{k}:{v}" for k, v in stats["staleness_histogram"].items())
+    rows = [("participants per round", f"{stats['participants_mean']:.2f} ({histogram})"),
+            ("staleness, versions", staleness or "-"),
+            ("rounds held open", f"{stats['held_s_total']:.2f} s ({stats['held_s_mean'] * 1000:.0f} ms each)")]
+    if result.learners_eval_loss_mean is not None:
+        rows.append(("learners' own eval loss, mean", f"{result.learners_eval_loss_mean:.4f}"))
+    return rows
+
+
 def learners_table(result) -> Table:
     table = Table(title="per learner")
-    for col in ("learner", "speed", "tokens", "steps", "busy fraction", "crashes", "bytes up", "bytes down"):
+    for col in ("learner", "speed", "tokens", "steps", "busy fraction", "waited", "rounds", "stale", "eval loss",
+                "crashes", "bytes up", "bytes down"):
         table.add_column(col, justify="right")
     for r in result.per_learner:
+        stale = sum(v for k, v in r.rounds.get("staleness_histogram", {}).items() if k != "0")
         table.add_row(str(r.learner), f"{r.speed:g}", f"{r.tokens:,}", str(r.steps), f"{r.busy_fraction:.3f}",
-                      str(r.crashes), human_bytes(r.bytes_up), human_bytes(r.bytes_down))
+                      f"{r.waiting_s:.1f} s", str(r.rounds.get("rounds", "-")), str(stale) if r.rounds else "-",
+                      f"{r.eval_loss:.4f}" if r.eval_loss is not None else "-", str(r.crashes),
+                      human_bytes(r.bytes_up), human_bytes(r.bytes_down))
     return table
 
 

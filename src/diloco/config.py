@@ -57,7 +57,12 @@ class LearnersConfig:
     `count` alone makes every learner equal. The default: two fast learners, one at half and one at a
     quarter of their speed, the heterogeneous fleet Decoupled DiLoCo is for."""
     jitter: float = 0.0
-    """Relative standard deviation of each step time (0.1 = 10%)."""
+    """Simulator: relative standard deviation of each step's time, independent from step to step."""
+    drift: float = 0.0
+    """Simulator: relative standard deviation of a learner's slowly wandering speed (correlated over
+    `drift_steps` steps): what lets equal learners drift apart. jitter = drift = 0 is lockstep."""
+    drift_steps: float = 10.0
+    """Simulator: correlation time of the drift, in steps."""
     step_time_s: float = 0.25
     """Virtual seconds of one inner step at speed 1."""
 
@@ -76,9 +81,17 @@ class OuterConfig:
     quorum: int = 1
     """Minimum learners K in a round of a fragment (decoupled); 0 means all learners alive."""
     grace: float = 1.0
-    """γ: share of the measured slack spent waiting for more learners after quorum; 0 turns it off."""
-    grace_cap_steps: float = 2.0
-    """Upper bound of the grace window, in the fastest participant's step times."""
+    """γ: how long a round may wait for more learners after its quorum, as a share of its slack (with
+    pacing: of half a sync period; without: of τ steps less the measured trip); 0 turns waiting off."""
+    grace_cap_steps: float = 25.0
+    """Upper bound of that wait, in the fastest learner's step times (a bound, not the mechanism)."""
+    pacing: bool = True
+    """Decoupled: the syncer predicts each learner's next push from its progress, holds rounds for the
+    learners about to land, and tells each when to push next so that rounds gather everyone."""
+    keep_progress: bool = True
+    """Decoupled: a merge keeps what the learner trained since sending, θ ← Θ̃ + (θ − θ_sent)."""
+    consolidate: bool = True
+    """Decoupled: the run's last round of each fragment sets Θ to the learners' weighted mean."""
     merge: Literal["mean", "weighted", "rda"] = "rda"
     """How the decoupled syncer merges a round (DiLoCo and Streaming DiLoCo use the mean)."""
     dn_buffer: int = 0
@@ -349,6 +362,8 @@ def validate(config: Config) -> None:
         for i, s in enumerate(lc.speeds):
             _require(s > 0, f"learners.speeds[{i}]", "must be positive", s)
     _require(0 <= lc.jitter < 1, "learners.jitter", "must be in [0, 1)", lc.jitter)
+    _require(0 <= lc.drift < 1, "learners.drift", "must be in [0, 1)", lc.drift)
+    _require(lc.drift_steps > 0, "learners.drift_steps", "must be positive", lc.drift_steps)
     _require(lc.step_time_s > 0, "learners.step_time_s", "must be positive", lc.step_time_s)
     _require(o.fragments <= o.H or config.strategy not in ("streaming", "decoupled"), "outer.fragments",
              f"must be at most outer.H ({o.H}) so that fragments sync on distinct steps", o.fragments)

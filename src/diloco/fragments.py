@@ -89,3 +89,8 @@ class Schedule:
         if step < 1:
             return []
         return [p for p in range(self.fragments) if (step - self.offset(p)) % self.H == 0]
+
+    def next_due(self, p: int, after: int) -> int:
+        """The first step after `after` at which fragment p is due."""
+        step = max(after + 1, 1)
+        return step + (self.offset(p) - step) % self.H

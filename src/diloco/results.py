@@ -19,9 +19,13 @@ class LearnerReport:
     busy_fraction: float
     crashes: int
     tokens_lost: float
-    """Tokens trained but never pushed because of a crash (averaged over the model's parameters)."""
+    """Tokens trained but never merged, e.g. lost in a crash (averaged over the model's parameters)."""
     bytes_up: int
     bytes_down: int
+    eval_loss: float | None = None
+    """Held-out loss of this learner's own model at its end, on the same batches as Θ's."""
+    rounds: dict[str, Any] = field(default_factory=dict)
+    """The rounds its pushes were merged in: how many, their mean size, its staleness histogram."""
 
 
 @dataclass
@@ -40,12 +44,16 @@ class RunResult:
     rounds: int
     parameters: int
     tokens_merged: float
-    tokens_late: float
+    tokens_stale: float
     tokens_lost: float
-    """Token accounting of the syncer, averaged over the model's parameters: trained = merged + late + lost."""
+    """Token accounting of the syncer, averaged over the model's parameters: trained = merged + stale + lost."""
     per_learner: list[LearnerReport]
     eval_curve: list[dict[str, float]]
     config: dict[str, Any] = field(default_factory=dict)
+    round_stats: dict[str, Any] = field(default_factory=dict)
+    """Participants per round (mean, histogram), staleness of merged pushes (histogram), time held open."""
+    learners_eval_loss_mean: float | None = None
+    """Mean of the learners' own held-out losses at the end: the final Θ should be no worse."""
 
     def summary(self) -> dict[str, Any]:
         return asdict(self)

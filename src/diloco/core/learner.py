@@ -5,25 +5,34 @@ The driver runs inner steps and reports each one (`on_step`), hands over updates
 due, computes their outer gradients Δ = anchor − θ, merges answers τ steps after sending with
 θ ← α·θ + (1 − α)·Θ̃, and re-anchors on exactly the values received.
 
+- When a fragment is due: after the steps of its schedule (staggered offsets, period H), until the
+  syncer says otherwise. Each answer may name the time of the fragment's next push, on the learner's
+  own clock (`Update.next_push_at`), chosen so that every learner's next push of it lands at about the
+  same time whatever their speeds; the learner pushes at the end of the step nearest to that time.
+  Without an answer, it pushes again H of its steps after the last push.
 - Counters for a fragment restart when it is *sent*, not when its answer is merged: the τ steps
   taken in between belong to the next push of that fragment, so each token is reported once.
+- With `keep_progress`, a merge keeps what the learner trained since sending: θ ← Θ̃ + (θ − θ_sent)
+  (then mixed with α). Those steps are in no push yet; overwriting θ with Θ̃ would throw them away
+  while their tokens are still counted in the next push. A late answer then costs nothing but staleness.
 - A fragment has at most one push in flight. If it falls due again before its answer came back
   (a slow syncer or link), it is pushed as soon as that answer is merged; the learner does not stop.
 - A learner that waits (`wait_for_updates`, synchronous strategies) stops at step t + τ until the
   answer to what it sent at t is in. One that does not wait merges answers whenever they arrive.
-- `finish` never waits: what was trained since each fragment's last push is pushed as it is; for a
-  fragment still in flight, only the progress made since sending it (θ_sent − θ), so nothing is
-  counted twice.
+- `finish` never waits: what was trained since each fragment's last push is pushed as it is, marked
+  final; for a fragment still in flight, only the progress made since sending it (θ_sent − θ), so
+  nothing is counted twice.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from diloco.codecs import Codec, Encoded, ErrorFeedback, get_codec
-from diloco.core.messages import Push, Update
+from diloco.core.messages import Progress, Push, Update
 from diloco.fragments import Fragment, Schedule
 
 STEP_TIME_EMA = 0.2
@@ -33,6 +42,8 @@ STEP_TIME_EMA = 0.2
 class InFlight:
     push: Push
     merge_at_step: int
+    sent_deltas: dict[str, torch.Tensor]
+    """anchor − θ when it was sent, before any encoding: θ_sent is anchor − this."""
     update: Update | None = None
 
 
@@ -49,7 +60,8 @@ class LearnerCore:
     def __init__(self, learner: int, params: dict[str, torch.Tensor], fragments: list[Fragment],
                  schedule: Schedule, *, tau: int, alpha: float, wait_for_updates: bool,
                  versions: list[int] | None = None, step: int = 0, first_seq: int = 0,
-                 codec: Codec | None = None, error_feedback: bool = False, encode_later: bool = False) -> None:
+                 codec: Codec | None = None, error_feedback: bool = False, encode_later: bool = False,
+                 keep_progress: bool = False) -> None:
         """`params` are the live model tensors; they are the anchors too, at `versions` (a fresh start
         or a rejoin from the syncer's current Θ). `step` resumes the fragment schedule.
 
@@ -61,6 +73,7 @@ class LearnerCore:
         self.fragments = fragments
         self.schedule = schedule
         self.tau, self.alpha, self.wait_for_updates = tau, alpha, wait_for_updates
+        self.keep_progress = keep_progress
         self.codec = codec or get_codec("fp32")
         self.feedback = ErrorFeedback(self.codec) if error_feedback else None
         self.encode_later = encode_later
@@ -70,8 +83,13 @@ class LearnerCore:
         self.anchor_versions = list(versions) if versions is not None else [0] * len(fragments)
         self.tokens_since = [0] * len(fragments)
         self.steps_since = [0] * len(fragments)
+        self.next_due = [schedule.next_due(p, step) for p in range(len(fragments))]
+        """Per fragment, the step after which it is pushed next when the syncer named no time."""
+        self.next_due_at: list[float | None] = [None] * len(fragments)
+        """Per fragment, the time (own clock) the syncer asked for its next push."""
         self.in_flight: dict[int, InFlight] = {}
-        self.overdue: set[int] = set()
+        self.tokens = 0
+        """Tokens trained in this life."""
         self.step_time_s = 0.0
         self.now: float | None = None
         self.finished = False
@@ -92,16 +110,48 @@ class LearnerCore:
         if step_time_s > 0:
             old = self.step_time_s
             self.step_time_s = step_time_s if old == 0 else old + STEP_TIME_EMA * (step_time_s - old)
+        self.tokens += tokens
         for p in range(len(self.fragments)):
             self.tokens_since[p] += tokens
             self.steps_since[p] += 1
-        pushes = []
-        for p in self.schedule.due(self.step):
-            if p in self.in_flight:
-                self.overdue.add(p)
-            else:
-                pushes.append(self._push(p))
-        return pushes
+        return self._push_due()
+
+    def _push_due(self) -> list[Push]:
+        return [self._push(p) for p in range(len(self.fragments)) if p not in self.in_flight and self._due(p)]
+
+    def _due(self, p: int) -> bool:
+        at = self.next_due_at[p]
+        if at is None or self.now is None:
+            return self.step >= self.next_due[p]
+        return self.now >= at - self.step_time_s / 2  # this step's end is nearer to it than the next one's
+
+    @property
+    def overdue(self) -> set[int]:
+        """Fragments due while their previous push is still in flight: pushed once its answer is merged."""
+        return {p for p in self.in_flight if self._due(p)}
+
+    def progress(self) -> Progress:
+        """Where this learner stands, for the syncer's predictions and the shared budget."""
+        return Progress(self.learner, self.step, self.tokens, self.step_time_s,
+                        tuple(self._steps_to_push(p) * self.step_time_s for p in range(len(self.fragments))))
+
+    def _steps_to_push(self, p: int) -> int:
+        """Steps from now until the end of the step after which fragment p will be pushed."""
+        at = self.next_due_at[p]
+        if at is None or self.now is None or self.step_time_s <= 0:
+            steps = self.next_due[p] - self.step
+        else:
+            steps = math.ceil((at - self.step_time_s / 2 - self.now) / self.step_time_s)
+        flight = self.in_flight.get(p)
+        if flight is not None:  # pushed again only once this answer is merged
+            steps = max(steps, flight.merge_at_step - self.step)
+        return max(1, steps)
+
+    def resume_at(self, step: int) -> None:
+        """The driver restored a checkpoint taken after inner step `step`: the schedule continues there."""
+        self.step = step
+        self.next_due = [self.schedule.next_due(p, step) for p in range(len(self.fragments))]
+        self.next_due_at = [None] * len(self.fragments)
 
     def on_update(self, update: Update) -> bool:
         """Keep an answer to the push in flight; drop (and return False) one that answers none, such as
@@ -117,14 +167,11 @@ class LearnerCore:
         """Merge every answer whose time has come; push what fell due meanwhile; say whether to wait."""
         if now is not None:
             self.now = now
-        pushes = []
         for p, flight in sorted(self.in_flight.items()):
             if flight.update is not None and self.step >= flight.merge_at_step:
-                self._merge(p, flight.update)
+                self._merge(p, flight)
                 del self.in_flight[p]
-                if p in self.overdue:
-                    self.overdue.discard(p)
-                    pushes.append(self._push(p))
+        pushes = self._push_due()
         if self.wait_for_updates:
             blocking = tuple(p for p, f in sorted(self.in_flight.items()) if self.step >= f.merge_at_step)
             return Poll(pushes, waiting_for=blocking)
@@ -140,11 +187,10 @@ class LearnerCore:
                 continue
             flight = self.in_flight.get(p)
             if flight is None:
-                pushes.append(self._push(p))
+                pushes.append(self._push(p, final=True))
             else:
-                sent = flight.push
-                deltas = {n: d - sent.deltas[n] for n, d in self._deltas(p).items()}
-                pushes.append(self._make_push(p, sent.base_version, deltas))
+                deltas = {n: d - flight.sent_deltas[n] for n, d in self._deltas(p).items()}
+                pushes.append(self._make_push(p, flight.push.base_version, deltas, final=True))
         self.finished = True
         return pushes
 
@@ -155,7 +201,6 @@ class LearnerCore:
         flight = self.in_flight.get(push.fragment)
         if flight is not None and flight.push.seq == push.seq:
             del self.in_flight[push.fragment]
-            self.overdue.discard(push.fragment)
         self.tokens_since[push.fragment] += push.tokens
         self.steps_since[push.fragment] += push.steps
         self.refused += 1
@@ -192,31 +237,42 @@ class LearnerCore:
         decoded = {name: self.codec.decode(e, device=deltas[name].device) for name, e in encoded.items()}
         return decoded, sum(e.wire_bytes() for e in encoded.values())
 
-    def _make_push(self, p: int, base_version: int, deltas: dict[str, torch.Tensor]) -> Push:
+    def _make_push(self, p: int, base_version: int, deltas: dict[str, torch.Tensor], final: bool = False) -> Push:
         self.seq += 1
         # Kept on the device and read only when asked: reading it would wait for the device.
         self._last_push_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d)
                                                                      for d in deltas.values()]))
         decoded, nbytes = self._encode(deltas)
         push = Push(self.learner, p, base_version, self.seq, decoded, self.tokens_since[p], self.steps_since[p],
-                    step_time_s=self.step_time_s, sent_at=self.now, payload_bytes=nbytes)
+                    step_time_s=self.step_time_s, sent_at=self.now, payload_bytes=nbytes, step=self.step,
+                    final=final)
         self.tokens_since[p] = self.steps_since[p] = 0
         return push
 
-    def _push(self, p: int) -> Push:
-        push = self._make_push(p, self.anchor_versions[p], self._deltas(p))
-        self.in_flight[p] = InFlight(push, merge_at_step=self.step + self.tau)
+    def _push(self, p: int, final: bool = False) -> Push:
+        deltas = self._deltas(p)
+        push = self._make_push(p, self.anchor_versions[p], deltas, final=final)
+        self.in_flight[p] = InFlight(push, merge_at_step=self.step + self.tau, sent_deltas=deltas)
+        self.next_due[p] = self.step + self.schedule.H
+        self.next_due_at[p] = None
         return push
 
     @torch.no_grad()
-    def _merge(self, p: int, update: Update) -> None:
+    def _merge(self, p: int, flight: InFlight) -> None:
+        update = flight.update
+        anchor = self.anchors[p]
         for name in self.fragments[p].names:
             value = update.values[name]
             param = self.params[name]
+            target = value.to(param.dtype)
+            if self.keep_progress:  # Θ̃ + (θ − θ_sent), with θ_sent = anchor − sent Δ
+                target = target + (param - anchor[name].to(param.dtype) + flight.sent_deltas[name].to(param.dtype))
             if self.alpha == 0.0:
-                param.copy_(value)
+                param.copy_(target)
             else:
-                param.mul_(self.alpha).add_(value.to(param.dtype), alpha=1.0 - self.alpha)
-            self.anchors[p][name] = value.to(torch.float32).clone()
+                param.mul_(self.alpha).add_(target, alpha=1.0 - self.alpha)
+            anchor[name] = value.to(torch.float32).clone()
         self.last_staleness = max(0, update.version - self.anchor_versions[p] - 1)
         self.anchor_versions[p] = update.version
+        if update.next_push_at is not None:
+            self.next_due_at[p] = update.next_push_at

@@ -38,9 +38,33 @@ class Push:
     """When the learner sent it, by its clock: the syncer estimates transfer times with it."""
     payload_bytes: int = 0
     """Bytes of the encoded tensors, their headers included."""
+    step: int = 0
+    """The learner's inner step when it sent this: the syncer paces the next push of the fragment from it."""
+    final: bool = False
+    """The learner's last push of this fragment: its run is over (the final consolidation waits for it)."""
 
     def wire_bytes(self) -> int:
         return MESSAGE_HEADER_BYTES + self.payload_bytes
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a learner stands, reported often (every step in the simulator, with each heartbeat for real):
+    the syncer predicts from it when each learner's next push of each fragment will arrive."""
+
+    learner: int
+    step: int
+    """Inner steps taken in this life (a restarted learner resumes its count from its checkpoint)."""
+    tokens: int
+    """Tokens trained in this life: the shared budget adds up every life of every learner."""
+    step_time_s: float
+    """The learner's recent inner-step time, as it measured it."""
+    due_in_s: tuple[float, ...] = ()
+    """Per fragment, how long until the learner pushes it next, by its own reckoning (its schedule, or
+    the time the syncer asked for, rounded to the end of a step)."""
+
+    def wire_bytes(self) -> int:
+        return MESSAGE_HEADER_BYTES + 8 * len(self.due_in_s)
 
 
 @dataclass(frozen=True)
@@ -58,6 +82,10 @@ class Update:
     wire: dict[str, Encoded] = field(default_factory=dict, repr=False)
     """The tensors as they travel: `values` encoded, or their difference to the recipient's anchors."""
     relative: bool = False
+    next_push_at: float | None = None
+    """When the recipient should push this fragment next, on its own clock (at the end of the step
+    nearest to it): chosen by the syncer so that every learner's next push lands together. None leaves
+    the learner on its own schedule."""
 
     def wire_bytes(self) -> int:
         return MESSAGE_HEADER_BYTES + self.payload_bytes

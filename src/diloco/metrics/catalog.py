@@ -24,9 +24,12 @@ CATALOG: dict[str, dict[str, str]] = {
     "round": {
         "version": "the version this round produced",
         "participants": "learners whose pushes this round merged (a list in JSONL, a count in Prometheus)",
-        "late": "pushes based on an older version than the round's",
+        "stale": "pushes based on an older version than the round's (they missed the round they were based on)",
+        "staleness": "per participant, versions its push was behind (0: on time; a list in JSONL, the mean in "
+                     "Prometheus)",
         "time_to_quorum_s": "from the round's first push until it had its quorum",
-        "grace_s": "grace window waited after the quorum",
+        "held_s": "time the round stayed open after its quorum, waiting for learners predicted to arrive",
+        "final": "the run's last round of this fragment (the consolidation onto the learners' mean)",
         "update_norm": "L2 norm of the change the round made to Θ",
         "cosine": "mean pairwise cosine similarity of the participants' outer gradients (none with one)",
         "tokens": "tokens the round merged",

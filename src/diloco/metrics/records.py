@@ -47,9 +47,9 @@ class RoundMeter:
     def emit(self, rounds: list[RoundRecord]) -> None:
         for r in rounds[self.seen:]:
             self.log.record("round", r.closed_at - self.origin, shard=self.shard, fragment=r.fragment,
-                            version=r.version, participants=list(r.participants), late=r.late,
-                            time_to_quorum_s=r.time_to_quorum_s, grace_s=r.grace_s, update_norm=r.update_norm,
-                            cosine=r.cosine, tokens=r.tokens)
+                            version=r.version, participants=list(r.participants), stale=r.stale,
+                            staleness=list(r.staleness), time_to_quorum_s=r.time_to_quorum_s, held_s=r.held_s,
+                            update_norm=r.update_norm, cosine=r.cosine, tokens=r.tokens, final=r.final)
         self.seen = len(rounds)
 
 

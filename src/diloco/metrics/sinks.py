@@ -43,13 +43,16 @@ def _source(record: dict[str, Any]) -> str:
 
 
 def _numbers(record: dict[str, Any]) -> dict[str, float]:
-    """The record's metrics as numbers (a list counts its items), its labels left out."""
+    """The record's metrics as numbers, its labels left out: a list of learners counts its items, a list
+    of numbers gives their mean, a flag is 0 or 1."""
     out = {}
     for name in CATALOG[record["kind"]]:
         value = record.get(name)
         if isinstance(value, list):
-            value = len(value)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = len(value) if name == "participants" else (sum(value) / len(value) if value else None)
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, (int, float)):
             out[name] = float(value)
     return out
 

@@ -176,7 +176,8 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     from diloco.runtime.loop import run_origin
     from diloco.runtime.processes import die_with_parent
-    from diloco.runtime.syncer import ShardPlan, SyncerShard, check_shards, parse_shard, serve
+    from diloco.runtime.settings import check_shards
+    from diloco.runtime.syncer import ShardPlan, SyncerShard, parse_shard, serve
 
     die_with_parent()
     setup_logging(args.verbose)

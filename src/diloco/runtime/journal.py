@@ -32,13 +32,15 @@ class Journal:
         self.seq = last_seq
         self._file = open(path, "ab")
 
-    def append(self, kind: str, payload: bytes) -> int:
-        """Write one record and make it durable; return its sequence number."""
+    def append(self, kind: str, payload: bytes, durable: bool = True) -> int:
+        """Write one record, on disk before this returns when `durable` (a later durable record makes
+        the earlier ones durable too); return its sequence number."""
         self.seq += 1
         name = kind.encode()
         self._file.write(RECORD_HEADER.pack(self.seq, len(name), len(payload)) + name + payload)
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if durable:
+            os.fsync(self._file.fileno())
         return self.seq
 
     def append_event(self, kind: str, **fields: Any) -> int:

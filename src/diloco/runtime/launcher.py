@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from diloco.config import Config
+from diloco.core.accounting import by_parameters, learner_round_stats, round_stats, tokens_of
 from diloco.data import EvalBatches, load_corpus
 from diloco.errors import DilocoError
 from diloco.models.factory import build_model
@@ -28,7 +29,7 @@ from diloco.metrics import open_metrics
 from diloco.metrics.records import learner_lives
 from diloco.runtime.loop import ORIGIN_ENV
 from diloco.runtime.processes import Children
-from diloco.runtime.syncer import check_shards, settings_of
+from diloco.runtime.settings import check_shards, settings_of
 from diloco.strategies import build_strategy
 from diloco.training import evaluate
 from diloco.transport.client import ShardClient
@@ -261,40 +262,41 @@ class Launcher:
                 raise DilocoError(f"learner {m} left no report at {path}")
             learners.append(json.loads(path.read_text()))
         parameters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
-        def by_parameters(kind: str, m: int) -> float:
-            """Tokens of one learner, each fragment weighted by its share of the parameters (as the sim)."""
-            total = 0.0
-            for shard in shards:
-                entry = shard.get("ledger", {}).get(str(m), {})
-                for p, tokens in entry.get(kind, {}).items():
-                    total += tokens * shard["fragment_numel"][p] / parameters
-            return total
-
+        numel = {int(p): n for shard in shards for p, n in shard.get("fragment_numel", {}).items()}
+        rounds = [r for shard in shards for r in shard.get("rounds", [])]
         lives = learner_lives(self.out / "metrics")
-        reports, merged, late, lost = [], 0.0, 0.0, 0.0
+        totals = {"merged": 0.0, "stale": 0.0, "lost": 0.0}
+        reports = []
         for r in learners:
             m = r["learner"]
+            ledger = [shard.get("ledger", {}).get(str(m), {}) for shard in shards]
+            merged = {int(p): t for entry in ledger for p, t in entry.get("merged", {}).items()}
+            stale = {int(p): t for entry in ledger for p, t in entry.get("stale", {}).items()}
             # A learner that was killed and restarted trained in each of its lives: count them all.
             trained = sum(life["tokens"] for life in lives[m]) if m in lives else r["tokens"]
             restarts = len(lives[m]) - 1 if m in lives else 0
-            merged_m, late_m = by_parameters("merged", m), by_parameters("late", m)
-            lost_m = trained - merged_m - late_m
-            merged, late, lost = merged + merged_m, late + late_m, lost + lost_m
+            tokens = tokens_of(trained, by_parameters(merged, numel, parameters),
+                               by_parameters(stale, numel, parameters))
+            for key in totals:
+                totals[key] += tokens[key]
             reports.append(LearnerReport(learner=m, speed=r["speed"], tokens=trained, steps=r["steps"],
                                          busy_s=r["busy_s"], waiting_s=r["waiting_s"], down_s=0.0,
-                                         busy_fraction=r["busy_fraction"], crashes=restarts, tokens_lost=lost_m,
-                                         bytes_up=r["bytes_up"], bytes_down=r["bytes_down"]))
+                                         busy_fraction=r["busy_fraction"], crashes=restarts,
+                                         tokens_lost=tokens["lost"], bytes_up=r["bytes_up"],
+                                         bytes_down=r["bytes_down"], eval_loss=r.get("eval_loss"),
+                                         rounds=learner_round_stats(rounds, m)))
         self.eval_curve[-1]["time_s"] = self.training_s
+        learner_losses = [r.eval_loss for r in reports if r.eval_loss is not None]
         result = RunResult(
             strategy=self.config.strategy, learners=len(reports), tokens=sum(r.tokens for r in reports),
             final_eval_loss=loss, virtual_wall_clock_s=self.training_s,
             wire_bytes_up=sum(r.bytes_up for r in reports), wire_bytes_down=sum(r.bytes_down for r in reports),
             goodput=sum(r["busy_s"] for r in learners) / sum(r["wall_s"] for r in learners),
             peak_sync_bytes=max(r["peak_message_bytes_up"] for r in learners),
-            rounds=sum(len(s.get("rounds", [])) for s in shards), parameters=parameters, tokens_merged=merged,
-            tokens_late=late, tokens_lost=lost, per_learner=reports, eval_curve=self.eval_curve,
-            config=self.config.to_dict())
+            rounds=len(rounds), parameters=parameters, tokens_merged=totals["merged"],
+            tokens_stale=totals["stale"], tokens_lost=totals["lost"], per_learner=reports,
+            eval_curve=self.eval_curve, config=self.config.to_dict(), round_stats=round_stats(rounds),
+            learners_eval_loss_mean=sum(learner_losses) / len(learner_losses) if learner_losses else None)
         summary = result.summary()
         summary.update(wall_clock_s=time.monotonic() - self.started, training_wall_clock_s=self.training_s,
                        duplicates=sum(e.get("duplicates", 0) for s in shards for e in s.get("ledger", {}).values()),

@@ -28,11 +28,12 @@ from torch import nn
 
 from diloco.codecs import Encoded, get_codec
 from diloco.core.learner import LearnerCore
-from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, Update
+from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.errors import DilocoError
-from diloco.fragments import Fragment, Schedule, embedding_names, partition
+from diloco.fragments import Fragment, embedding_names, partition
 from diloco.transport.client import HEARTBEAT_S, ShardClient, SyncerUnavailable, with_retries
 from diloco.transport.frames import decode, tensor_header
+from diloco.runtime.settings import spec_of
 from diloco.runtime.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
 from diloco.transport.shaping import DeliveryQueue, ShapedDirection
@@ -171,13 +172,11 @@ class Learner:
             for name, value in theta.items():
                 self.params[name].copy_(value)
         s = self.settings
-        period = s.learner_periods[self.id] if self.id < len(s.learner_periods) else s.period
         self._first_seq = last_seq  # numbers before it belong to this learner's earlier lives
-        self.core = LearnerCore(self.id, self.params, fragments, Schedule(period, len(fragments)), tau=s.tau,
-                                alpha=s.alpha, wait_for_updates=s.wait_for_updates,
-                                versions=[versions[p] for p in range(len(fragments))], first_seq=last_seq,
-                                codec=get_codec(s.codec_up, s.block), error_feedback=s.error_feedback,
-                                encode_later=True)
+        self.core = spec_of(s).learner_core(self.id, self.params, fragments, codec=get_codec(s.codec_up, s.block),
+                                            error_feedback=s.error_feedback,
+                                            versions=[versions[p] for p in range(len(fragments))],
+                                            first_seq=last_seq, encode_later=True)
         self._shard_of = {p: shard for shard in self.shards for p in shard.fragments}
         log.info("learner %d joined %d shard(s); %d fragments", self.id, len(self.shards), len(fragments))
 
@@ -192,7 +191,7 @@ class Learner:
         """The user's loop restored its own checkpoint taken at inner step `step`: the fragment schedule
         continues from there. Call before the first `step()`."""
         if self.core is not None:
-            self.core.step = step
+            self.core.resume_at(step)
 
     def request_stop(self) -> None:
         """Stop at the end of this step (e.g. on Ctrl-C); under torchrun, rank 0's request counts."""
@@ -221,6 +220,7 @@ class Learner:
             for push in core.on_step(tokens, step_time_s=step_time, now=time.time()):
                 self._send(push)
             self._merge_arrived(wait=True)
+            self._outbox.put(("progress", core.progress()))  # behind this step's pushes, on the same link
             for p, (old, new) in enumerate(zip(before, core.anchor_versions)):
                 flags[p] = int(new != old)
             flags[-1] = int(self._stop_requested)
@@ -245,8 +245,8 @@ class Learner:
             poll = core.poll(time.time())
             for push in poll.pushes:
                 self._send(push)
-            if not (wait and poll.waiting_for):
-                return
+            if not (wait and poll.waiting_for) or self._stop_requested:
+                return  # a learner told to stop does not wait for an answer it will not merge
             waited_from = time.monotonic()
             arrived = self._inbox.get(timeout=1.0)
             self.waiting_s += time.monotonic() - waited_from
@@ -330,13 +330,17 @@ class Learner:
                 for shard in self.shards:
                     self._wire.put(self.up.send(MESSAGE_HEADER_BYTES), ("leave", shard, payload, None))
                 continue
+            if kind == "progress":
+                self._wire.put(self.up.send(payload.wire_bytes()), ("progress", None, payload, None))
+                continue
             push, handed_off = payload
             with self.staging.side(handed_off):  # encoded on the device, then copied to the host
                 encoded = self.core.encode(push.deltas)
             header = pb.PushHeader(learner=self.id, fragment=push.fragment, base_version=push.base_version,
                                    seq=push.seq, tokens=push.tokens, steps=push.steps,
                                    step_time_s=push.step_time_s, sent_at=push.sent_at or time.time(),
-                                   tensors=[tensor_header(n, e) for n, e in encoded.items()])
+                                   tensors=[tensor_header(n, e) for n, e in encoded.items()], step=push.step,
+                                   final=push.final)
             nbytes = MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in encoded.values())
             self._wire.put(self.up.send(nbytes), ("push", self._shard_of[push.fragment], header, (encoded, push)))
         self._wire.close()
@@ -346,6 +350,9 @@ class Learner:
         unavailable (the syncer counts a retried push once)."""
         while (item := self._wire.get()) is not None:
             kind, shard, header, encoded = item
+            if kind == "progress":
+                self._report(header)
+                continue
             if kind == "leave":
                 try:
                     with_retries(lambda: shard.client.leave(self.id, finished=header), what="leave")
@@ -363,6 +370,19 @@ class Learner:
             except DilocoError as exc:  # refused with a reason (an outlier, a non-finite value)
                 log.warning("learner %d: push of fragment %d refused: %s", self.id, push.fragment, exc)
                 self._refused.put(push)
+
+    def _report(self, progress: Progress) -> None:
+        """Where this learner stands, to every shard (their predictions and the shared budget). A report
+        that does not get through is not retried: the next one says more."""
+        for shard in self.shards:
+            try:
+                reply = shard.client.heartbeat(self.id, progress.tokens, progress.step, progress.step_time_s,
+                                               progress.due_in_s)
+            except DilocoError as exc:
+                log.debug("progress report to shard %d failed: %s", shard.index, exc)
+                continue
+            if reply.stop:
+                self._stop_requested = True
 
     def _receive_loop(self, shard: _Shard) -> None:
         """New versions from one shard: decoded here, handed over when the emulated link delivers them."""
@@ -392,7 +412,9 @@ class Learner:
                 value = self.staging.to_device(decode(encoded))
                 values[name] = anchors[name] + value if relative[name] else value  # fp32 adds round alike
             ready = self.staging.done()
-        update = Update(p, header.version, values, ack_seq=header.ack_seq, payload_bytes=nbytes - MESSAGE_HEADER_BYTES)
+        next_push_at = header.next_push_at if header.HasField("next_push_at") else None
+        update = Update(p, header.version, values, ack_seq=header.ack_seq, payload_bytes=nbytes - MESSAGE_HEADER_BYTES,
+                        next_push_at=next_push_at)
         return update, ready
 
     def _heartbeat_loop(self) -> None:

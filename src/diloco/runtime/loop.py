@@ -21,14 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco.config import Config
-from diloco.data import ShardSampler, load_corpus
+from diloco.data import EvalBatches, ShardSampler, load_corpus
 from diloco.errors import DilocoError
 from diloco.metrics import open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.models.factory import build_model
 from diloco.runtime.learner import Learner, LinkShape
 from diloco.strategies import build_strategy
-from diloco.training import Replica, resolve_device
+from diloco.training import Replica, evaluate, resolve_device
 from diloco.transport.security import TransportSecurity
 from diloco.transport.shaping import ShapedDirection
 
@@ -150,6 +150,10 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     report = sync.close(finished=not (stop is not None and stop.is_set()))
     if rank == 0:
         record(final=True)  # after the last pushes and the leave: every byte is counted
+        # Its own model's held-out loss at the end, on the batches Θ is evaluated on: the final Θ
+        # should be no worse than the learners it came from.
+        report["eval_loss"] = evaluate(_unwrap(replica.model), EvalBatches(
+            corpus.eval, seq_len=t.seq_len, batch_size=t.batch_size, batches=t.eval_batches).batches)
     metrics.close()
     wall_s = time.monotonic() - began
     report.update(speed=speed, planned_steps=planned, steps=replica.steps, resumed_from_step=resumed_from,
@@ -161,6 +165,12 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         (out / "learners").mkdir(parents=True, exist_ok=True)
         (out / "learners" / f"learner-{m}.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP and torch.compile wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def run_origin() -> float:

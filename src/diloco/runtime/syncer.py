@@ -12,6 +12,7 @@ stops counting. Once every learner has left, the shard merges what is still open
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -30,13 +31,14 @@ import torch
 
 from diloco.codecs import Encoded, get_codec
 from diloco.config import Config
-from diloco.core.messages import Push, Update
-from diloco.core.syncer import Action, ProtocolError, Publish, SyncerCore, Timer
+from diloco.core.messages import Progress, Push, Update
+from diloco.core.syncer import Action, ProtocolError, Publish, RoundRecord, SyncerCore, Timer
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.runtime.journal import Journal, payload_frames, push_payload
+from diloco.runtime.settings import check_shards, settings_of
 from diloco.strategies import build_strategy
 from diloco.transport.client import HEARTBEAT_S
 from diloco.transport.security import PLAINTEXT, TransportSecurity, secure_server_port, server_interceptors
@@ -90,28 +92,6 @@ def parse_shard(text: str) -> tuple[int, int]:
     return index, count
 
 
-def settings_of(config: Config) -> pb.Settings:
-    """The outer settings every learner follows: the syncer's config is the one that counts."""
-    spec = build_strategy(config)
-    if spec.exchange != "outer":
-        raise DilocoError(f"strategy {spec.name!r} all-reduces gradients every step; the real runtime runs the "
-                          f"strategies that sync through a syncer (diloco, streaming, async, async-dn, decoupled). "
-                          f"Use `diloco sim` for {spec.name}, or torch DDP itself")
-    codec = config.codec
-    return pb.Settings(strategy=spec.name, fragments=spec.fragments, period=spec.H,
-                       learner_periods=list(spec.learner_H), tau=spec.tau, alpha=spec.alpha,
-                       wait_for_updates=spec.wait_for_updates, codec_up=codec.up, codec_down=codec.down,
-                       block=codec.block, error_feedback=codec.error_feedback, learners=len(config.speeds()),
-                       token_budget=config.token_budget(), shared_budget=spec.shared_budget)
-
-
-def check_shards(config: Config, count: int) -> None:
-    fragments = build_strategy(config).fragments
-    if count > fragments:
-        raise DilocoError(f"{count} syncer shards but only {fragments} fragments (outer.fragments): every shard "
-                          f"must own at least one fragment")
-
-
 class SyncerShard(pb_grpc.SyncerServicer):
     def __init__(self, config: Config, plan: ShardPlan, metrics: MetricsLog | None = None,
                  state_dir: Path | None = None, resume: bool = False) -> None:
@@ -131,10 +111,6 @@ class SyncerShard(pb_grpc.SyncerServicer):
         """Per learner, the id of its current update stream: a newer stream retires an older one."""
         self.joined: set[int] = set()
         self.left: set[int] = set()
-        self.tokens: dict[int, int] = {}
-        """Per learner, tokens trained in its current life (its heartbeats)."""
-        self.tokens_banked: dict[int, int] = {}
-        """Per learner, tokens trained in its earlier lives: the shared budget counts them too."""
         self.steps: dict[int, int] = {}
         self.last_seen: dict[int, float] = {}
         self.push_errors = 0
@@ -195,10 +171,14 @@ class SyncerShard(pb_grpc.SyncerServicer):
         """Journal one event, then hand it to the core (under the lock). Replay takes the same path."""
         if self.journal is not None and not self._replaying:
             payload = struct.pack("<d", now) + raw if kind == "push" else json.dumps({"now": now, **fields}).encode()
-            self.journal.append(kind, payload)
+            # A progress report need not be on disk before it is answered: the next event that is (every
+            # event that decides something) makes it durable too, being later in the same file.
+            self.journal.append(kind, payload, durable=kind != "progress")
         core = self.core
         if kind == "push":
             self._handle(core.on_push(push, now))
+        elif kind == "progress":
+            self._handle(core.on_progress(Progress(**{**fields, "due_in_s": tuple(fields["due_in_s"])}), now))
         elif kind == "timer":
             self._handle(core.on_timer(now))
         elif kind in ("leave", "lost"):
@@ -215,8 +195,6 @@ class SyncerShard(pb_grpc.SyncerServicer):
             self.lost.discard(fields["learner"])
         elif kind == "rejoin":
             learner = fields["learner"]
-            if not self._replaying and learner in self.tokens:  # a new life counts its tokens from zero
-                self.tokens_banked[learner] = self.tokens_banked.get(learner, 0) + self.tokens.pop(learner)
             values = core.rejoin_state(learner, fields["after_seq"], fields["fragments"])
             core.join(learner, now)
             self.joined.add(learner)
@@ -362,12 +340,10 @@ class SyncerShard(pb_grpc.SyncerServicer):
 
     def _make_core(self, values: dict[str, torch.Tensor], fragments: list[Fragment], embeddings: set[str]
                    ) -> SyncerCore:
-        return SyncerCore(values, fragments, range(self.settings.learners), optimizer=self.spec.outer_optimizer,
-                          merge_rule=self.spec.merge_rule, embeddings=embeddings, quorum=self.spec.quorum,
-                          grace=self.spec.grace, grace_cap_steps=self.spec.grace_cap_steps, tau=self.spec.tau,
-                          participation=self.spec.participation,
-                          down_codec=get_codec(self.config.codec.down, self.config.codec.block),
-                          outlier=self.config.outer.outlier, outlier_factor=self.config.outer.outlier_factor)
+        c = self.config
+        return self.spec.syncer_core(values, fragments, range(self.settings.learners), embeddings=embeddings,
+                                     down_codec=get_codec(c.codec.down, c.codec.block), outlier=c.outer.outlier,
+                                     outlier_factor=c.outer.outlier_factor, budget=self.settings.token_budget)
 
     def _fragments_of(self, layout, tensors: dict | None = None) -> tuple[list[Fragment], set[str]]:
         """The fragments a layout describes, checked against this shard (and against the values, at Init)."""
@@ -453,7 +429,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         return Push(learner=header.learner, fragment=header.fragment, base_version=header.base_version,
                     seq=header.seq, deltas=deltas, tokens=header.tokens, steps=header.steps,
                     step_time_s=header.step_time_s, sent_at=header.sent_at or None,
-                    payload_bytes=sum(e.wire_bytes() for e in tensors.values()))
+                    payload_bytes=sum(e.wire_bytes() for e in tensors.values()), step=header.step, final=header.final)
 
     def _push_limit(self) -> int:
         """The most data one push of any fragment here may carry: fp32, the widest encoding."""
@@ -472,17 +448,30 @@ class SyncerShard(pb_grpc.SyncerServicer):
             except queue.Empty:
                 continue
             header = pb.UpdateHeader(fragment=update.fragment, version=update.version, ack_seq=update.ack_seq,
-                                     tensors=[tensor_header(n, e, update.relative) for n, e in update.wire.items()])
+                                     tensors=[tensor_header(n, e, update.relative) for n, e in update.wire.items()],
+                                     next_push_at=update.next_push_at)
             yield from message_frames(pb.Frame(update=header), update.wire)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        """A learner is alive (a heartbeat, on its timer) or says where it stands (a progress report, after
+        a step: `due_in_s` is set). Only heartbeats measure the interval that liveness is judged by."""
+        learner = request.learner
         with self.lock:
-            if request.learner in self.joined and request.learner not in self.left:  # strangers count for nothing
-                self.tokens[request.learner] = request.tokens
-                self.steps[request.learner] = request.steps
-                self._seen(request.learner, time.time(), heartbeat=True)
-            total = sum(self.tokens.values()) + sum(self.tokens_banked.values())
-            stop = self.settings.shared_budget and total >= self.settings.token_budget
+            core = self.core
+            if learner in self.joined and learner not in self.left:  # strangers count for nothing
+                now = time.time()
+                self.steps[learner] = request.steps
+                self._seen(learner, now, heartbeat=not request.due_in_s)
+                if core is not None:
+                    report = Progress(learner, request.steps, request.tokens, request.step_time_s,
+                                      tuple(request.due_in_s))
+                    try:
+                        core.check_progress(report)  # refused before it is journaled: nothing changes
+                    except ProtocolError as exc:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    self._event("progress", now, **dataclasses.asdict(report))
+            total = core.tokens_reported() if core is not None else 0
+            stop = core is not None and core.budget_spent
             return pb.HeartbeatReply(stop=stop, tokens_reported=min(total, MAX_TOKENS))
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
@@ -503,7 +492,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 if core else []
             return pb.StatusReply(shard=self.plan.index, initialised=core is not None, finished=self.finished,
                                   versions=versions, rounds=core.rounds_closed if core else 0,
-                                  tokens_reported=min(sum(self.tokens.values()), MAX_TOKENS), alive=sorted(core.alive) if core else [],
+                                  tokens_reported=min(core.tokens_reported() if core else 0, MAX_TOKENS),
+                                  alive=sorted(core.alive) if core else [],
                                   report_json=json.dumps(self.report()))
 
     # ------------------------------------------------------------ reports and state
@@ -512,19 +502,23 @@ class SyncerShard(pb_grpc.SyncerServicer):
         """What this shard counted, for run summaries and reports (call under the lock)."""
         core = self.core
         out = {"shard": self.plan.index, "shards": self.plan.count, "fragments": self.owned,
-               "finished": self.finished, "push_errors": self.push_errors, "tokens_reported": {
-                   m: self.tokens.get(m, 0) + self.tokens_banked.get(m, 0) for m in self.tokens | self.tokens_banked}}
+               "finished": self.finished, "push_errors": self.push_errors, "tokens_reported": {}}
         if core is None:
             return out
+        out["tokens_reported"] = {m: core.tokens_reported(m) for m in core.tokens.keys() | core.tokens_banked.keys()}
         out["fragment_numel"] = {p: s.fragment.numel for p, s in core.fragments.items()}
         out["versions"] = {p: s.version for p, s in core.fragments.items()}
         out["ledger"] = {m: {"pushes": e.pushes, "duplicates": e.duplicates, "last_seq": e.last_seq,
-                             "steps_merged": e.steps_merged, "merged": dict(e.merged), "late": dict(e.late)}
+                             "steps_merged": e.steps_merged, "merged": dict(e.merged), "stale": dict(e.stale)}
                          for m, e in core.ledger.items()}
-        out["rounds"] = [{"fragment": r.fragment, "version": r.version, "opened_at": r.opened_at - self.started,
-                          "closed_at": r.closed_at - self.started, "participants": list(r.participants),
-                          "late": r.late, "grace_s": r.grace_s} for r in core.rounds]
+        out["rounds"] = [self._round(r) for r in core.rounds]
         return out
+
+    def _round(self, r: RoundRecord) -> dict:
+        """One round for reports and the status page, on the shard's own time axis."""
+        return {"fragment": r.fragment, "version": r.version, "opened_at": r.opened_at - self.started,
+                "closed_at": r.closed_at - self.started, "participants": list(r.participants),
+                "stale": r.stale, "staleness": list(r.staleness), "held_s": r.held_s, "final": r.final}
 
     def snapshot(self) -> dict:
         """Membership, each learner's state and the recent rounds, for the status page."""
@@ -546,15 +540,13 @@ class SyncerShard(pb_grpc.SyncerServicer):
                     state = "training"
                 learners[str(m)] = {
                     "name": f"learner {m}", "host": self.hosts.get(m, ""), "state": state,
-                    "tokens": self.tokens.get(m, 0), "steps": self.steps.get(m, 0),
+                    "tokens": core.tokens_reported(m) if core else 0, "steps": self.steps.get(m, 0),
                     "pushes": entry.pushes if entry else 0, "duplicates": entry.duplicates if entry else 0,
                     "tokens_merged": sum(entry.merged.values()) if entry else 0,
-                    "tokens_late": sum(entry.late.values()) if entry else 0,
+                    "tokens_stale": sum(entry.stale.values()) if entry else 0,
                     "last_seen_s": now - seen if seen is not None else None,
                     "held_versions": {str(p): v for p, v in core.held_versions.get(m, {}).items()} if core else {}}
-            rounds = [{"fragment": r.fragment, "version": r.version, "opened_at": r.opened_at - self.started,
-                       "closed_at": r.closed_at - self.started, "participants": list(r.participants),
-                       "late": r.late, "grace_s": r.grace_s} for r in (core.rounds[-200:] if core else [])]
+            rounds = [self._round(r) for r in (core.rounds[-200:] if core else [])]
             return {"shard": self.plan.index, "shards": self.plan.count, "strategy": self.spec.name,
                     "uptime_s": now - self.started, "finished": self.finished, "fragments": self.owned,
                     "versions": {str(p): s.version for p, s in core.fragments.items()} if core else {},
@@ -571,7 +563,6 @@ class SyncerShard(pb_grpc.SyncerServicer):
                      "layout": [torch.frombuffer(bytearray(f.SerializeToString()), dtype=torch.uint8)
                                 for f in self.layout],
                      "joined": sorted(self.joined), "left": sorted(self.left), "lost": sorted(self.lost),
-                     "tokens": dict(self.tokens), "tokens_banked": dict(self.tokens_banked),
                      "finished": self.finished,
                      "last_updates": {m: {p: _plain_update(u) for p, u in by_fragment.items()}
                                       for m, by_fragment in self.last_updates.items()},
@@ -592,7 +583,6 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.core.load_state_dict(state["core"])
         self.joined, self.left, self.lost = set(state["joined"]), set(state["left"]), set(state["lost"])
         self.finished = state["finished"]
-        self.tokens, self.tokens_banked = dict(state["tokens"]), dict(state["tokens_banked"])
         self.last_updates = {m: {p: _update_of(plain) for p, plain in by_fragment.items()}
                              for m, by_fragment in state["last_updates"].items()}
         last_seq, replayed = state["journal_seq"], 0
@@ -640,7 +630,7 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 def _plain_update(update: Update) -> dict:
     """An answer as tensors and plain data, to save."""
     return {"fragment": update.fragment, "version": update.version, "ack_seq": update.ack_seq,
-            "payload_bytes": update.payload_bytes, "relative": update.relative,
+            "payload_bytes": update.payload_bytes, "relative": update.relative, "next_push_at": update.next_push_at,
             "values": dict(update.values),
             "wire": {n: {"codec": e.codec, "shape": list(e.shape), "block": e.block,
                          "payload": _bytes_tensor(e.payload), "scales": _bytes_tensor(e.scales)}
@@ -651,7 +641,8 @@ def _update_of(plain: dict) -> Update:
     wire = {n: Encoded(w["codec"], tuple(w["shape"]), w["block"], bytes(w["payload"].numpy()),
                        bytes(w["scales"].numpy())) for n, w in plain["wire"].items()}
     return Update(plain["fragment"], plain["version"], dict(plain["values"]), ack_seq=plain["ack_seq"],
-                  payload_bytes=plain["payload_bytes"], wire=wire, relative=plain["relative"])
+                  payload_bytes=plain["payload_bytes"], wire=wire, relative=plain["relative"],
+                  next_push_at=plain["next_push_at"])
 
 
 def serve(shard: SyncerShard, bind: str, workers: int = 32,

@@ -18,11 +18,12 @@ from torch import nn
 
 from diloco.codecs import get_codec
 from diloco.config import Config
+from diloco.core.accounting import by_parameters, learner_round_stats, round_stats, tokens_of
 from diloco.core.learner import LearnerCore
-from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, Update, tensors_wire_bytes
-from diloco.core.syncer import Action, ProtocolError, Publish, SyncerCore, Timer
+from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update, tensors_wire_bytes
+from diloco.core.syncer import Action, ProtocolError, Publish, Stop, SyncerCore, Timer
 from diloco.data import EvalBatches, ShardSampler, load_corpus
-from diloco.fragments import Fragment, Schedule, embedding_names, partition
+from diloco.fragments import Fragment, embedding_names, partition
 from diloco.models.factory import ModelFactory, build_model
 from diloco.metrics.log import MetricsLog
 from diloco.metrics.records import LearnerMeter, RoundMeter, resident_memory_bytes
@@ -67,6 +68,8 @@ class SimLearner:
     alive: bool = True
     down_since: float | None = None
     finished: bool = False
+    stop_requested: bool = False
+    """The syncer said the shared budget is spent: the learner finishes at the end of this step."""
     crashes: int = 0
     last_seq: int = 0
     lost_tokens: list[int] = field(default_factory=list)
@@ -119,7 +122,8 @@ class Simulation:
             link = Link(config.link.bandwidth_mbit, config.link.latency_ms, outage_windows(config.failures, m))
             self.learners.append(SimLearner(
                 index=m, speed=speed, replica=Replica(copy.deepcopy(base), t, sampler, max(1, planned)),
-                timer=StepTimer(config.learners.step_time_s, speed, config.learners.jitter, config.seed, m),
+                timer=StepTimer(config.learners.step_time_s, speed, config.learners.jitter, config.seed, m,
+                                config.learners.drift, config.learners.drift_steps),
                 link=link, planned_steps=equal_steps))
         self.parameters = sum(p.numel() for p in base.parameters() if p.requires_grad)
         self.syncer: SyncerCore | None = None
@@ -127,7 +131,6 @@ class Simulation:
         if self.spec.exchange == "outer":
             self._build_cores(base)
         self.tokens_trained = 0
-        self.stopped = False
         self.eval_curve: list[dict[str, float]] = []
         self._eval_marks = [self.budget * k // t.eval_points for k in range(1, t.eval_points)]
         self.last_event_s = 0.0
@@ -141,21 +144,16 @@ class Simulation:
             learner.core = self._learner_core(learner, versions=None, step=0)
             learner.lost_tokens = [0] * len(self.fragments)
         params = {n: p for n, p in base.named_parameters() if p.requires_grad}
-        self.syncer = SyncerCore(params, self.fragments, range(len(self.learners)), optimizer=spec.outer_optimizer,
-                                 merge_rule=spec.merge_rule, embeddings=embeddings, quorum=spec.quorum,
-                                 grace=spec.grace, grace_cap_steps=spec.grace_cap_steps, tau=spec.tau,
-                                 participation=spec.participation,
-                                 down_codec=get_codec(self.config.codec.down, self.config.codec.block),
-                                 outlier=self.config.outer.outlier, outlier_factor=self.config.outer.outlier_factor)
+        c = self.config
+        self.syncer = spec.syncer_core(params, self.fragments, range(len(self.learners)), embeddings=embeddings,
+                                       down_codec=get_codec(c.codec.down, c.codec.block), outlier=c.outer.outlier,
+                                       outlier_factor=c.outer.outlier_factor, budget=self.budget)
 
     def _learner_core(self, learner: SimLearner, versions: list[int] | None, step: int) -> LearnerCore:
-        spec = self.spec
-        schedule = Schedule(spec.period(learner.index), len(self.fragments))
         codec = self.config.codec
-        return LearnerCore(learner.index, learner.replica.named_params(), self.fragments, schedule, tau=spec.tau,
-                           alpha=spec.alpha, wait_for_updates=spec.wait_for_updates, versions=versions, step=step,
-                           first_seq=learner.last_seq, codec=get_codec(codec.up, codec.block),
-                           error_feedback=codec.error_feedback)
+        return self.spec.learner_core(learner.index, learner.replica.named_params(), self.fragments,
+                                      codec=get_codec(codec.up, codec.block), error_feedback=codec.error_feedback,
+                                      versions=versions, step=step, first_seq=learner.last_seq)
 
     # ------------------------------------------------------------ the event loop
 
@@ -171,7 +169,7 @@ class Simulation:
         handlers = {"step_end": self._on_step_end, "push": self._on_push, "update": self._on_update,
                     "timer": self._on_timer, "allreduce_done": self._on_allreduce_done, "crash": self._on_crash,
                     "detect": self._on_detect, "leave": self._on_leave, "recover": self._on_recover,
-                    "rejoin": self._on_rejoin}
+                    "rejoin": self._on_rejoin, "progress": self._on_progress, "stop": self._on_stop}
         while True:
             while self.queue:
                 kind, payload = self.queue.pop()
@@ -211,15 +209,34 @@ class Simulation:
         self._meter(learner)
         for push in pushes:
             self._send_push(learner, push)
+        self._send_progress(learner)
         if self.crash_plan.any and learner.replica.steps % self.config.failures.checkpoint_every == 0:
             self._save_checkpoint(learner)
         self._count_tokens(tokens)
-        if self.stopped:
-            return
-        if not self.spec.shared_budget and learner.replica.steps >= learner.planned_steps:
+        if learner.stop_requested or (not self.spec.shared_budget and learner.replica.steps >= learner.planned_steps):
             self._finish(learner)
             return
         self._advance(learner)
+
+    def _send_progress(self, learner: SimLearner) -> None:
+        """Every step, as the paper's learners do: where it stands, for the syncer's predictions and budget."""
+        report = learner.core.progress()
+        arrival = learner.link.up.send(self.now, report.wire_bytes())
+        self.queue.schedule(arrival, ("progress", report))
+
+    def _on_progress(self, report: Progress) -> None:
+        if self.learners[report.learner].alive:
+            self._handle(self.syncer.on_progress(report, self.now))
+
+    def _on_stop(self, payload: tuple[int, int]) -> None:
+        """The syncer's word that the budget is spent reached a learner: it stops after this step."""
+        m, incarnation = payload
+        learner = self.learners[m]
+        if incarnation != learner.incarnation or learner.finished or not learner.alive:
+            return
+        learner.stop_requested = True
+        if learner.waiting_since is not None:  # waiting for an answer: no step to finish first
+            self._finish(learner)
 
     def _advance(self, learner: SimLearner) -> None:
         poll = learner.core.poll(self.now)
@@ -242,17 +259,6 @@ class Simulation:
             # Announced on the same link, so it lands after the last pushes.
             arrival = learner.link.up.send(self.now, MESSAGE_HEADER_BYTES)
             self.queue.schedule(arrival, ("leave", learner.index))
-
-    def _stop_all(self) -> None:
-        """The shared token budget is spent: every learner stops now, steps in progress are dropped."""
-        self.stopped = True
-        for learner in self.learners:
-            if learner.finished:
-                continue
-            learner.abort_step(self.now)
-            if not learner.alive:
-                self._mark_down_until_now(learner)
-            self._finish(learner)
 
     def _send_push(self, learner: SimLearner, push: Push) -> None:
         learner.last_seq = push.seq
@@ -277,6 +283,11 @@ class Simulation:
         for action in actions:
             if isinstance(action, Timer):
                 self.queue.schedule(action.at, ("timer", None))
+            elif isinstance(action, Stop):
+                for learner in self.learners:
+                    if not learner.finished and learner.alive:
+                        arrival = learner.link.down.send(self.now, MESSAGE_HEADER_BYTES)
+                        self.queue.schedule(arrival, ("stop", (learner.index, learner.incarnation)))
             elif isinstance(action, Publish):
                 self.last_event_s = max(self.last_event_s, self.now)
                 for m, update in action.updates.items():
@@ -380,6 +391,9 @@ class Simulation:
             self.syncer.join(m, self.now)
         self._mark_down_until_now(learner)
         learner.alive = True
+        if self.syncer is not None and self.syncer.stopped:  # the run ended while it was down
+            self._finish(learner)
+            return
         self._schedule_random_crash(learner)
         self._start_step(learner)
 
@@ -438,8 +452,6 @@ class Simulation:
             self._record_eval()
         if self.progress:
             self.progress(self.tokens_trained, self.budget)
-        if self.spec.shared_budget and self.tokens_trained >= self.budget and not self.stopped:
-            self._stop_all()
 
     def global_model(self) -> nn.Module:
         """The model the run produced so far: Θ from the syncer, or the data-parallel replica."""
@@ -467,15 +479,11 @@ class Simulation:
             self.metrics.record("syncer", self.now, shard=0, queue_length=pending, checkpoint_age_s=None,
                                 memory_bytes=resident_memory_bytes(), rounds=self.syncer.rounds_closed)
 
-    def _by_parameters(self, per_fragment: list[int]) -> float:
-        """A per-fragment token count, averaged with each fragment's share of the parameters."""
-        return sum(tokens * f.numel for tokens, f in zip(per_fragment, self.fragments)) / self.parameters
-
     def token_ledger(self, learner: int) -> dict[str, list[int]]:
-        """Per fragment: tokens merged on time, merged late, and lost, for one learner."""
+        """Per fragment: tokens merged on time, merged stale, and lost, for one learner."""
         entry = self.syncer.ledger[learner]
         fragments = range(len(self.fragments))
-        return {"merged": [entry.merged[p] for p in fragments], "late": [entry.late[p] for p in fragments],
+        return {"merged": [entry.merged[p] for p in fragments], "stale": [entry.stale[p] for p in fragments],
                 "lost": list(self.learners[learner].lost_tokens)}
 
     def _result(self) -> RunResult:
@@ -487,22 +495,25 @@ class Simulation:
             self._meter(learner, final=True)
         self._record_eval()
         self.eval_curve[-1]["time_s"] = wall
-        merged = late = lost = 0.0
+        numel = {f.index: f.numel for f in self.fragments}
+        totals = {"merged": 0.0, "stale": 0.0, "lost": 0.0}
         reports = []
         for lr in self.learners:
-            lost_m = self._by_parameters(lr.lost_tokens) if self.syncer else 0.0
-            if self.syncer:
-                ledger = self.token_ledger(lr.index)
-                merged += self._by_parameters(ledger["merged"])
-                late += self._by_parameters(ledger["late"])
-                lost += lost_m
+            if self.syncer is not None:
+                entry = self.syncer.ledger[lr.index]
+                tokens = tokens_of(lr.tokens, by_parameters(entry.merged, numel, self.parameters),
+                                   by_parameters(entry.stale, numel, self.parameters))
+            else:
+                tokens = tokens_of(lr.tokens, lr.tokens, 0.0)
+            for key in totals:
+                totals[key] += tokens[key]
             reports.append(LearnerReport(
                 learner=lr.index, speed=lr.speed, tokens=lr.tokens, steps=lr.replica.steps, busy_s=lr.busy_s,
                 waiting_s=lr.waiting_s, down_s=lr.down_s, busy_fraction=lr.busy_s / wall if wall else 1.0,
-                crashes=lr.crashes, tokens_lost=lost_m, bytes_up=lr.link.up.bytes_sent,
-                bytes_down=lr.link.down.bytes_sent))
-        if self.syncer is None:
-            merged = float(sum(r.tokens for r in reports))
+                crashes=lr.crashes, tokens_lost=tokens["lost"], bytes_up=lr.link.up.bytes_sent,
+                bytes_down=lr.link.down.bytes_sent, eval_loss=evaluate(lr.replica.model, self.eval_batches),
+                rounds=learner_round_stats(self.syncer.rounds, lr.index) if self.syncer else {}))
+        learner_losses = [r.eval_loss for r in reports]
         return RunResult(
             strategy=self.spec.name, learners=len(self.learners), tokens=sum(r.tokens for r in reports),
             final_eval_loss=self.eval_curve[-1]["loss"], virtual_wall_clock_s=wall,
@@ -510,8 +521,10 @@ class Simulation:
             goodput=sum(r.busy_s for r in reports) / (wall * len(reports)) if wall else 1.0,
             peak_sync_bytes=max(lr.link.up.peak_message_bytes for lr in self.learners),
             rounds=self.syncer.rounds_closed if self.syncer else self.learners[0].replica.steps,
-            parameters=self.parameters, tokens_merged=merged, tokens_late=late, tokens_lost=lost,
-            per_learner=reports, eval_curve=self.eval_curve, config=self.config.to_dict())
+            parameters=self.parameters, tokens_merged=totals["merged"], tokens_stale=totals["stale"],
+            tokens_lost=totals["lost"], per_learner=reports, eval_curve=self.eval_curve,
+            config=self.config.to_dict(), round_stats=round_stats(self.syncer.rounds) if self.syncer else {},
+            learners_eval_loss_mean=sum(learner_losses) / len(learner_losses))
 
 
 def simulate(config: Config, factory: ModelFactory | None = None, progress: Progress | None = None,

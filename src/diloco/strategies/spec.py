@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterable, Literal
 
+import torch
+
+from diloco.codecs import Codec
+from diloco.core.learner import LearnerCore
+from diloco.core.syncer import SyncerCore
+from diloco.fragments import Fragment, Schedule
 from diloco.outer.delayed_nesterov import DelayedNesterov
 from diloco.outer.merge import MergeRule
 from diloco.outer.nesterov import Nesterov
@@ -32,6 +38,12 @@ class StrategySpec:
     grace_cap_steps: float = 0.0
     participation: bool = False
     """Scale a round's merged update by the share of the learners it heard from (see SyncerCore)."""
+    pacing: bool = False
+    """The syncer predicts arrivals, holds rounds for them and aligns the learners' pushes (core/pacing.py)."""
+    consolidate: bool = False
+    """The run's last round of each fragment sets Θ to the learners' weighted mean."""
+    keep_progress: bool = False
+    """A merge keeps what the learner trained since sending: θ ← Θ̃ + (θ − θ_sent)."""
     wait_for_updates: bool = True
     """Whether a learner stops at step t + τ until its answer is in."""
     shared_budget: bool = False
@@ -39,13 +51,33 @@ class StrategySpec:
     speed until the total budget is spent, so faster learners train more of it."""
 
     def period(self, learner: int) -> int:
-        return self.learner_H[learner] if self.learner_H else self.H
+        return self.learner_H[learner] if learner < len(self.learner_H) else self.H
 
     def outer_optimizer(self) -> Nesterov | DelayedNesterov:
         """A fresh outer optimizer for one fragment."""
         if self.optimizer == "delayed-nesterov":
             return DelayedNesterov(self.outer_lr, self.outer_momentum, self.dn_buffer)
         return Nesterov(self.outer_lr, self.outer_momentum)
+
+    def syncer_core(self, params: dict[str, torch.Tensor], fragments: list[Fragment], members: Iterable[int], *,
+                    embeddings: Iterable[str], down_codec: Codec, outlier: str = "off",
+                    outlier_factor: float = 5.0, budget: int | None = None) -> SyncerCore:
+        """The syncer's core for this strategy: the one place its arguments are wired, for both drivers."""
+        return SyncerCore(params, fragments, members, optimizer=self.outer_optimizer, merge_rule=self.merge_rule,
+                          embeddings=embeddings, quorum=self.quorum, grace=self.grace,
+                          grace_cap_steps=self.grace_cap_steps, tau=self.tau, participation=self.participation,
+                          down_codec=down_codec, outlier=outlier, outlier_factor=outlier_factor,
+                          pacing=self.pacing, period=self.H, consolidate=self.consolidate,
+                          budget=budget if self.shared_budget else None)
+
+    def learner_core(self, learner: int, params: dict[str, torch.Tensor], fragments: list[Fragment], *,
+                     codec: Codec, error_feedback: bool, versions: list[int] | None = None, step: int = 0,
+                     first_seq: int = 0, encode_later: bool = False) -> LearnerCore:
+        """A learner's core for this strategy, for both drivers."""
+        return LearnerCore(learner, params, fragments, Schedule(self.period(learner), len(fragments)), tau=self.tau,
+                           alpha=self.alpha, wait_for_updates=self.wait_for_updates, versions=versions, step=step,
+                           first_seq=first_seq, codec=codec, error_feedback=error_feedback,
+                           encode_later=encode_later, keep_progress=self.keep_progress)
 
     def planned_steps(self, speeds: list[float], budget: int, tokens_per_step: int) -> list[int]:
         """Inner steps each learner plans for (its learning-rate schedule spans them). With a shared

@@ -112,9 +112,12 @@ class ShardClient:
         if call is not None:
             call.cancel()
 
-    def heartbeat(self, learner: int, tokens: int, steps: int) -> pb.HeartbeatReply:
-        return self._call("heartbeat", self.stub.Heartbeat,
-                          pb.HeartbeatRequest(learner=learner, tokens=tokens, steps=steps), timeout=10)
+    def heartbeat(self, learner: int, tokens: int, steps: int, step_time_s: float = 0.0,
+                  due_in_s: tuple[float, ...] = ()) -> pb.HeartbeatReply:
+        """Say the learner is alive; with `due_in_s`, also where it stands (a progress report)."""
+        request = pb.HeartbeatRequest(learner=learner, tokens=tokens, steps=steps, step_time_s=step_time_s,
+                                      due_in_s=due_in_s)
+        return self._call("heartbeat", self.stub.Heartbeat, request, timeout=10)
 
     def leave(self, learner: int, finished: bool = False) -> None:
         self._call("leave", self.stub.Leave, pb.LeaveRequest(learner=learner, finished=finished), timeout=30)

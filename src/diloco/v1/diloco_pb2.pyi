@@ -25,7 +25,7 @@ class TensorHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., codec: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., scale_bytes: _Optional[int] = ..., relative: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner", "fragment", "base_version", "seq", "tokens", "steps", "step_time_s", "sent_at", "tensors")
+    __slots__ = ("learner", "fragment", "base_version", "seq", "tokens", "steps", "step_time_s", "sent_at", "tensors", "step", "final")
     LEARNER_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class PushHeader(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     learner: int
     fragment: int
     base_version: int
@@ -44,19 +46,23 @@ class PushHeader(_message.Message):
     step_time_s: float
     sent_at: float
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
-    def __init__(self, learner: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ...) -> None: ...
+    step: int
+    final: bool
+    def __init__(self, learner: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("fragment", "version", "ack_seq", "tensors")
+    __slots__ = ("fragment", "version", "ack_seq", "tensors", "next_push_at")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PUSH_AT_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     ack_seq: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., ack_seq: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ...) -> None: ...
+    next_push_at: float
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., ack_seq: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., next_push_at: _Optional[float] = ...) -> None: ...
 
 class FragmentVersion(_message.Message):
     __slots__ = ("fragment", "version")
@@ -107,7 +113,7 @@ class FragmentLayout(_message.Message):
     def __init__(self, index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class Settings(_message.Message):
-    __slots__ = ("strategy", "fragments", "period", "learner_periods", "tau", "alpha", "wait_for_updates", "codec_up", "codec_down", "block", "error_feedback", "learners", "token_budget", "shared_budget")
+    __slots__ = ("strategy", "fragments", "period", "learner_periods", "tau", "alpha", "wait_for_updates", "codec_up", "codec_down", "block", "error_feedback", "learners", "token_budget", "shared_budget", "keep_progress")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     PERIOD_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +128,7 @@ class Settings(_message.Message):
     LEARNERS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SHARED_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     fragments: int
     period: int
@@ -136,7 +143,8 @@ class Settings(_message.Message):
     learners: int
     token_budget: int
     shared_budget: bool
-    def __init__(self, strategy: _Optional[str] = ..., fragments: _Optional[int] = ..., period: _Optional[int] = ..., learner_periods: _Optional[_Iterable[int]] = ..., tau: _Optional[int] = ..., alpha: _Optional[float] = ..., wait_for_updates: _Optional[bool] = ..., codec_up: _Optional[str] = ..., codec_down: _Optional[str] = ..., block: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., learners: _Optional[int] = ..., token_budget: _Optional[int] = ..., shared_budget: _Optional[bool] = ...) -> None: ...
+    keep_progress: bool
+    def __init__(self, strategy: _Optional[str] = ..., fragments: _Optional[int] = ..., period: _Optional[int] = ..., learner_periods: _Optional[_Iterable[int]] = ..., tau: _Optional[int] = ..., alpha: _Optional[float] = ..., wait_for_updates: _Optional[bool] = ..., codec_up: _Optional[str] = ..., codec_down: _Optional[str] = ..., block: _Optional[int] = ..., error_feedback: _Optional[bool] = ..., learners: _Optional[int] = ..., token_budget: _Optional[int] = ..., shared_budget: _Optional[bool] = ..., keep_progress: _Optional[bool] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("index", "address", "fragments")
@@ -203,14 +211,18 @@ class UpdatesRequest(_message.Message):
     def __init__(self, learner: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner", "tokens", "steps")
+    __slots__ = ("learner", "tokens", "steps", "step_time_s", "due_in_s")
     LEARNER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    DUE_IN_S_FIELD_NUMBER: _ClassVar[int]
     learner: int
     tokens: int
     steps: int
-    def __init__(self, learner: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    step_time_s: float
+    due_in_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, learner: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., due_in_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("stop", "tokens_reported")

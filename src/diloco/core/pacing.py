@@ -1,0 +1,124 @@
+"""Pacing: when each learner's next push of a fragment will arrive, how long a round waits for it, and
+when each learner should push next so that the next round gathers everyone.
+
+Learners never wait, so a round can only gather several of them if their pushes of a fragment land
+close together. Two things make that so:
+
+1. **Alignment in time.** Each answer names the time at which its recipient pushes that fragment next
+   (`Update.next_push_at`), on the recipient's own clock: the next round's target T, less the trip its
+   last push took as the two clocks stamped it (arrival on ours − sending on its), so that clock skew
+   and link latency cancel. The learner pushes at the end of its step nearest to that time, so pushes
+   land within about half a step of T whatever the learners' speeds and however their step times
+   wandered meanwhile. Targets follow a grid, one sync period T_H = H·ξ_fast apart (H steps of the
+   fastest learner alive; a fragment's first target is the mean arrival of its first round): a learner
+   at a quarter of that speed pushes every H/4 of its own steps, at the same times as the others.
+   Speed differences are by design, not by accident.
+2. **Prediction.** Every learner reports after each step how long until it pushes each fragment next,
+   by its own reckoning (`Progress.due_in_s`). A report arriving at r that says d predicts the push at
+   r + d. Reports and pushes cross the same link in order, so a learner that has not reported since
+   the time its push was predicted has not pushed yet either (its step ran long, its process was
+   descheduled, its link is busy): it is still coming. A round therefore waits for every learner
+   predicted to push before the round's bound, until its push arrives, or a later report predicts it
+   past the bound, or the bound passes. No margin is guessed: the learners' own reports end the wait.
+
+The bound: a round waits for nobody predicted later than γ·T_H/2 after its first push (γ =
+`outer.grace`), nor longer than `grace_cap_steps` fastest steps, so answers come back well before the
+learners' next push. A push that missed its round (it arrives long before the next target) is thus
+merged alone at once, and leaves the grid where it was: the next round still gathers everyone.
+Every wait is derived from measured step times and the learners' reports, and bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from diloco.core.messages import Progress
+
+STEP_EMA = 0.1
+"""Weight of the newest report in the syncer's running step time of a learner (reports come often)."""
+
+
+@dataclass
+class Pace:
+    """What the syncer knows of one learner's progress."""
+
+    step: int = 0
+    reported_at: float = 0.0
+    """When its latest report arrived (the syncer's clock)."""
+    step_time: float = 0.0
+    due_in: dict[int, float] = field(default_factory=dict)
+    """Per fragment, how long after `reported_at` the learner said it would push it next."""
+
+
+class Pacer:
+    def __init__(self, period: int, grace: float, cap_steps: float) -> None:
+        self.period, self.grace, self.cap_steps = period, grace, cap_steps
+        self.paces: dict[int, Pace] = {}
+
+    # ------------------------------------------------------------ what learners say
+
+    def on_progress(self, report: Progress, now: float) -> None:
+        """A report of where a learner stands (one without a schedule only says it is alive)."""
+        if not report.due_in_s:
+            return
+        pace = self.paces.setdefault(report.learner, Pace())
+        if report.step < pace.step:
+            return  # overtaken by a newer report
+        pace.step, pace.reported_at = report.step, now
+        if report.step_time_s > 0:
+            pace.step_time = report.step_time_s if pace.step_time <= 0 else \
+                pace.step_time + STEP_EMA * (report.step_time_s - pace.step_time)
+        pace.due_in = dict(enumerate(report.due_in_s))
+
+    def on_push(self, learner: int, fragment: int) -> None:
+        """A push arrived: until the learner's next report, nothing is known of the one after."""
+        pace = self.paces.get(learner)
+        if pace is not None:
+            pace.due_in.pop(fragment, None)
+
+    def forget(self, learner: int) -> None:
+        """A learner restarts: what it reports from now on starts from its checkpoint."""
+        self.paces.pop(learner, None)
+
+    # ------------------------------------------------------------ predictions
+
+    def predict(self, learner: int, fragment: int) -> float | None:
+        """When the learner's next push of `fragment` will arrive; None when nothing is known."""
+        pace = self.paces.get(learner)
+        due_in = None if pace is None else pace.due_in.get(fragment)
+        return None if due_in is None else pace.reported_at + due_in
+
+    def sync_period_s(self, learners: set[int]) -> float | None:
+        """T_H: H steps of the fastest learner."""
+        fastest = self._fastest_step(learners)
+        return None if fastest is None else self.period * fastest
+
+    def _fastest_step(self, learners: set[int]) -> float | None:
+        times = [self.paces[m].step_time for m in learners if m in self.paces and self.paces[m].step_time > 0]
+        return min(times) if times else None
+
+    def bound(self, opened: float, learners: set[int]) -> float:
+        """The latest a round opened at `opened` waits for anyone."""
+        fastest = self._fastest_step(learners)
+        if fastest is None or self.grace <= 0:
+            return opened
+        return opened + min(self.grace * self.period * fastest / 2, self.cap_steps * fastest)
+
+    def waiting_for(self, fragment: int, missing: set[int], opened: float, learners: set[int]) -> set[int]:
+        """The learners in `missing` that a round of `fragment` opened at `opened` should wait for."""
+        bound = self.bound(opened, learners)
+        return {m for m in missing if (at := self.predict(m, fragment)) is not None and at <= bound}
+
+    # ------------------------------------------------------------ alignment
+
+    def ask(self, learner: int, target: float, trip: float | None) -> float | None:
+        """The time, on the learner's clock, at which to push so that the push lands at `target`;
+        `trip` is its last push's arrival on our clock less its sending on the learner's."""
+        return None if trip is None or learner not in self.paces else target - trip
+
+    def state_dict(self) -> dict:
+        return {m: dataclasses.asdict(p) for m, p in self.paces.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.paces = {m: Pace(**s) for m, s in state.items()}
