@@ -33,7 +33,7 @@ VARIANTS: list[tuple[str, list[str]]] = [
 ]
 HARDWARE = ["learners.speeds=[1, 1, 0.5, 0.25]", "learners.jitter=0.1"]
 COLUMNS = ("run", "eval loss", "vs diloco", "virtual time", "speed-up vs diloco", "goodput", "min goodput (others)",
-           "wire MB", "tokens lost", "late share")
+           "wire MB", "tokens lost", "stale share")
 
 
 def run_one(name: str, overrides: list[str], console: Console) -> dict:
@@ -55,14 +55,14 @@ def add_ratios(rows: list[dict], crashed: int | None) -> None:
         r["speedup_vs_diloco"] = reference["virtual_wall_clock_s"] / r["virtual_wall_clock_s"]
         others = [p["busy_fraction"] for p in r["per_learner"] if p["learner"] != crashed]
         r["min_goodput_others"] = min(others)
-        r["late_share"] = r["tokens_late"] / r["tokens"] if r["tokens"] else 0.0
+        r["stale_share"] = r["tokens_stale"] / r["tokens"] if r["tokens"] else 0.0
 
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
     return [[r["name"], f"{r['final_eval_loss']:.4f}", f"{100 * r['loss_vs_diloco']:+.2f}%",
              f"{r['virtual_wall_clock_s']:.0f} s", f"{r['speedup_vs_diloco']:.2f}x", f"{r['goodput']:.3f}",
              f"{r['min_goodput_others']:.3f}", f"{(r['wire_bytes_up'] + r['wire_bytes_down']) / 1e6:.1f}",
-             f"{r['tokens_lost']:,.0f}", f"{r['late_share']:.2f}"] for r in rows]
+             f"{r['tokens_lost']:,.0f}", f"{r['stale_share']:.2f}"] for r in rows]
 
 
 def markdown(title: str, rows: list[dict]) -> str:

@@ -10,6 +10,8 @@ TINY = [
     "model.layers=1", "model.width=32", "model.heads=2",
     "train.seq_len=16", "train.batch_size=4", "train.tokens=10240", "train.eval_batches=2",
     "train.eval_points=2", "train.warmup_steps=2", "outer.H=5", "learners.speeds=[]",
+    # The lockstep timing model: tests that need noisy steps ask for it.
+    "learners.jitter=0", "learners.drift=0", "learners.step_time_s=0.25",
 ]
 
 

@@ -55,7 +55,8 @@ def test_bytes_follow_the_codec_exactly():
     push = MESSAGE_HEADER_BYTES + sum(up.wire_bytes(n, 64) for n in numels)
     answer = MESSAGE_HEADER_BYTES + sum(down.wire_bytes(n) for n in numels)
     for report in result.per_learner:
-        assert report.bytes_up == rounds * push + MESSAGE_HEADER_BYTES  # and the leave announcement
+        progress = MESSAGE_HEADER_BYTES + 8  # a report after every step, one fragment's schedule in it
+        assert report.bytes_up == rounds * push + report.steps * progress + MESSAGE_HEADER_BYTES  # and the leave
         assert report.bytes_down == (rounds - 1) * answer
     fp32 = Simulation(tiny_config("strategy=diloco", "outer.H=5")).run()
     assert fp32.wire_bytes_up / result.wire_bytes_up > 6

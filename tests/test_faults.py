@@ -80,7 +80,7 @@ def test_a_restarted_learner_resumes_its_own_state_and_takes_the_current_theta(t
     assert entry.duplicates == 0 and entry.pushes > pushes_before  # its new pushes counted, none twice
     assert shard.finished  # both left at the end: the last rounds are merged
     for p in range(2):  # conservation over both lives of learner 1
-        assert entry.merged[p] + entry.late[p] == first["tokens"] + second["tokens"]
+        assert entry.merged[p] + entry.stale[p] == first["tokens"] + second["tokens"]
 
 
 def test_a_syncer_killed_mid_run_restarts_from_its_journal_and_counts_every_token_once(tmp_path):
@@ -136,7 +136,7 @@ def test_a_syncer_killed_mid_run_restarts_from_its_journal_and_counts_every_toke
         entry = report["ledger"][str(m)]
         trained = reports[m]["tokens"]
         for p in ("0", "1"):  # exactly once: nothing lost in the crash, nothing counted twice
-            assert entry["merged"].get(p, 0) + entry["late"].get(p, 0) == trained
+            assert entry["merged"].get(p, 0) + entry["stale"].get(p, 0) == trained
 
 
 # ---------------------------------------------------------------- the network misbehaves
@@ -240,7 +240,7 @@ def test_a_partitioned_learner_trains_on_and_loses_nothing_when_the_network_heal
     assert merges_after_heal > 0 and shard.finished
     for m, report in enumerate(reports):  # every token of the partition reached the syncer once
         entry = shard.core.ledger[m]
-        assert [entry.merged[p] + entry.late[p] for p in range(2)] == [report["tokens"]] * 2
+        assert [entry.merged[p] + entry.stale[p] for p in range(2)] == [report["tokens"]] * 2
 
 
 def test_a_client_sending_one_byte_at_a_time_does_not_hold_up_anyone():

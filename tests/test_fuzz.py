@@ -180,7 +180,7 @@ def core_state(shard: SyncerShard, skip: tuple[int, ...] = MEMBERS) -> dict:
             "seeded": True,
             "theta": core.theta,
             "fragments": {p: {"version": s.version, "pending": sorted(s.pending), "first_arrival": s.first_arrival,
-                              "quorum_at": s.quorum_at, "deadline": s.deadline, "grace_s": s.grace_s,
+                              "quorum_at": s.quorum_at, "deadline": s.deadline, "target": s.target,
                               "optimizer": optimizer_state(s.optimizer)} for p, s in core.fragments.items()},
             "rounds": core.rounds,
             "ledger": {m: vars(e) for m, e in core.ledger.items() if m not in skip},
@@ -192,6 +192,9 @@ def core_state(shard: SyncerShard, skip: tuple[int, ...] = MEMBERS) -> dict:
             "step_time": core.step_time,
             "one_way_s": core.one_way_s,
             "last_weight": core.last_weight,
+            "tokens": {m: v for m, v in core.tokens.items() if m not in skip},
+            "tokens_banked": core.tokens_banked,
+            "paces": {m: vars(p) for m, p in core.pacer.paces.items() if m not in skip} if core.pacer else {},
             "layout": [f.SerializeToString(deterministic=True) for f in shard.layout],
             "shard_finished": shard.finished,
         })

@@ -74,7 +74,7 @@ def train(model: torch.nn.Module, learner: Learner, steps: int, seed: int) -> No
 
 def assert_ledger_counts_every_token(shard: SyncerShard, reports: list[dict], fragments: int) -> None:
     """Every push was counted once, and every token trained reached Θ exactly once per fragment
-    (merged on time or late, the pushes of `finish` included)."""
+    (merged on time or stale, the pushes of `finish` included)."""
     ledger = shard.report()["ledger"]
     for report in reports:
         entry = ledger[report["learner"]]
@@ -82,7 +82,7 @@ def assert_ledger_counts_every_token(shard: SyncerShard, reports: list[dict], fr
         assert entry["duplicates"] == 0
         assert entry["pushes"] == report["pushes"] > 0
         for p in range(fragments):
-            assert entry["merged"].get(p, 0) + entry["late"].get(p, 0) == report["tokens"], (p, entry)
+            assert entry["merged"].get(p, 0) + entry["stale"].get(p, 0) == report["tokens"], (p, entry)
         assert entry["steps_merged"] == fragments * report["steps"]
 
 

@@ -140,7 +140,7 @@ def test_two_gloo_ranks_are_one_learner(syncer, tmp_path):
     assert entry["duplicates"] == 0
     assert entry["pushes"] == reports[0]["pushes"] > 0
     for p in range(FRAGMENTS):
-        assert entry["merged"].get(p, 0) + entry["late"].get(p, 0) == tokens, (p, entry)
+        assert entry["merged"].get(p, 0) + entry["stale"].get(p, 0) == tokens, (p, entry)
     assert entry["steps_merged"] == FRAGMENTS * STEPS
     assert len(report["rounds"]) > 0 and all(v > 0 for v in report["versions"].values())
     assert set(shard.core.theta) == set(params[0])

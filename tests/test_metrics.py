@@ -44,7 +44,7 @@ def test_simulated_metrics_add_up_to_what_was_trained_sent_and_merged(tmp_path):
         assert final["outer_grad_norm"] > 0 and final["loss"] > 0
     rounds = [r for r in records if r["kind"] == "round"]
     assert len(rounds) == result.rounds
-    # Every token is merged once per fragment, on time or late.
+    # Every token is merged once per fragment, on time or stale.
     assert sum(r["tokens"] for r in rounds) == 2 * result.tokens
     assert all(r["update_norm"] > 0 for r in rounds)
     assert all((r["cosine"] is None) == (len(r["participants"]) == 1) for r in rounds)

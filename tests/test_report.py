@@ -43,7 +43,7 @@ def summary(**overrides: Any) -> dict[str, Any]:
         "strategy": "decoupled", "learners": 2, "tokens": 40960, "final_eval_loss": 4.0,
         "virtual_wall_clock_s": 9.5, "wire_bytes_up": 8_000_000, "wire_bytes_down": 4_825_696, "goodput": 0.9781,
         "peak_sync_bytes": 500_000, "rounds": 6, "parameters": 470_528, "tokens_merged": 30000.0,
-        "tokens_late": 10960.0, "tokens_lost": 0.0,
+        "tokens_stale": 10960.0, "tokens_lost": 0.0,
         "per_learner": [{"learner": i, "speed": 1.0, "tokens": 20480, "steps": 20, "busy_s": 9.0, "waiting_s": 0.0,
                          "down_s": 0.0, "busy_fraction": 0.95, "crashes": 0, "tokens_lost": 0.0,
                          "bytes_up": 4_000_000, "bytes_down": 2_412_848} for i in range(2)],
@@ -69,8 +69,8 @@ def metrics_records(learners: int = 2, steps: int = 20) -> list[dict[str, Any]]:
         if t % 3 == 2:
             records.append({
                 "kind": "round", "time_s": t + 0.5, "shard": 0, "fragment": (t // 3) % 2, "version": t // 3 + 1,
-                "participants": list(range(learners)) if t % 2 else [0], "late": 1 if t % 2 else 0,
-                "time_to_quorum_s": 0.2, "grace_s": 0.1, "update_norm": 0.3, "cosine": 0.5, "tokens": 4096,
+                "participants": list(range(learners)) if t % 2 else [0], "stale": 1 if t % 2 else 0,
+                "time_to_quorum_s": 0.2, "held_s": 0.1, "update_norm": 0.3, "cosine": 0.5, "tokens": 4096,
             })
         if t % 5 == 4:
             records.append({"kind": "eval", "time_s": t + 0.9, "tokens": 1024 * (t + 1) * learners,

@@ -74,9 +74,9 @@ def test_run_trains_and_writes_the_summary_the_simulator_writes_plus_wall_clock(
     sim_fields = set(Simulation(tiny_config()).run().summary())
     assert sim_fields <= set(summary) and summary["wall_clock_s"] > 0
     assert summary["learners"] == 2 and summary["rounds"] > 0 and summary["duplicates"] == 0
-    # Conservation: every token a learner trained is merged (on time or late) exactly once.
+    # Conservation: every token a learner trained is merged (on time or stale) exactly once.
     assert summary["tokens_lost"] == pytest.approx(0, abs=1e-6)
-    assert summary["tokens_merged"] + summary["tokens_late"] == pytest.approx(summary["tokens"])
+    assert summary["tokens_merged"] + summary["tokens_stale"] == pytest.approx(summary["tokens"])
     fast, slow = summary["per_learner"]
     # Half of each of the slow learner's steps is emulated slowness, and it counts as compute: its busy
     # time per step is about twice the fast one's.

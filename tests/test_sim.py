@@ -40,9 +40,10 @@ def test_diloco_moves_the_model_once_per_round_and_counts_each_byte():
     assert model_bytes > 4 * result.parameters  # fp32 payload plus headers
     assert result.rounds == rounds
     for report in result.per_learner:
-        # Up: every round, then the announcement that it leaves. Down: every answer but the last,
-        # which nobody needs any more.
-        assert report.bytes_up == rounds * model_bytes + MESSAGE_HEADER_BYTES
+        # Up: every round, a progress report after every step (header and one schedule entry), then the
+        # announcement that it leaves. Down: every answer but the last, which nobody needs any more.
+        progress_bytes = MESSAGE_HEADER_BYTES + 8
+        assert report.bytes_up == rounds * model_bytes + steps * progress_bytes + MESSAGE_HEADER_BYTES
         assert report.bytes_down == (rounds - 1) * model_bytes
     # Each round costs an upload and a download on a 10 Mbit/s link with 100 ms each way; the run is
     # over when the last round is merged into Θ, before its answer travels back.

@@ -22,7 +22,7 @@ HOSTILE = "<script>alert(1)</script>"
 
 def learner(i: int, **over) -> dict:
     entry = {"name": f"learner {i}", "host": "vm", "state": "training", "tokens": 1000 * i + 5, "steps": 12,
-             "pushes": 3, "duplicates": 0, "tokens_merged": 900, "tokens_late": 100, "last_seen_s": 0.4,
+             "pushes": 3, "duplicates": 0, "tokens_merged": 900, "tokens_stale": 100, "last_seen_s": 0.4,
              "held_versions": {"0": 5, "1": 4}}
     entry.update(over)
     return entry
@@ -30,8 +30,8 @@ def learner(i: int, **over) -> dict:
 
 def snapshot(n_learners: int = 3, n_rounds: int = 4, **over) -> dict:
     rounds = [{"fragment": k % 2, "version": k // 2 + 1, "opened_at": 1.0 + 0.5 * k, "closed_at": 1.3 + 0.5 * k,
-               "participants": list(range(1 + k % n_learners)) if n_learners else [], "late": k % 2,
-               "grace_s": 0.2} for k in range(n_rounds)]
+               "participants": list(range(1 + k % n_learners)) if n_learners else [], "stale": k % 2,
+               "held_s": 0.2} for k in range(n_rounds)]
     snap = {"shard": 0, "shards": 1, "strategy": "decoupled", "uptime_s": 12.3, "finished": False,
             "fragments": [0, 1], "versions": {"0": 5, "1": 4},
             "learners": {str(i): learner(i) for i in range(n_learners)}, "rounds": rounds}

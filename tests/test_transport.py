@@ -160,7 +160,7 @@ def test_updates_reach_the_learner_and_anchors_match_what_the_syncer_holds(shard
     assert syncer.finished
     ledger = syncer.core.ledger
     for m, report in enumerate(reports):
-        per_fragment = [ledger[m].merged[p] + ledger[m].late[p] for p in range(2)]
+        per_fragment = [ledger[m].merged[p] + ledger[m].stale[p] for p in range(2)]
         assert per_fragment == [report["tokens"]] * 2  # conservation: every token counted once per fragment
 
 

@@ -56,15 +56,18 @@ class LearnersConfig:
     """Relative speeds, one per learner; empty means all 1. Setting it alone sets `count` too; setting
     `count` alone makes every learner equal. The default: two fast learners, one at half and one at a
     quarter of their speed, the heterogeneous fleet Decoupled DiLoCo is for."""
-    jitter: float = 0.0
+    jitter: float = 0.23
     """Simulator: relative standard deviation of each step's time, independent from step to step."""
-    drift: float = 0.0
+    drift: float = 0.16
     """Simulator: relative standard deviation of a learner's slowly wandering speed (correlated over
-    `drift_steps` steps): what lets equal learners drift apart. jitter = drift = 0 is lockstep."""
+    `drift_steps` steps): what lets equal learners drift apart. The defaults of jitter, drift and
+    drift_steps are what `diloco run`'s learners show on a 2-core machine (docs/algorithms.md);
+    jitter = drift = 0 is the lockstep model."""
     drift_steps: float = 10.0
     """Simulator: correlation time of the drift, in steps."""
-    step_time_s: float = 0.25
-    """Virtual seconds of one inner step at speed 1."""
+    step_time_s: float = 0.05
+    """Simulator: virtual seconds of one inner step at speed 1 (the built-in model's step in `diloco
+    run` on a 2-core machine; set your learners' own to predict a real run)."""
 
 
 @dataclass
@@ -74,8 +77,9 @@ class OuterConfig:
     fragments: int = 4
     tau: int = 2
     """Inner steps a learner keeps training between sending a fragment and merging the answer."""
-    alpha: float = 0.0
-    """Mixing: θ ← α·θ + (1 − α)·Θ̃ when merging; 0 overwrites."""
+    alpha: float = 0.25
+    """Mixing: θ ← α·θ + (1 − α)·Θ̃ when merging; 0 overwrites (streaming and decoupled; DiLoCo
+    always overwrites)."""
     lr: float = 0.7
     momentum: float = 0.9
     quorum: int = 1
@@ -88,8 +92,11 @@ class OuterConfig:
     pacing: bool = True
     """Decoupled: the syncer predicts each learner's next push from its progress, holds rounds for the
     learners about to land, and tells each when to push next so that rounds gather everyone."""
-    keep_progress: bool = True
+    keep_progress: bool = False
     """Decoupled: a merge keeps what the learner trained since sending, θ ← Θ̃ + (θ − θ_sent)."""
+    stale_weight: Literal["full", "inverse"] = "full"
+    """Decoupled: how a push based on an older version weighs in its round: as any other (`full`), or
+    divided by 1 + the versions it is behind (`inverse`)."""
     consolidate: bool = True
     """Decoupled: the run's last round of each fragment sets Θ to the learners' weighted mean."""
     merge: Literal["mean", "weighted", "rda"] = "rda"

@@ -98,6 +98,8 @@ class LearnerCore:
         self._last_push_norm: torch.Tensor | None = None
         self.last_staleness: int | None = None
         """Versions the fragment had moved on by others when the latest merge arrived."""
+        self.merge_lags: list[int] = []
+        """Per merge, inner steps from sending the push to merging its answer (τ at best)."""
 
     # ------------------------------------------------------------ events
 
@@ -273,6 +275,7 @@ class LearnerCore:
                 param.mul_(self.alpha).add_(target, alpha=1.0 - self.alpha)
             anchor[name] = value.to(torch.float32).clone()
         self.last_staleness = max(0, update.version - self.anchor_versions[p] - 1)
+        self.merge_lags.append(self.step - flight.push.step)
         self.anchor_versions[p] = update.version
         if update.next_push_at is not None:
             self.next_due_at[p] = update.next_push_at

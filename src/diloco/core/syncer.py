@@ -73,7 +73,7 @@ class SyncerCore:
                  quorum: int | None = None, grace: float = 0.0, grace_cap_steps: float = 2.0,
                  tau: int = 0, participation: bool = False, down_codec: Codec | None = None,
                  outlier: str = "off", outlier_factor: float = 5.0, pacing: bool = False, period: int = 1,
-                 consolidate: bool = False, budget: int | None = None) -> None:
+                 consolidate: bool = False, stale_weight: str = "full", budget: int | None = None) -> None:
         """`pacing`: wait for the learners about to push and align their next pushes (`period`: H, the
         fastest learner's steps per sync of a fragment). `budget`: the shared token budget, if any."""
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
@@ -85,7 +85,7 @@ class SyncerCore:
         self.merge_rule = merge_rule
         self.embeddings = frozenset(embeddings)
         self.quorum, self.grace, self.grace_cap_steps, self.tau = quorum, grace, grace_cap_steps, tau
-        self.participation, self.consolidate = participation, consolidate
+        self.participation, self.consolidate, self.stale_weight = participation, consolidate, stale_weight
         self.pacer = Pacer(period, grace, grace_cap_steps) if pacing else None
         self.outlier, self.outlier_factor = outlier, outlier_factor
         self.recent_norms: dict[int, deque[float]] = {f.index: deque(maxlen=OUTLIER_WINDOW) for f in fragments}
@@ -399,9 +399,12 @@ class SyncerCore:
 
     def _close(self, state: FragmentState, now: float, final: bool = False) -> Publish:
         contributions = [state.pending[m] for m in sorted(state.pending)]
+        staleness = tuple(state.version - c.base_version for c in contributions)
         weights = [token_weight(c.tokens, c.steps) for c in contributions]
         if sum(weights) <= 0:
             weights = [1.0] * len(contributions)
+        if self.stale_weight == "inverse":
+            weights = [w / (1 + behind) for w, behind in zip(weights, staleness)]
         names = state.fragment.names
         before = {n: self.theta[n].clone() for n in names}
         deltas = [c.deltas for c in contributions]
@@ -414,7 +417,6 @@ class SyncerCore:
             merged = merge_fragment(deltas, weights, self.merge_rule, self.embeddings)
             state.optimizer.step({n: self.theta[n] for n in names}, merged, share)
         update_norm = math.sqrt(sum(float((self.theta[n] - before[n]).pow(2).sum()) for n in names))
-        staleness = tuple(state.version - c.base_version for c in contributions)
         for c, behind in zip(contributions, staleness):
             entry = self.ledger[c.learner]
             (entry.stale if behind else entry.merged)[state.fragment.index] += c.tokens

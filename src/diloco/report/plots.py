@@ -90,7 +90,8 @@ def bandwidth_figure(run: Run) -> Figure | None:
 
 
 def participation_figure(run: Run) -> Figure | None:
-    """Per round, at the time it closed: how many learners it merged (colored by fragment), and how many late."""
+    """Per round, at the time it closed: how many learners it merged (colored by fragment), and how many
+    of their pushes were stale."""
     rounds = [r for r in run.of_kind("round") if isinstance(r.get("participants"), list)]
     if not rounds:
         return None
@@ -107,12 +108,12 @@ def participation_figure(run: Run) -> Figure | None:
         label = "participants" if fragment is None else f"fragment {fragment}"
         axes.scatter([r["time_s"] for r in mine], [len(r["participants"]) for r in mine], s=18,
                      color=f"C{index % 10}", label=label if labelled else None, zorder=2)
-    late = [(r["time_s"], number(r, "late")) for r in rounds if number(r, "late")]
-    if late:
-        axes.scatter([t for t, _ in late], [n for _, n in late], marker="x", s=24, color="black",
-                     label="late pushes", zorder=3)
+    stale = [(r["time_s"], number(r, "stale")) for r in rounds if number(r, "stale")]
+    if stale:
+        axes.scatter([t for t, _ in stale], [n for _, n in stale], marker="x", s=24, color="black",
+                     label="stale pushes", zorder=3)
     axes.yaxis.set_major_locator(MaxNLocator(integer=True))
-    highest = max([len(r["participants"]) for r in rounds] + [n for _, n in late])
+    highest = max([len(r["participants"]) for r in rounds] + [n for _, n in stale])
     axes.set_ylim(bottom=0, top=highest + 0.5)
     axes.set_xlabel(f"round close, {time_label(run.is_virtual_time())}")
     axes.set_ylabel("learners merged")

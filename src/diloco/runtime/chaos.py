@@ -4,7 +4,7 @@ The faulty run kills learners and syncer shards at random times (seeded) and res
 delay: a learner with its id (it resumes from its own checkpoint and the current Θ), a shard with
 `--resume` (its saved state and journal). Then both runs are compared, and every token is accounted
 for: what each learner trained, in all its lives (from its per-step metrics), against what the syncer
-merged, on time or late; the difference is lost (trained after a learner's last push, before it was
+merged, on time or stale; the difference is lost (trained after a learner's last push, before it was
 killed), and a token counted more often than it was trained would be a duplicate.
 """
 
@@ -90,7 +90,7 @@ def account(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
         counted = {p: 0 for p in numel}
         for s in shards:
             entry = s.get("ledger", {}).get(str(m), {})
-            for kind in ("merged", "late"):
+            for kind in ("merged", "stale"):
                 for p, tokens in entry.get(kind, {}).items():
                     counted[int(p)] += tokens
         lost_m = sum((trained - counted[p]) * n for p, n in numel.items() if trained >= counted[p]) / parameters

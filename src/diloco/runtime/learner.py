@@ -291,6 +291,7 @@ class Learner:
                 "steps": self.steps, "busy_s": self.busy_s, "waiting_s": self.waiting_s, "wall_s": wall,
                 "busy_fraction": self.busy_s / wall if wall else 1.0, "merges": self.merges,
                 "pushes": core.seq - self._first_seq if core else 0, "stale_updates": core.stale_updates if core else 0,
+                "merge_lag_steps": sum(core.merge_lags) / len(core.merge_lags) if core and core.merge_lags else None,
                 "bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent,
                 "messages_up": self.up.messages, "messages_down": self.down.messages,
                 "peak_message_bytes_up": self.up.peak_message_bytes}

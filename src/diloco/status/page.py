@@ -11,9 +11,9 @@ Snapshot shape (times in seconds; object keys are strings, as after a JSON round
      "fragments": [0, 1], "versions": {"0": 5, "1": 4},
      "learners": {"0": {"name": "learner 0", "host": "vm", "state": "training", "tokens": 12345,
                         "steps": 120, "pushes": 10, "duplicates": 0, "tokens_merged": 9000,
-                        "tokens_late": 1000, "last_seen_s": 0.4, "held_versions": {"0": 5}}},
+                        "tokens_stale": 1000, "last_seen_s": 0.4, "held_versions": {"0": 5}}},
      "rounds": [{"fragment": 0, "version": 5, "opened_at": 10.1, "closed_at": 10.3,
-                 "participants": [0, 2], "late": 1, "grace_s": 0.2}]}
+                 "participants": [0, 2], "stale": 1, "staleness": [0, 1], "held_s": 0.2}]}
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _membership(s: dict) -> str:
             f'<td class="num">{_e(_num(l.get("pushes")))}</td>'
             f'<td class="num">{_e(_num(l.get("duplicates")))}</td>'
             f'<td class="num">{_e(_num(l.get("tokens_merged")))}</td>'
-            f'<td class="num">{_e(_num(l.get("tokens_late")))}</td>'
+            f'<td class="num">{_e(_num(l.get("tokens_stale")))}</td>'
             f'<td class="num">{_e(_ago(l.get("last_seen_s")))}</td>'
             f'<td class="held">{_e(_held(l.get("held_versions")))}</td></tr>'
         )
@@ -225,7 +225,7 @@ def _membership(s: dict) -> str:
         '<section><h2>Membership</h2><table id="membership">'
         "<thead><tr><th>learner</th><th>host</th><th>state</th><th class=num>tokens</th>"
         "<th class=num>steps</th><th class=num>pushes</th><th class=num>duplicates</th>"
-        "<th class=num>tokens merged</th><th class=num>tokens late</th><th class=num>last seen</th>"
+        "<th class=num>tokens merged</th><th class=num>tokens stale</th><th class=num>last seen</th>"
         "<th>held versions</th></tr></thead>"
         f"<tbody>{body}</tbody></table></section>"
     )
@@ -313,7 +313,7 @@ def _timeline(s: dict) -> str:
                f"opened {opened:.2f} s, " + (f"closed {closed:.2f} s ({closed - opened:.2f} s)"
                                              if closed is not None else "still open") + "\n"
                f"participants ({count}): {who}\n"
-               f"late: {r.get('late', 0)}, grace: {r.get('grace_s', '—')} s")
+               f"stale pushes: {r.get('stale', 0)}, held open: {r.get('held_s', '—')} s")
         cls = "round open" if is_open else "round"
         parts.append(
             f'<g class="round-bar" data-fragment="{_e(frag)}" data-version="{_e(r.get("version", ""))}" '

@@ -29,4 +29,5 @@ def build(config: Config) -> StrategySpec:
                         optimizer="delayed-nesterov", dn_buffer=0, merge_rule=o.merge, quorum=o.quorum or None,
                         grace=o.grace, grace_cap_steps=o.grace_cap_steps, participation=True,
                         pacing=o.pacing, consolidate=o.consolidate, keep_progress=o.keep_progress,
+                        stale_weight=o.stale_weight,
                         wait_for_updates=False, shared_budget=True)

@@ -44,6 +44,8 @@ class StrategySpec:
     """The run's last round of each fragment sets Θ to the learners' weighted mean."""
     keep_progress: bool = False
     """A merge keeps what the learner trained since sending: θ ← Θ̃ + (θ − θ_sent)."""
+    stale_weight: Literal["full", "inverse"] = "full"
+    """How a stale push weighs in its round: fully, or divided by 1 + the versions it is behind."""
     wait_for_updates: bool = True
     """Whether a learner stops at step t + τ until its answer is in."""
     shared_budget: bool = False
@@ -68,6 +70,7 @@ class StrategySpec:
                           grace_cap_steps=self.grace_cap_steps, tau=self.tau, participation=self.participation,
                           down_codec=down_codec, outlier=outlier, outlier_factor=outlier_factor,
                           pacing=self.pacing, period=self.H, consolidate=self.consolidate,
+                          stale_weight=self.stale_weight,
                           budget=budget if self.shared_budget else None)
 
     def learner_core(self, learner: int, params: dict[str, torch.Tensor], fragments: list[Fragment], *,
