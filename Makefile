@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench bench-heterogeneous bench-compression bench-runtime bench-gpu proto clean
+.PHONY: setup run test bench bench-heterogeneous bench-quality bench-compression bench-runtime bench-gpu proto clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ bench: $(STAMP)
 
 bench-heterogeneous: $(STAMP)
 	$(BIN)/python benchmarks/heterogeneous.py
+
+# ~45 min: the simulator at 10M tokens, then real runs at the default budget.
+bench-quality: $(STAMP)
+	$(BIN)/python benchmarks/quality.py $(ARGS)
 
 bench-compression: $(STAMP)
 	$(BIN)/python benchmarks/compression.py

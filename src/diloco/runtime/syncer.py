@@ -227,9 +227,12 @@ class SyncerShard(pb_grpc.SyncerServicer):
                     continue
                 self._deadline = None
                 if self.core is not None:
-                    self._event("timer", time.time())
-                    # Other rounds may still be in their grace windows: wake for the earliest of them.
-                    pending = [s.deadline for s in self.core.fragments.values() if s.pending and s.deadline]
+                    now = time.time()
+                    self._event("timer", now)
+                    # Other rounds may still be in their grace windows: wake for the earliest of them. A
+                    # deadline already past (a final round waiting for last pushes) needs no timer.
+                    pending = [s.deadline for s in self.core.fragments.values()
+                               if s.pending and s.deadline and s.deadline > now]
                     if pending and (self._deadline is None or min(pending) < self._deadline):
                         self._deadline = min(pending)
 
