@@ -43,7 +43,7 @@ def run_one(name: str, overrides: list[str], console: Console) -> dict:
     row.pop("config")
     row["name"] = name
     row["host_seconds"] = time.perf_counter() - started
-    console.print(f"{name}: eval loss {result.final_eval_loss:.4f}, virtual {result.virtual_wall_clock_s:.0f} s, "
+    console.print(f"{name}: eval loss {result.final_eval_loss:.4f}, virtual {result.training_time_s:.0f} s, "
                   f"goodput {result.goodput:.3f} ({row['host_seconds']:.0f} s)")
     return row
 
@@ -52,7 +52,7 @@ def add_ratios(rows: list[dict], crashed: int | None) -> None:
     reference = next(r for r in rows if r["strategy"] == "diloco")
     for r in rows:
         r["loss_vs_diloco"] = r["final_eval_loss"] / reference["final_eval_loss"] - 1
-        r["speedup_vs_diloco"] = reference["virtual_wall_clock_s"] / r["virtual_wall_clock_s"]
+        r["speedup_vs_diloco"] = reference["training_time_s"] / r["training_time_s"]
         others = [p["busy_fraction"] for p in r["per_learner"] if p["learner"] != crashed]
         r["min_goodput_others"] = min(others)
         r["stale_share"] = r["tokens_stale"] / r["tokens"] if r["tokens"] else 0.0
@@ -60,7 +60,7 @@ def add_ratios(rows: list[dict], crashed: int | None) -> None:
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
     return [[r["name"], f"{r['final_eval_loss']:.4f}", f"{100 * r['loss_vs_diloco']:+.2f}%",
-             f"{r['virtual_wall_clock_s']:.0f} s", f"{r['speedup_vs_diloco']:.2f}x", f"{r['goodput']:.3f}",
+             f"{r['training_time_s']:.0f} s", f"{r['speedup_vs_diloco']:.2f}x", f"{r['goodput']:.3f}",
              f"{r['min_goodput_others']:.3f}", f"{(r['wire_bytes_up'] + r['wire_bytes_down']) / 1e6:.1f}",
              f"{r['tokens_lost']:,.0f}", f"{r['stale_share']:.2f}"] for r in rows]
 
@@ -107,7 +107,7 @@ def main() -> None:
     console = Console()
     common = [f"train.tokens={args.tokens}", *HARDWARE, *args.set]
     healthy = [run_one(name, [*common, *o], console) for name, o in variants]
-    crash_at = {r["name"]: r["virtual_wall_clock_s"] / 2 for r in healthy}
+    crash_at = {r["name"]: r["training_time_s"] / 2 for r in healthy}
     crashed = [run_one(name, [*common, *o, f"failures.crashes=[{{learner = 1, at_s = {crash_at[name]}}}]",
                               f"failures.recovery_s={args.recovery}"], console) for name, o in variants]
     add_ratios(healthy, crashed=None)

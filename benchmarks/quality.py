@@ -36,8 +36,9 @@ HARDWARE: dict[str, list[str]] = {
 }
 SIM_STRATEGIES = ("ddp", "diloco", "streaming", "decoupled")
 REAL_STRATEGIES = ("diloco", "decoupled")
-COLUMNS = ("part", "hardware", "strategy", "eval loss", "vs diloco", "vs ddp", "learners' own", "time",
-           "speed-up", "participants", "stale share", "learner wait")
+# Short headers so the table fits a terminal of 100 columns.
+COLUMNS = ("part", "hardware", "strategy", "loss", "/diloco", "/ddp", "learners", "time", "speed-up",
+           "parts.", "stale", "wait")
 
 
 def row_of(part: str, hardware: str, strategy: str, summary: dict[str, Any], host_s: float) -> dict[str, Any]:
@@ -50,7 +51,7 @@ def row_of(part: str, hardware: str, strategy: str, summary: dict[str, Any], hos
         "final_eval_loss": summary["final_eval_loss"],
         "learners_eval_loss_mean": summary.get("learners_eval_loss_mean"),
         # The training time: virtual in the simulator, the launcher's measured training wall-clock for real.
-        "time_s": summary.get("training_wall_clock_s", summary["virtual_wall_clock_s"]),
+        "time_s": summary.get("training_time_s", summary["training_time_s"]),
         "tokens": summary["tokens"],
         "participants_mean": stats.get("participants_mean"),
         "stale_fraction": summary["tokens_stale"] / tokens,
@@ -192,10 +193,14 @@ def main() -> None:
 
     table = Table(title=f"Quality at equal tokens (sim {args.tokens:,}, real {real_tokens:,})")
     for column in COLUMNS:
-        table.add_column(column, justify="left" if column in ("part", "hardware", "strategy") else "right")
+        table.add_column(column, justify="left" if column in ("part", "hardware", "strategy") else "right",
+                         no_wrap=True)
     for r in rows:
         table.add_row(*cells(r))
     console.print(table)
+    console.print("loss: Θ's held-out loss; learners: mean of the learners' own held-out losses; "
+                  "parts.: mean participants per round; stale: share of tokens merged stale; "
+                  "wait: the longest time a learner waited")
     for a in agreement:
         console.print(f"sim predicts real ({a['hardware']}): {a['sim']:.4f} vs {a['real']:.4f} "
                       f"({a['sim_over_real']:.3f}x)")

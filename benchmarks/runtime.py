@@ -195,7 +195,7 @@ def run_synced(procs: Processes, config_args: list[str], work: Path, count: int)
     summary = json.loads((out / "summary.json").read_text())
     learners = learner_reports(out, count)
     return {"learners": learners, **totals(learners), "command_s": time.monotonic() - started,
-            "summary": {k: summary[k] for k in ("final_eval_loss", "wall_clock_s", "training_wall_clock_s",
+            "summary": {k: summary[k] for k in ("final_eval_loss", "wall_clock_s", "training_time_s",
                                                 "goodput", "tokens", "rounds", "wire_bytes_up", "wire_bytes_down")}}
 
 

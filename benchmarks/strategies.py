@@ -55,7 +55,7 @@ def main() -> None:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["strategy"], f"{r['final_eval_loss']:.4f}", f"{100 * r['loss_vs_ddp']:+.2f}%",
-                      f"{r['virtual_wall_clock_s']:.0f} s", f"{r['goodput']:.3f}", f"{r['wire_bytes'] / 1e6:.1f} MB",
+                      f"{r['training_time_s']:.0f} s", f"{r['goodput']:.3f}", f"{r['wire_bytes'] / 1e6:.1f} MB",
                       f"{r['bytes_reduction_vs_ddp']:.0f}x", f"{r['peak_sync_bytes'] / 1e3:.0f} KB",
                       f"{r['peak_vs_diloco']:.2f}")
     console.print(table)

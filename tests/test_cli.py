@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY
 from diloco.cli import main
 
-REQUIRED = {"strategy", "learners", "tokens", "final_eval_loss", "virtual_wall_clock_s", "wire_bytes_up",
+REQUIRED = {"strategy", "learners", "tokens", "final_eval_loss", "training_time_s", "wire_bytes_up",
             "wire_bytes_down", "goodput", "per_learner"}
 
 

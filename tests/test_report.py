@@ -41,7 +41,7 @@ def summary(**overrides: Any) -> dict[str, Any]:
     """A summary.json as `diloco sim` writes it (two learners), with the given keys changed."""
     data: dict[str, Any] = {
         "strategy": "decoupled", "learners": 2, "tokens": 40960, "final_eval_loss": 4.0,
-        "virtual_wall_clock_s": 9.5, "wire_bytes_up": 8_000_000, "wire_bytes_down": 4_825_696, "goodput": 0.9781,
+        "training_time_s": 9.5, "wire_bytes_up": 8_000_000, "wire_bytes_down": 4_825_696, "goodput": 0.9781,
         "peak_sync_bytes": 500_000, "rounds": 6, "parameters": 470_528, "tokens_merged": 30000.0,
         "tokens_stale": 10960.0, "tokens_lost": 0.0,
         "per_learner": [{"learner": i, "speed": 1.0, "tokens": 20480, "steps": 20, "busy_s": 9.0, "waiting_s": 0.0,

@@ -31,7 +31,7 @@ def results_table(result) -> Table:
     rows = [
         ("tokens", f"{result.tokens:,}"),
         ("final eval loss", f"{result.final_eval_loss:.4f}"),
-        ("virtual wall-clock", f"{result.virtual_wall_clock_s:.1f} s"),
+        ("virtual wall-clock", f"{result.training_time_s:.1f} s"),
         ("goodput", f"{result.goodput:.3f}"),
         ("wire bytes up", human_bytes(result.wire_bytes_up)),
         ("wire bytes down", human_bytes(result.wire_bytes_down)),

@@ -34,7 +34,9 @@ class RunResult:
     learners: int
     tokens: int
     final_eval_loss: float
-    virtual_wall_clock_s: float
+    training_time_s: float
+    """From the first step to the last merge: virtual seconds in the simulator, measured ones for real
+    (`clock` says which)."""
     wire_bytes_up: int
     wire_bytes_down: int
     goodput: float
@@ -54,6 +56,16 @@ class RunResult:
     """Participants per round (mean, histogram), staleness of merged pushes (histogram), time held open."""
     learners_eval_loss_mean: float | None = None
     """Mean of the learners' own held-out losses at the end: the final Θ should be no worse."""
+    clock: str = "virtual"
+    """`virtual`: the simulator's clock; `real`: measured on the machines of a real run."""
+    wall_clock_s: float = 0.0
+    """The whole command on this host's clock (a real run: start-up and evaluation included; the
+    simulator: how long simulating took)."""
+    duplicates: int = 0
+    """Pushes the syncer received twice (retries) and counted once."""
+    shards: int = 1
+    endpoints: dict[str, str] = field(default_factory=dict)
+    """What a real run's processes served (metrics, status page)."""
 
     def summary(self) -> dict[str, Any]:
         return asdict(self)

@@ -3,9 +3,12 @@
 Tokens, per learner, each fragment weighted by its share of the model's parameters:
 - merged: pushed, and merged in the round the push was based on;
 - stale: pushed, and merged in a later round (the push's base version was behind its round's);
-- lost: trained but never merged (a crash before the push, a push the syncer never received).
-Conservation: trained = merged + stale + lost. `lost` is what remains, so a token is never counted
-twice; the tests check it against what the simulator knows was lost.
+- lost: trained but never merged (a crash before the push, a push the syncer never received);
+- counted twice: merged beyond what was trained (a fragment whose merged tokens exceed the learner's
+  trained ones): a bug to report, never hidden inside `lost`.
+Conservation: trained = merged + stale + lost − counted twice. The simulator, `diloco run` and
+`diloco chaos` all take these definitions from `learner_tokens`; the tests check them against what
+the simulator knows was lost.
 
 Rounds: how many learners each gathered (mean and histogram), how stale its pushes were (histogram, in
 versions), and how long it was held open after its quorum.
@@ -25,9 +28,28 @@ def by_parameters(per_fragment: Mapping[int, int], numel: Mapping[int, int], par
     return sum(tokens * numel[p] for p, tokens in per_fragment.items()) / parameters
 
 
-def tokens_of(trained: float, merged: float, stale: float) -> dict[str, float]:
-    """One learner's tokens: trained, merged, stale, and lost (what no round merged)."""
-    return {"trained": trained, "merged": merged, "stale": stale, "lost": trained - merged - stale}
+def learner_tokens(trained: float, merged: Mapping[int, int], stale: Mapping[int, int],
+                   numel: Mapping[int, int]) -> dict[str, float]:
+    """One learner's tokens over all its lives: trained, merged on time, stale, lost, counted twice;
+    `merged` and `stale` per fragment (summed over shards), `numel` the fragments' sizes."""
+    parameters = sum(numel.values())
+    counted = {p: merged.get(p, 0) + stale.get(p, 0) for p in numel}
+    over = sum((counted[p] - trained) * n for p, n in numel.items() if counted[p] > trained) / parameters
+    on_time, late = by_parameters(merged, numel, parameters), by_parameters(stale, numel, parameters)
+    return {"trained": trained, "merged": on_time, "stale": late, "lost": trained - on_time - late + over,
+            "counted_twice": over}
+
+
+def ledger_of(shard_reports: Iterable[Mapping[str, Any]], learner: int) -> tuple[dict[int, int], dict[int, int]]:
+    """A learner's merged and stale tokens per fragment, from every shard's report (`shards.json`)."""
+    merged: dict[int, int] = {}
+    stale: dict[int, int] = {}
+    for report in shard_reports:
+        entry = report.get("ledger", {}).get(str(learner), report.get("ledger", {}).get(learner, {}))
+        for kind, into in (("merged", merged), ("stale", stale)):
+            for p, tokens in entry.get(kind, {}).items():
+                into[int(p)] = into.get(int(p), 0) + tokens
+    return merged, stale
 
 
 def _plain(record: RoundRecord | Mapping[str, Any]) -> Mapping[str, Any]:

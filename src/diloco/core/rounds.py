@@ -55,7 +55,31 @@ class Stop:
     """The shared token budget is spent: every learner should stop training and push what it has."""
 
 
-Action = Publish | Timer | Stop
+@dataclass(frozen=True)
+class LearnerDead:
+    """A learner was silent past its allowance (`liveness.py`): rounds no longer count on it."""
+
+    learner: int
+    silent_s: float
+    joined: bool
+    """False: it was never heard from at all."""
+
+
+@dataclass(frozen=True)
+class SendState:
+    """Θ of the fragments a (re)starting learner takes, whole, with their versions: what it now holds."""
+
+    learner: int
+    values: dict[str, torch.Tensor]
+    versions: dict[int, int]
+
+
+@dataclass(frozen=True)
+class RunOver:
+    """Every learner has left and what was still open is merged: the syncer has nothing more to do."""
+
+
+Action = Publish | Timer | Stop | LearnerDead | SendState | RunOver
 
 
 # ---------------------------------------------------------------- records

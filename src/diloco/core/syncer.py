@@ -30,7 +30,13 @@ counted twice. Its tokens are accounted as stale. Several pushes from one learne
 up to one contribution.
 
 The shared token budget is counted here too, from the learners' progress reports over all their
-lives: `budget_spent` tells both drivers when the run is over.
+lives: `budget_spent` tells both drivers when the run is over. So is liveness (`liveness.py`): a
+learner silent past its allowance stops counting, and counts again when it speaks. When every learner
+has left, what is still open is merged and the run is over (`RunOver`).
+
+Drivers hand every event to `handle(event, now)` (the typed events of `events.py`): it is the one entry
+that keeps liveness and the end of the run, and the one the journal replays. The `on_*` methods below
+take one kind of event each, for tests that drive a round by hand.
 """
 
 from __future__ import annotations
@@ -43,24 +49,23 @@ from typing import Callable, Iterable
 import torch
 
 from diloco.codecs import Codec, get_codec
-from diloco.core.messages import Progress, Push, Update
+from diloco.core.closing import close_round
+from diloco.core.saving import load_saved_state, saved_state
+from diloco.core.checks import check_progress, check_push
+from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
+                                SyncerEvent, SyncerResumed, TimerFired)
+from diloco.core.liveness import Liveness
+from diloco.core.messages import Progress, Push
 from diloco.core.pacing import Pacer
-from diloco.core.rounds import (Action, Contribution, FragmentState, LedgerEntry, OuterOptimizer, ProtocolError,
-                                Publish, RoundRecord, Stop, Timer, mean_cosine, token_weight)
+from diloco.core.rounds import (Action, Contribution, FragmentState, LearnerDead, LedgerEntry, OuterOptimizer,
+                                ProtocolError, Publish, RoundRecord, RunOver, SendState, Stop, Timer,
+                                mean_cosine, token_weight)
 from diloco.fragments import Fragment
-from diloco.outer.merge import MergeRule, merge_fragment
+from diloco.outer.merge import MergeRule
 
-__all__ = ["SyncerCore", "ProtocolError", "Publish", "Timer", "Stop", "Action", "RoundRecord", "LedgerEntry",
-           "token_weight", "mean_cosine"]
+__all__ = ["SyncerCore", "ProtocolError", "Publish", "Timer", "Stop", "LearnerDead", "SendState", "RunOver", "Action",
+           "RoundRecord", "LedgerEntry", "token_weight", "mean_cosine"]
 
-MAX_STEP_TIME_S = 3600.0
-"""A reported inner step longer than an hour is taken for a broken clock, not a slow chip."""
-MAX_COUNTER = 2**63 - 1
-"""Steps and tokens a learner may claim: past this, a counter is a lie (or a wrapped integer)."""
-MAX_DUE_S = 1e9
-"""Longest a learner may say it will take to push a fragment again."""
-MAX_FRAGMENTS = 1 << 16
-"""Fragments a learner's schedule may name."""
 OUTLIER_WINDOW = 16
 """Accepted pushes per fragment that the outlier rule takes its median from (it needs 3 at least)."""
 EMA = 0.3
@@ -73,9 +78,11 @@ class SyncerCore:
                  quorum: int | None = None, grace: float = 0.0, grace_cap_steps: float = 2.0,
                  tau: int = 0, participation: bool = False, down_codec: Codec | None = None,
                  outlier: str = "off", outlier_factor: float = 5.0, pacing: bool = False, period: int = 1,
-                 consolidate: bool = False, stale_weight: str = "full", budget: int | None = None) -> None:
+                 consolidate: bool = False, stale_weight: str = "full", budget: int | None = None,
+                 detect_s: float = 5.0) -> None:
         """`pacing`: wait for the learners about to push and align their next pushes (`period`: H, the
-        fastest learner's steps per sync of a fragment). `budget`: the shared token budget, if any."""
+        fastest learner's steps per sync of a fragment). `budget`: the shared token budget, if any.
+        `detect_s`: the silence after which a learner counts as dead (`liveness.py`)."""
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
         self.fragments = {f.index: FragmentState(f, optimizer()) for f in fragments}
         """By global fragment index: a shard of a sharded syncer holds some fragments only."""
@@ -108,6 +115,13 @@ class SyncerCore:
         """Per learner, tokens trained in its earlier lives."""
         self.stopped = False
         """The shared budget is spent: the run is ending."""
+        self.liveness = Liveness(detect_s=detect_s)
+        self.lost: set[int] = set()
+        """Learners found dead by silence (not announced): they count again when they speak."""
+        self.over = False
+        """Every learner has left and the last rounds are merged."""
+        self._wake_at: float | None = None
+        """The liveness check the driver was asked to wake the core for."""
 
     @property
     def rounds_closed(self) -> int:
@@ -158,38 +172,10 @@ class SyncerCore:
     def state_dict(self) -> dict:
         """Everything the core decides from, as tensors and plain data (loadable with
         torch.load(weights_only=True)): a restarted syncer continues exactly where this one was."""
-        return {
-            "theta": {n: t.clone() for n, t in self.theta.items()},
-            "fragments": {p: s.plain() for p, s in self.fragments.items()},
-            "alive": sorted(self.alive), "finished": sorted(self.finished), "last_weight": dict(self.last_weight),
-            "ledger": {m: e.plain() for m, e in self.ledger.items()},
-            "held": {m: {n: t.clone() for n, t in h.items()} for m, h in self.held.items()},
-            "held_versions": {m: dict(v) for m, v in self.held_versions.items()},
-            "session_start": dict(self.session_start), "step_time": dict(self.step_time),
-            "one_way_s": self.one_way_s,
-            "rounds": [dataclasses.astuple(r) for r in self.rounds],
-            "tokens": dict(self.tokens), "tokens_banked": dict(self.tokens_banked), "stopped": self.stopped,
-            "pacer": self.pacer.state_dict() if self.pacer else {},
-        }
+        return saved_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        if set(state["fragments"]) != set(self.fragments) or set(state["theta"]) != set(self.theta):
-            raise ProtocolError("the saved state holds other fragments or tensors than this syncer")
-        self.theta = {n: t.clone().to(torch.float32) for n, t in state["theta"].items()}
-        for p, saved in state["fragments"].items():
-            self.fragments[p].load(saved)
-        self.alive, self.finished = set(state["alive"]), set(state["finished"])
-        self.last_weight = dict(state["last_weight"])
-        self.ledger = {m: LedgerEntry.of(e) for m, e in state["ledger"].items()}
-        self.held = {m: {n: t.clone() for n, t in h.items()} for m, h in state["held"].items()}
-        self.held_versions = {m: dict(v) for m, v in state["held_versions"].items()}
-        self.session_start, self.step_time = dict(state["session_start"]), dict(state["step_time"])
-        self.one_way_s = state["one_way_s"]
-        self.rounds = [RoundRecord(*r) for r in state["rounds"]]
-        self.tokens, self.tokens_banked = dict(state["tokens"]), dict(state["tokens_banked"])
-        self.stopped = state["stopped"]
-        if self.pacer is not None:
-            self.pacer.load_state_dict(state["pacer"])
+        load_saved_state(self, state)
 
     # ------------------------------------------------------------ membership
 
@@ -199,15 +185,91 @@ class SyncerCore:
             raise ProtocolError(f"learner {learner} joins without having taken the current state")
         self.alive.add(learner)
         self.finished.discard(learner)
+        self.lost.discard(learner)
+        self.over = False
+        self.liveness.hear(learner, now)
 
     def leave(self, learner: int, now: float, finished: bool = False) -> list[Action]:
         """A learner left or was found dead: rounds stop waiting for it (its pushes already in stay).
         One that `finished` its share of the run still counts in the rounds' shares: the fleet's
-        average includes it, so the last learners still training do not speak for the whole fleet."""
+        average includes it, so the last learners still training do not speak for the whole fleet.
+        Once nobody is left, every round still open is merged: the run is over."""
         self.alive.discard(learner)
         if finished and learner in self.held:  # only one that took part has a share to keep
             self.finished.add(learner)
-        return self._evaluate_all(now)
+        actions = self._evaluate_all(now)
+        if not self.alive and not self.over:
+            self.over = True
+            actions += [*self.flush(now), RunOver()]
+        return actions
+
+    # ------------------------------------------------------------ the one entry for drivers
+
+    def handle(self, event: SyncerEvent, now: float) -> list[Action]:
+        """Take one event (raising ProtocolError, with nothing changed, for one to refuse); return what
+        the driver is to do. Besides the event's own effect: whoever it came from is heard from (and
+        alive again if it was found dead), and a Timer asks for the next liveness check."""
+        learner = _sender(event)
+        actions = self._dispatch[type(event)](self, event, now)
+        self.liveness.start(now)
+        if learner is not None and learner in self.ledger and not isinstance(event, LearnerLeft):
+            self.liveness.hear(learner, now, heartbeat=isinstance(event, HeartbeatArrived))
+            if learner in self.lost and learner in self.held and not self.over:
+                self.join(learner, now)
+                actions += self._evaluate_all(now)
+        if isinstance(event, TimerFired):
+            actions += self._check_liveness(now)
+        return actions + self._liveness_timer()
+
+    def _check_liveness(self, now: float) -> list[Action]:
+        if self._wake_at is not None and now < self._wake_at:
+            return []
+        self._wake_at = None
+        actions: list[Action] = []
+        for m in self.liveness.silent(self.alive, now):
+            actions.append(LearnerDead(m, self.liveness.silence(m, now), m in self.liveness.heard))
+            self.lost.add(m)
+            actions += self.leave(m, now)
+        return actions
+
+    def _liveness_timer(self) -> list[Action]:
+        """A Timer for the next liveness check, unless one as early is already asked for."""
+        due = self.liveness.next_check(self.alive)
+        if due is None or (self._wake_at is not None and self._wake_at <= due):
+            return []
+        self._wake_at = due
+        return [Timer(due)]
+
+    def _on_push_event(self, event: PushArrived, now: float) -> list[Action]:
+        return self.on_push(event.push, now)
+
+    def _on_progress_event(self, event: ProgressArrived, now: float) -> list[Action]:
+        return self.on_progress(event.report, now)
+
+    def _on_heartbeat(self, event: HeartbeatArrived, now: float) -> list[Action]:
+        self.check_progress(Progress(event.learner, event.step, event.tokens, 0.0))
+        return self._count_tokens(event.learner, event.tokens)
+
+    def _on_timer_event(self, event: TimerFired, now: float) -> list[Action]:
+        return self.on_timer(now)
+
+    def _on_leave(self, event: LearnerLeft, now: float) -> list[Action]:
+        return self.leave(event.learner, now, finished=event.finished)
+
+    def _on_rejoin(self, event: LearnerRejoined, now: float) -> list[Action]:
+        """The learner takes Θ (the driver sends what `SendState` holds) and counts again."""
+        values, versions = self.rejoin_state(event.learner, event.after_seq, event.fragments)
+        self.join(event.learner, now)
+        return [SendState(event.learner, values, versions), *self._evaluate_all(now)]
+
+    def _on_resumed(self, event: SyncerResumed, now: float) -> list[Action]:
+        self.liveness.refresh(now)
+        self._wake_at = None
+        return []
+
+    _dispatch = {PushArrived: _on_push_event, ProgressArrived: _on_progress_event, HeartbeatArrived: _on_heartbeat,
+                 TimerFired: _on_timer_event, LearnerLeft: _on_leave, LearnerRejoined: _on_rejoin,
+                 SyncerResumed: _on_resumed}
 
     # ------------------------------------------------------------ events
 
@@ -215,14 +277,17 @@ class SyncerCore:
         """Where a learner stands: its tokens count for the shared budget, and its schedule for the rounds
         waiting for it."""
         self.check_progress(report)
-        self.tokens[report.learner] = report.tokens
         if self.pacer is not None:
             self.pacer.on_progress(report, now)
-        actions: list[Action] = []
+        return self._count_tokens(report.learner, report.tokens) + self._evaluate_all(now)
+
+    def _count_tokens(self, learner: int, tokens: int) -> list[Action]:
+        """A learner's tokens in this life, as it reported them: Stop once the shared budget is spent."""
+        self.tokens[learner] = tokens
         if self.budget_spent and not self.stopped:
             self.stopped = True
-            actions.append(Stop())
-        return actions + self._evaluate_all(now)
+            return [Stop()]
+        return []
 
     def on_push(self, push: Push, now: float) -> list[Action]:
         """Take one push; return what to publish and when to call back."""
@@ -274,7 +339,7 @@ class SyncerCore:
 
     def flush(self, now: float) -> list[Action]:
         """Close every round that holds anything, whatever the quorum: the run is over."""
-        return [self._close(s, now, final=self._ending(s)) for s in self.fragments.values() if s.pending]
+        return [close_round(self, s, now, final=self._ending(s)) for s in self.fragments.values() if s.pending]
 
     # ------------------------------------------------------------ rounds
 
@@ -305,16 +370,16 @@ class SyncerCore:
             return []
         if self._ending(state):  # the last round of the run waits for every learner's last push
             finals = {m for m, c in state.pending.items() if c.final}
-            return [self._close(state, now, final=True)] if self.alive <= finals else []
+            return [close_round(self, state, now, final=True)] if self.alive <= finals else []
         everyone = self.alive <= state.pending.keys()
         if self.quorum is None:  # synchronous: every learner alive is in every round
-            return [self._close(state, now)] if everyone else []
+            return [close_round(self, state, now)] if everyone else []
         if len(state.pending) < self.needed():
             return []
         if state.quorum_at is None:
             state.quorum_at = now
         if everyone:
-            return [self._close(state, now)]
+            return [close_round(self, state, now)]
         if self.pacer is not None:
             return self._hold(state, now)
         if state.deadline is None:
@@ -322,7 +387,7 @@ class SyncerCore:
             if state.deadline > now:
                 return [Timer(state.deadline)]
         if now >= state.deadline:
-            return [self._close(state, now)]
+            return [close_round(self, state, now)]
         return []
 
     def _hold(self, state: FragmentState, now: float) -> list[Action]:
@@ -331,7 +396,7 @@ class SyncerCore:
         opened = state.first_arrival
         bound = self.pacer.bound(opened, self.alive)
         if now >= bound or not self.pacer.waiting_for(state.fragment.index, missing, opened, self.alive):
-            return [self._close(state, now)]
+            return [close_round(self, state, now)]
         if state.deadline != bound:
             state.deadline = bound
             return [Timer(bound)]
@@ -341,134 +406,17 @@ class SyncerCore:
 
     def check(self, push: Push) -> None:
         """Raise ProtocolError for a push this syncer must refuse; nothing changes either way."""
-        if push.learner not in self.ledger:
-            raise ProtocolError(f"push from learner {push.learner}, which never joined")
-        if push.fragment not in self.fragments:
-            raise ProtocolError(f"push for fragment {push.fragment}, which this syncer does not hold")
-        state = self.fragments[push.fragment]
-        if not 0 <= push.base_version <= state.version:
-            raise ProtocolError(f"push of fragment {push.fragment} based on version {push.base_version}, "
-                                f"but the latest is {state.version}")
-        if not (0 <= push.tokens <= MAX_COUNTER and 0 <= push.steps <= MAX_COUNTER and 0 <= push.step <= MAX_COUNTER):
-            raise ProtocolError(f"push of fragment {push.fragment} with counters out of range (tokens "
-                                f"{push.tokens}, steps {push.steps}, step {push.step})")
-        if not (math.isfinite(push.step_time_s) and 0 <= push.step_time_s <= MAX_STEP_TIME_S) or \
-                (push.sent_at is not None and not math.isfinite(push.sent_at)):
-            raise ProtocolError(f"push of fragment {push.fragment} with an impossible step time "
-                                f"({push.step_time_s!r} s) or send time ({push.sent_at!r})")
-        if set(push.deltas) != set(state.fragment.names):
-            raise ProtocolError(f"push of fragment {push.fragment} does not carry exactly the fragment's tensors")
-        for name, delta in push.deltas.items():
-            if delta.shape != self.theta[name].shape:
-                raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} has shape "
-                                    f"{tuple(delta.shape)}, expected {tuple(self.theta[name].shape)}")
-        if self.outlier == "reject" and push.seq > self.ledger[push.learner].last_seq:
-            norm, bound = self.outlier_bound(push)
-            if bound is not None and norm > bound:
-                raise ProtocolError(f"push of fragment {push.fragment} refused as an outlier: its norm {norm:.4g} "
-                                    f"is above {self.outlier_factor:g} x the median of recent pushes ({bound:.4g})")
+        check_push(self, push)
 
     def check_progress(self, report: Progress) -> None:
         """Raise ProtocolError for a progress report this syncer must refuse; nothing changes either way."""
-        if report.learner not in self.ledger:
-            raise ProtocolError(f"progress from learner {report.learner}, which never joined")
-        if not (0 <= report.step <= MAX_COUNTER and 0 <= report.tokens <= MAX_COUNTER):
-            raise ProtocolError(f"progress of learner {report.learner} with counters out of range "
-                                f"(step {report.step}, tokens {report.tokens})")
-        if not (math.isfinite(report.step_time_s) and 0 <= report.step_time_s <= MAX_STEP_TIME_S):
-            raise ProtocolError(f"progress of learner {report.learner} with an impossible step time "
-                                f"({report.step_time_s!r} s)")
-        if len(report.due_in_s) > MAX_FRAGMENTS or \
-                not all(math.isfinite(d) and 0 <= d <= MAX_DUE_S for d in report.due_in_s):
-            raise ProtocolError(f"progress of learner {report.learner} with an impossible schedule "
-                                f"({len(report.due_in_s)} fragments, due in {list(report.due_in_s)[:4]} s)")
+        check_progress(report, known=report.learner in self.ledger)
 
-    # ------------------------------------------------------------ closing a round
 
-    def _participation_share(self, contributions: list[Contribution], weights: list[float]) -> float:
-        """The round's weight over the weight of every learner alive (absent ones at their last known)."""
-        for c, w in zip(contributions, weights):
-            self.last_weight[c.learner] = w
-        if not self.participation:
-            return 1.0
-        present = {c.learner for c in contributions}
-        known = list(self.last_weight.values())
-        typical = sum(known) / len(known)
-        absent = sum(self.last_weight.get(m, typical) for m in (self.alive | self.finished) - present)
-        return sum(weights) / (sum(weights) + absent)
-
-    def _close(self, state: FragmentState, now: float, final: bool = False) -> Publish:
-        contributions = [state.pending[m] for m in sorted(state.pending)]
-        staleness = tuple(state.version - c.base_version for c in contributions)
-        weights = [token_weight(c.tokens, c.steps) for c in contributions]
-        if sum(weights) <= 0:
-            weights = [1.0] * len(contributions)
-        if self.stale_weight == "inverse":
-            weights = [w / (1 + behind) for w, behind in zip(weights, staleness)]
-        names = state.fragment.names
-        before = {n: self.theta[n].clone() for n in names}
-        deltas = [c.deltas for c in contributions]
-        share = self._participation_share(contributions, weights)
-        if final and self.consolidate:  # Θ becomes the weighted mean of the learners' models
-            merged = merge_fragment(deltas, weights, "weighted", self.embeddings)
-            for n in names:
-                self.theta[n].sub_(merged[n])
-        else:
-            merged = merge_fragment(deltas, weights, self.merge_rule, self.embeddings)
-            state.optimizer.step({n: self.theta[n] for n in names}, merged, share)
-        update_norm = math.sqrt(sum(float((self.theta[n] - before[n]).pow(2).sum()) for n in names))
-        for c, behind in zip(contributions, staleness):
-            entry = self.ledger[c.learner]
-            (entry.stale if behind else entry.merged)[state.fragment.index] += c.tokens
-            entry.steps_merged += c.steps
-        opened = state.first_arrival if state.first_arrival is not None else now
-        quorum_at = state.quorum_at if state.quorum_at is not None else now
-        self.rounds.append(RoundRecord(
-            state.fragment.index, state.version + 1, opened, now, tuple(c.learner for c in contributions),
-            sum(1 for b in staleness if b), now - quorum_at, time_to_quorum_s=quorum_at - opened,
-            update_norm=update_norm, cosine=mean_cosine(deltas), tokens=sum(c.tokens for c in contributions),
-            staleness=staleness, final=final))
-        next_push = self._pace(state, contributions, now)
-        state.version += 1
-        state.reset()
-        updates = {c.learner: self._answer(c.learner, state, c.last_seq, next_push.get(c.learner))
-                   for c in contributions if c.last_seq > self.session_start.get(c.learner, 0)}
-        return Publish(state.fragment.index, state.version, updates)
-
-    def _pace(self, state: FragmentState, contributions: list[Contribution], now: float
-              ) -> dict[int, float | None]:
-        """The next round's target on the grid, and when each participant should push next (its clock)
-        to land on it."""
-        if self.pacer is None:
-            return {}
-        period = self.pacer.sync_period_s(self.alive | {c.learner for c in contributions})
-        if period is None:
-            return {}
-        arrivals = [c.arrived for c in contributions]
-        target = state.target if state.target is not None else sum(arrivals) / len(arrivals)
-        # The next point of the grid at least half a period ahead: a round that closed early (a push
-        # that missed the previous round, merged alone) leaves the grid point it came before in place.
-        while target <= now + period / 2:
-            target += period
-        state.target = target
-        return {c.learner: self.pacer.ask(c.learner, target, c.trip) for c in contributions if not c.final}
-
-    def _answer(self, learner: int, state: FragmentState, ack_seq: int, next_push_at: float | None = None
-                ) -> Update:
-        """The new version for one learner: the encoded difference to what it holds. What it will hold
-        next is computed here, once, and recorded, so both ends agree bit for bit."""
-        held = self.held[learner]
-        values, wire = {}, {}
-        relative = self.down_codec.name != "fp32"
-        for name in state.fragment.names:
-            if relative:
-                wire[name] = self.down_codec.encode(self.theta[name] - held[name])
-                held[name] = held[name] + self.down_codec.decode(wire[name], device=held[name].device)
-            else:  # lossless: send and hold Θ itself, free of the rounding of a difference
-                wire[name] = self.down_codec.encode(self.theta[name])
-                held[name] = self.theta[name].clone()
-            values[name] = held[name]
-        self.held_versions[learner][state.fragment.index] = state.version
-        nbytes = sum(e.wire_bytes() for e in wire.values())
-        return Update(state.fragment.index, state.version, values, ack_seq=ack_seq, payload_bytes=nbytes,
-                      wire=wire, relative=relative, next_push_at=next_push_at)
+def _sender(event: SyncerEvent) -> int | None:
+    """The learner an event came from, if any."""
+    if isinstance(event, PushArrived):
+        return event.push.learner
+    if isinstance(event, ProgressArrived):
+        return event.report.learner
+    return getattr(event, "learner", None)

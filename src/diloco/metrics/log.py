@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any
 
+from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.errors import DilocoError
 from diloco.metrics.catalog import CATALOG
 from diloco.metrics.sinks import JsonlSink, PrometheusSink, Sink, TensorBoardSink, WandbSink
@@ -16,14 +16,14 @@ class MetricsLog:
     def __init__(self, sinks: list[Sink], origin: float | None = None) -> None:
         """`origin`: the clock value that is time 0 (a run's start); records carry time since it."""
         self.sinks = sinks
-        self.origin = time.time() if origin is None else origin
+        self.origin = clock.now() if origin is None else origin
 
     def record(self, kind: str, time_s: float | None = None, **fields: Any) -> dict[str, Any]:
         """One record; `time_s` defaults to now since the origin. Unknown metric names are a bug."""
         names = CATALOG.get(kind)
         if names is None:
             raise ValueError(f"unknown metric kind {kind!r}")
-        record = {"kind": kind, "time_s": time.time() - self.origin if time_s is None else time_s}
+        record = {"kind": kind, "time_s": clock.now() - self.origin if time_s is None else time_s}
         for key, value in fields.items():
             if isinstance(value, float) and not math.isfinite(value):
                 value = None

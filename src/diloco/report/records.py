@@ -54,8 +54,8 @@ class Run:
         return points
 
     def is_virtual_time(self) -> bool:
-        """True when times are the simulator's virtual clock (a real run's summary has wall_clock_s)."""
-        return self.summary is None or number(self.summary, "wall_clock_s") is None
+        """True when times are the simulator's virtual clock (the summary's `clock` says)."""
+        return self.summary is None or clock_of(self.summary) == "virtual"
 
     def by_learner(self) -> dict[int, list[Record]]:
         """Learner records grouped per learner (one learner = one link), each in time order."""
@@ -150,3 +150,8 @@ def _eval_points(entries: list[Any]) -> list[EvalPoint]:
         if time_s is not None and tokens is not None and loss is not None:
             points.append(EvalPoint(time_s, tokens, loss))
     return sorted(points)
+
+
+def clock_of(summary: dict[str, Any]) -> str:
+    """`real` or `virtual`; summaries written before `clock` existed: real ones had `wall_clock_s`."""
+    return summary.get("clock") or ("real" if "wall_clock_s" in summary else "virtual")

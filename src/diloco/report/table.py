@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco.report.records import Run, number
+from diloco.report.records import Run, clock_of, number
 from diloco.results import human_bytes
 
 COLUMNS = ("run", "strategy", "learners", "tokens", "final eval loss", "loss vs first", "wall clock", "goodput",
@@ -43,10 +43,10 @@ def markdown_table(runs: list[Run]) -> str:
 
 def wall_clock(summary: dict[str, Any]) -> str:
     """The real run's whole-command time, else the simulator's virtual one, saying which it is."""
-    real = number(summary, "wall_clock_s")
-    if real is not None:
-        return f"{duration(real)} (real)"
-    virtual = number(summary, "virtual_wall_clock_s")
+    if clock_of(summary) == "real":
+        real = number(summary, "wall_clock_s")
+        return MISSING if real is None else f"{duration(real)} (real)"
+    virtual = number(summary, "training_time_s")
     return MISSING if virtual is None else f"{duration(virtual)} (virtual)"
 
 

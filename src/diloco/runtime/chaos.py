@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.config import Config
+from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.metrics.records import learner_lives
 from diloco.runtime.launcher import Launcher
 
@@ -49,7 +50,7 @@ class ChaosMonkey:
             if self.done.wait(0.1):
                 return
         for kill in self.kills:
-            if self.done.wait(max(0.0, launcher.training_started + kill.at_s - time.monotonic())):
+            if self.done.wait(max(0.0, launcher.training_started + kill.at_s - clock.monotonic())):
                 return
             child = launcher.children.children.get(kill.victim)
             if child is None or child.returncode is not None:
@@ -60,7 +61,7 @@ class ChaosMonkey:
                 return
             extra = ("--resume",) if kill.victim.startswith("syncer") else ()
             launcher.children.restart(kill.victim, extra)
-            kill.restarted_at_s = time.monotonic() - launcher.training_started
+            kill.restarted_at_s = clock.monotonic() - launcher.training_started
             launcher.expected_down.discard(kill.victim)
         # The kernel ends a child when the *thread* that started it ends (PR_SET_PDEATHSIG): the
         # children restarted here must outlive this thread's work, so it waits for the run's end.
@@ -81,23 +82,14 @@ def account(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """Trained against merged, per learner and fragment, over every life of every learner."""
     shards = json.loads((out / "syncer" / "shards.json").read_text())
     numel = {int(p): n for s in shards for p, n in s["fragment_numel"].items()}
-    parameters = sum(numel.values())
     lives = learner_lives(out / "metrics")
-    lost = unaccounted = 0.0
     per_learner = []
     for m, ends in sorted(lives.items()):
-        trained = sum(r["tokens"] for r in ends)
-        counted = {p: 0 for p in numel}
-        for s in shards:
-            entry = s.get("ledger", {}).get(str(m), {})
-            for kind in ("merged", "stale"):
-                for p, tokens in entry.get(kind, {}).items():
-                    counted[int(p)] += tokens
-        lost_m = sum((trained - counted[p]) * n for p, n in numel.items() if trained >= counted[p]) / parameters
-        over_m = sum((counted[p] - trained) * n for p, n in numel.items() if counted[p] > trained) / parameters
-        lost, unaccounted = lost + lost_m, unaccounted + over_m
-        per_learner.append({"learner": m, "lives": len(ends), "trained": trained, "lost": lost_m,
-                            "counted_twice": over_m})
+        tokens = learner_tokens(sum(r["tokens"] for r in ends), *ledger_of(shards, m), numel)
+        per_learner.append({"learner": m, "lives": len(ends), "trained": tokens["trained"], "lost": tokens["lost"],
+                            "counted_twice": tokens["counted_twice"]})
+    lost = sum(r["lost"] for r in per_learner)
+    unaccounted = sum(r["counted_twice"] for r in per_learner)
     duplicates = sum(e.get("duplicates", 0) for s in shards for e in s.get("ledger", {}).values())
     return {"tokens_trained": sum(r["trained"] for r in per_learner), "tokens_lost": lost,
             "tokens_counted_twice": unaccounted, "retries_recognised": duplicates,
@@ -111,7 +103,7 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
     clean = Launcher(config, args, out / "clean", shards=shards, **launcher_options).run()
     faulty_launcher = Launcher(config, args, out / "faulty", shards=shards, **launcher_options)
     kills = plan_kills(random.Random(seed), config.learners.count, shards, kill_learners, kill_syncer,
-                       clean["training_wall_clock_s"])
+                       clean["training_time_s"])
     monkey = ChaosMonkey(faulty_launcher, kills, restart_after_s)
     thread = monkey.start()
     try:
@@ -125,9 +117,9 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
     result = {
         "seed": seed, "kills": [vars(k) for k in kills],
         "clean": {"final_eval_loss": clean["final_eval_loss"], "goodput": clean["goodput"],
-                  "rounds": clean["rounds"], "training_wall_clock_s": clean["training_wall_clock_s"]},
+                  "rounds": clean["rounds"], "training_time_s": clean["training_time_s"]},
         "faulty": {"final_eval_loss": faulty["final_eval_loss"], "rounds": faulty["rounds"],
-                   "training_wall_clock_s": faulty["training_wall_clock_s"],
+                   "training_time_s": faulty["training_time_s"],
                    "goodput_of_survivors": (sum(r["busy_s"] for r in survivors) /
                                             sum(r["busy_s"] / r["busy_fraction"] for r in survivors)
                                             if survivors else None),

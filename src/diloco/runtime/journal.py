@@ -6,19 +6,25 @@ replays the journal through the same core, and ends where it was — a push that
 never lost, and one retried after the restart is recognised by its sequence number and counted once.
 
 A record: sequence number (8 bytes), kind length (1), payload length (8), kind, payload, all
-little-endian. A record cut short by the crash is the end of the journal.
+little-endian. A record cut short by the crash is the end of the journal. The records are the core's
+own typed events (`core/events.py`): the kind is the event's type, the payload the time it was taken
+(8 bytes) and its fields (a push as the frames it arrived in, anything else as JSON).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from diloco.transport.frames import message_frames
+from diloco.codecs import Encoded
+from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
+                                SyncerEvent, SyncerResumed, TimerFired)
+from diloco.core.messages import Progress, Push
+from diloco.transport.frames import decode, message_frames, read_message
 from diloco.v1 import diloco_pb2 as pb
 
 RECORD_HEADER = struct.Struct("<QBQ")
@@ -42,9 +48,6 @@ class Journal:
         if durable:
             os.fsync(self._file.fileno())
         return self.seq
-
-    def append_event(self, kind: str, **fields: Any) -> int:
-        return self.append(kind, json.dumps(fields).encode())
 
     def truncate(self) -> None:
         """Everything journaled so far is in the saved state: start an empty journal (numbers go on)."""
@@ -70,6 +73,51 @@ class Journal:
                 return  # cut short by the crash
             yield seq, data[start:start + name_len].decode(), data[start + name_len:end]
             offset = end
+
+
+NOW = struct.Struct("<d")
+PLAIN_EVENTS = {cls.__name__: cls for cls in (HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
+                                              SyncerResumed)}
+QUIET_EVENTS = (ProgressArrived, HeartbeatArrived)
+"""Events that need not be on disk before they are answered: the next event that is (every event that
+decides something) makes them durable too, being later in the same file."""
+
+
+def encode_event(event: SyncerEvent, now: float, push_frames: bytes = b"") -> tuple[str, bytes]:
+    """(kind, payload) of one event; a push travels as the frames it arrived in (`push_payload`)."""
+    if isinstance(event, PushArrived):
+        body = push_frames
+    elif isinstance(event, ProgressArrived):
+        body = json.dumps(dataclasses.asdict(event.report)).encode()
+    else:
+        body = json.dumps(dataclasses.asdict(event)).encode()
+    return type(event).__name__, NOW.pack(now) + body
+
+
+def decode_event(kind: str, payload: bytes) -> tuple[SyncerEvent, float]:
+    (now,) = NOW.unpack_from(payload)
+    body = payload[NOW.size:]
+    if kind == "PushArrived":
+        header, tensors = read_message(payload_frames(body), "push", limit=1 << 40)
+        return PushArrived(push_of(header, tensors)), now
+    fields = json.loads(body)
+    if kind == "ProgressArrived":
+        return ProgressArrived(Progress(**{**fields, "due_in_s": tuple(fields["due_in_s"])})), now
+    if kind == "LearnerRejoined" and fields["fragments"] is not None:
+        fields["fragments"] = tuple(fields["fragments"])
+    if kind not in PLAIN_EVENTS:
+        raise ValueError(f"unknown journal event {kind!r}")
+    return PLAIN_EVENTS[kind](**fields), now
+
+
+def push_of(header: pb.PushHeader, tensors: dict[str, Encoded], deltas: dict | None = None) -> Push:
+    """A push as the core takes it, from its header and tensors as they travelled."""
+    if deltas is None:
+        deltas = {name: decode(e) for name, e in tensors.items()}
+    return Push(learner=header.learner, fragment=header.fragment, base_version=header.base_version,
+                seq=header.seq, deltas=deltas, tokens=header.tokens, steps=header.steps,
+                step_time_s=header.step_time_s, sent_at=header.sent_at or None,
+                payload_bytes=sum(e.wire_bytes() for e in tensors.values()), step=header.step, final=header.final)
 
 
 def push_payload(header: pb.PushHeader, tensors: dict) -> bytes:

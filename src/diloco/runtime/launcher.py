@@ -12,19 +12,18 @@ import json
 import signal
 import socket
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.config import Config
-from diloco.core.accounting import by_parameters, learner_round_stats, round_stats, tokens_of
-from diloco.data import EvalBatches, load_corpus
+from diloco.core.accounting import ledger_of, learner_round_stats, learner_tokens, round_stats
 from diloco.errors import DilocoError
-from diloco.models.factory import build_model
 from diloco.results import LearnerReport, RunResult
+from diloco.materials import prepare
 from diloco.metrics import open_metrics
 from diloco.metrics.records import learner_lives
 from diloco.runtime.loop import ORIGIN_ENV
@@ -83,18 +82,16 @@ class Launcher:
         self.config_args = [*config_args, *(["--verbose"] if verbose else []), *self.security.argv]
         self.children = Children(out / "logs")
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(shards)]
-        self.started_unix = time.time()
+        self.started_unix = clock.now()
         self.env = {ORIGIN_ENV: repr(self.started_unix), **(env or {})}
         self.endpoints: dict[str, str] = {}
         """What each child serves: its Prometheus metrics and, for shard 0, the status page."""
         self.metrics = open_metrics(out / "metrics", name="launcher", origin=self.started_unix)
         self.clients: list[ShardClient] = []
-        t, d = config.train, config.data
-        self.corpus = load_corpus(d.source, dtype=d.dtype, vocab_size=d.vocab_size, eval_fraction=d.eval_fraction)
-        self.eval_batches = EvalBatches(self.corpus.eval, seq_len=t.seq_len, batch_size=t.batch_size,
-                                        batches=t.eval_batches).batches
+        t = config.train
         torch.set_num_threads(1)  # evaluating Θ here must not take the cores the learners share
-        self.model = build_model(config, self.corpus.vocab_size)
+        materials = prepare(config)
+        self.eval_batches, self.model = materials.eval_batches, materials.model
         speeds = config.speeds()
         tokens_per_step = t.batch_size * t.seq_len
         self.budget = config.token_budget()
@@ -102,7 +99,7 @@ class Launcher:
         self.progress = Progress(planned={m: p * tokens_per_step for m, p in enumerate(plans)})
         self.eval_marks = [self.budget * k // t.eval_points for k in range(1, t.eval_points)]
         self.eval_curve: list[dict[str, float]] = []
-        self.started = time.monotonic()
+        self.started = clock.monotonic()
         self.expected_down: set[str] = set()
         """Children that are down on purpose (the chaos command's kills) and will be restarted."""
 
@@ -112,9 +109,9 @@ class Launcher:
         try:
             self._start_syncers()
             self._start_learners()
-            self.training_started = time.monotonic()
+            self.training_started = clock.monotonic()
             self._watch(on_progress)
-            self.training_s = time.monotonic() - self.training_started
+            self.training_s = clock.monotonic() - self.training_started
             self._wait_finished()
             summary = self._summarise()
             self.children.stop("syncer", sig=signal.SIGTERM)
@@ -143,17 +140,17 @@ class Launcher:
             self.children.start(f"syncer-{i}", self._python(
                 "syncer", "--bind", address, "--shard", f"{i}/{self.shard_count}", "--shards", shard_map,
                 "--out", str(self.out), *ports), env=self.env)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = clock.monotonic() + STARTUP_TIMEOUT_S
         for i, address in enumerate(self.addresses):
             client = ShardClient(address, self.security)
             self.clients.append(client)
             while True:
                 self._check_children()
                 try:
-                    client.wait_ready(min(1.0, max(0.1, deadline - time.monotonic())))
+                    client.wait_ready(min(1.0, max(0.1, deadline - clock.monotonic())))
                     break
                 except DilocoError:
-                    if time.monotonic() > deadline:
+                    if clock.monotonic() > deadline:
                         raise DilocoError(f"syncer shard {i} did not start within {STARTUP_TIMEOUT_S:g} s; "
                                           f"see {self.out / 'logs' / f'syncer-{i}.log'}") from None
 
@@ -200,7 +197,7 @@ class Launcher:
                 on_progress(self.progress)
             if learners_done:
                 return
-            time.sleep(POLL_S)
+            clock.sleep(POLL_S)
 
     def _poll_status(self) -> None:
         rounds = 0
@@ -214,12 +211,12 @@ class Launcher:
 
     def _wait_finished(self) -> None:
         """Every learner has left: each shard merges what is still open; wait for that to be done."""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = clock.monotonic() + STARTUP_TIMEOUT_S
         while not self._all_finished():
             self._check_children()
-            if time.monotonic() > deadline:
+            if clock.monotonic() > deadline:
                 raise DilocoError("the syncer did not finish its last rounds after every learner left")
-            time.sleep(0.1)
+            clock.sleep(0.1)
 
     def _all_finished(self) -> bool:
         try:
@@ -242,7 +239,7 @@ class Launcher:
             for name, value in self.pull_theta().items():
                 params[name].copy_(value)
         loss = evaluate(self.model, self.eval_batches)
-        point = {"time_s": time.monotonic() - self.training_started, "tokens": sum(self.progress.tokens.values()),
+        point = {"time_s": clock.monotonic() - self.training_started, "tokens": sum(self.progress.tokens.values()),
                  "loss": loss}
         self.eval_curve.append(point)
         self.metrics.record("eval", tokens=point["tokens"], loss=loss)
@@ -269,14 +266,11 @@ class Launcher:
         reports = []
         for r in learners:
             m = r["learner"]
-            ledger = [shard.get("ledger", {}).get(str(m), {}) for shard in shards]
-            merged = {int(p): t for entry in ledger for p, t in entry.get("merged", {}).items()}
-            stale = {int(p): t for entry in ledger for p, t in entry.get("stale", {}).items()}
+            merged, stale = ledger_of(shards, m)
             # A learner that was killed and restarted trained in each of its lives: count them all.
             trained = sum(life["tokens"] for life in lives[m]) if m in lives else r["tokens"]
             restarts = len(lives[m]) - 1 if m in lives else 0
-            tokens = tokens_of(trained, by_parameters(merged, numel, parameters),
-                               by_parameters(stale, numel, parameters))
+            tokens = learner_tokens(trained, merged, stale, numel)
             for key in totals:
                 totals[key] += tokens[key]
             reports.append(LearnerReport(learner=m, speed=r["speed"], tokens=trained, steps=r["steps"],
@@ -289,17 +283,16 @@ class Launcher:
         learner_losses = [r.eval_loss for r in reports if r.eval_loss is not None]
         result = RunResult(
             strategy=self.config.strategy, learners=len(reports), tokens=sum(r.tokens for r in reports),
-            final_eval_loss=loss, virtual_wall_clock_s=self.training_s,
+            final_eval_loss=loss, training_time_s=self.training_s,
             wire_bytes_up=sum(r.bytes_up for r in reports), wire_bytes_down=sum(r.bytes_down for r in reports),
             goodput=sum(r["busy_s"] for r in learners) / sum(r["wall_s"] for r in learners),
             peak_sync_bytes=max(r["peak_message_bytes_up"] for r in learners),
             rounds=len(rounds), parameters=parameters, tokens_merged=totals["merged"],
             tokens_stale=totals["stale"], tokens_lost=totals["lost"], per_learner=reports,
             eval_curve=self.eval_curve, config=self.config.to_dict(), round_stats=round_stats(rounds),
-            learners_eval_loss_mean=sum(learner_losses) / len(learner_losses) if learner_losses else None)
-        summary = result.summary()
-        summary.update(wall_clock_s=time.monotonic() - self.started, training_wall_clock_s=self.training_s,
-                       duplicates=sum(e.get("duplicates", 0) for s in shards for e in s.get("ledger", {}).values()),
-                       shards=self.shard_count, endpoints=self.endpoints)
+            learners_eval_loss_mean=sum(learner_losses) / len(learner_losses) if learner_losses else None,
+            clock="real", wall_clock_s=clock.monotonic() - self.started,
+            duplicates=sum(e.get("duplicates", 0) for s in shards for e in s.get("ledger", {}).values()),
+            shards=self.shard_count, endpoints=dict(self.endpoints))
         self.result = result
-        return summary
+        return result.summary()

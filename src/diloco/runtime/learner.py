@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,13 +25,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.codecs import Encoded, get_codec
+from diloco.clock import SYSTEM_CLOCK as clock
+from diloco.codecs import Encoded
 from diloco.core.learner import LearnerCore
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment, embedding_names, partition
-from diloco.transport.client import HEARTBEAT_S, ShardClient, SyncerUnavailable, with_retries
+from diloco.core.liveness import HEARTBEAT_S
+from diloco.transport.client import SyncerUnavailable, with_retries
 from diloco.transport.frames import decode, tensor_header
+from diloco.runtime.joining import ShardLink, join_run
 from diloco.runtime.settings import spec_of
 from diloco.runtime.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
@@ -53,13 +55,6 @@ class LinkShape:
 
     bandwidth_mbit: float
     latency_ms: float
-
-
-@dataclass
-class _Shard:
-    index: int
-    client: ShardClient
-    fragments: list[int]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -91,7 +86,7 @@ class Learner:
         self._error: BaseException | None = None
         self._closed = False
         self.core: LearnerCore | None = None
-        self.shards: list[_Shard] = []
+        self.shards: list[ShardLink] = []
         self.settings: pb.Settings | None = None
         self.id = -1
         header = torch.zeros(2, dtype=torch.int64)
@@ -111,7 +106,7 @@ class Learner:
         self._threads: list[threading.Thread] = []
         if self.rank == 0:
             self._start_threads()
-        self.started = self._last_step_end = time.monotonic()
+        self.started = self._last_step_end = clock.monotonic()
 
     # ------------------------------------------------------------ joining
 
@@ -119,64 +114,18 @@ class Learner:
         return partition(self.module, count, embedding_names(self.module))
 
     def _connect(self, address: str, learner: int | None, timeout_s: float, host: str) -> None:
-        joined: list[ShardClient] = []
-        try:
-            self._join_all(address, learner, timeout_s, host, joined)
-        except DilocoError:
-            for client in joined:  # a refused learner must not stay counted as alive
-                try:
-                    client.leave(self.id)
-                except DilocoError:
-                    pass
-                client.close()
-            raise
-
-    def _join_all(self, address: str, learner: int | None, timeout_s: float, host: str,
-                  joined: list[ShardClient]) -> None:
-        first = ShardClient(address, self.security)
-        first.wait_ready(timeout_s)
-        reply = with_retries(lambda: first.join(learner, host), what="join")
-        joined.append(first)
-        self.id, self.settings = reply.learner, reply.settings
-        fragments = self._partition(self.settings.fragments)
-        replies = {reply.shard: (first, reply)}
-        for info in reply.shards:
-            if info.index in replies:
-                continue
-            client = ShardClient(info.address, self.security)
-            client.wait_ready(timeout_s)
-            replies[info.index] = (client, with_retries(lambda c=client: c.join(self.id, host), what="join"))
-            joined.append(client)
-        last_seq = 0
-        for index, (client, shard_reply) in sorted(replies.items()):
-            owned = [p for p in range(len(fragments)) if p % len(replies) == index]
-            if shard_reply.layout:
-                _check_layout(list(shard_reply.layout), [fragments[p] for p in owned], self.params, client.address)
-            else:
-                layout = [_layout(fragments[p], self.params) for p in owned]
-                values = {n: self.params[n].detach() for p in owned for n in fragments[p].names}
-                client.init(layout, values)
-            last_seq = max(last_seq, shard_reply.last_seq)
-            self.shards.append(_Shard(index, client, owned))
-        theta: dict[str, torch.Tensor] = {}
-        versions: dict[int, int] = {}
-        for shard in self.shards:
-            for p in shard.fragments:  # one fragment at a time: a broken transfer resumes where it broke
-                values, fragment_versions, layout = with_retries(
-                    lambda: shard.client.pull(self.id, after_seq=last_seq, fragments=[p]), what="pull")
-                # Checked again: another learner may have seeded Θ between our join and our pull.
-                _check_layout(layout, [fragments[p]], self.params, shard.client.address)
-                theta.update(values)
-                versions.update(fragment_versions)
+        """Join every shard, seed or check Θ's layout, take Θ, and build this learner's core."""
+        joined = join_run(address, learner, timeout_s, host, self.params,
+                          self._partition, self.security)
+        self.id, self.settings, self.shards = joined.learner, joined.settings, joined.shards
         with torch.no_grad():
-            for name, value in theta.items():
+            for name, value in joined.theta.items():
                 self.params[name].copy_(value)
-        s = self.settings
-        self._first_seq = last_seq  # numbers before it belong to this learner's earlier lives
-        self.core = spec_of(s).learner_core(self.id, self.params, fragments, codec=get_codec(s.codec_up, s.block),
-                                            error_feedback=s.error_feedback,
-                                            versions=[versions[p] for p in range(len(fragments))],
-                                            first_seq=last_seq, encode_later=True)
+        self._first_seq = joined.last_seq  # numbers before it belong to this learner's earlier lives
+        fragments = joined.fragments
+        self.core = spec_of(self.settings).learner_core(
+            self.id, self.params, fragments, versions=[joined.versions[p] for p in range(len(fragments))],
+            first_seq=joined.last_seq, encode_later=True)
         self._shard_of = {p: shard for shard in self.shards for p in shard.fragments}
         log.info("learner %d joined %d shard(s); %d fragments", self.id, len(self.shards), len(fragments))
 
@@ -204,7 +153,7 @@ class Learner:
             raise DilocoError("Learner.step() after close()")
         if self._error is not None:
             raise DilocoError(f"learner {self.id}: syncing failed: {self._error}") from self._error
-        now = time.monotonic()
+        now = clock.monotonic()
         self.busy_s += now - self._last_step_end
         step_time = now - self._last_step_end
         if self.world > 1:
@@ -217,7 +166,7 @@ class Learner:
         if self.rank == 0:
             core = self.core
             before = list(core.anchor_versions)
-            for push in core.on_step(tokens, step_time_s=step_time, now=time.time()):
+            for push in core.on_step(tokens, step_time_s=step_time, now=clock.now()):
                 self._send(push)
             self._merge_arrived(wait=True)
             self._outbox.put(("progress", core.progress()))  # behind this step's pushes, on the same link
@@ -232,7 +181,7 @@ class Learner:
                         dist.broadcast(self.params[name].data, 0)
             self._stop_requested = bool(flags[-1])
         self.merges += int(flags[:-1].sum())
-        self._last_step_end = time.monotonic()
+        self._last_step_end = clock.monotonic()
 
     def _merge_arrived(self, wait: bool) -> None:
         core = self.core
@@ -242,14 +191,14 @@ class Learner:
             for update, ready in self._inbox.ready():
                 self.staging.wait_in_training(ready)
                 core.on_update(update)
-            poll = core.poll(time.time())
+            poll = core.poll(clock.now())
             for push in poll.pushes:
                 self._send(push)
             if not (wait and poll.waiting_for) or self._stop_requested:
                 return  # a learner told to stop does not wait for an answer it will not merge
-            waited_from = time.monotonic()
+            waited_from = clock.monotonic()
             arrived = self._inbox.get(timeout=1.0)
-            self.waiting_s += time.monotonic() - waited_from
+            self.waiting_s += clock.monotonic() - waited_from
             if arrived is not None:
                 update, ready = arrived
                 self.staging.wait_in_training(ready)
@@ -263,9 +212,9 @@ class Learner:
         if self._closed:
             return self.report()
         self._closed = True
-        self.wall_s = time.monotonic() - self.started
+        self.wall_s = clock.monotonic() - self.started
         if self.rank == 0:
-            for push in self.core.finish(time.time()):
+            for push in self.core.finish(clock.now()):
                 self._send(push)
             self._outbox.put(("leave", finished))
             self._outbox.put(None)
@@ -285,7 +234,7 @@ class Learner:
         return self.report()
 
     def report(self) -> dict[str, Any]:
-        wall = getattr(self, "wall_s", time.monotonic() - self.started)
+        wall = getattr(self, "wall_s", clock.monotonic() - self.started)
         core = self.core
         return {"learner": self.id, "rank": self.rank, "world": self.world, "tokens": self.tokens,
                 "steps": self.steps, "busy_s": self.busy_s, "waiting_s": self.waiting_s, "wall_s": wall,
@@ -339,7 +288,7 @@ class Learner:
                 encoded = self.core.encode(push.deltas)
             header = pb.PushHeader(learner=self.id, fragment=push.fragment, base_version=push.base_version,
                                    seq=push.seq, tokens=push.tokens, steps=push.steps,
-                                   step_time_s=push.step_time_s, sent_at=push.sent_at or time.time(),
+                                   step_time_s=push.step_time_s, sent_at=push.sent_at or clock.now(),
                                    tensors=[tensor_header(n, e) for n, e in encoded.items()], step=push.step,
                                    final=push.final)
             nbytes = MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in encoded.values())
@@ -385,7 +334,7 @@ class Learner:
             if reply.stop:
                 self._stop_requested = True
 
-    def _receive_loop(self, shard: _Shard) -> None:
+    def _receive_loop(self, shard: ShardLink) -> None:
         """New versions from one shard: decoded here, handed over when the emulated link delivers them."""
         while not self._halt.is_set():
             try:
@@ -398,7 +347,7 @@ class Learner:
                 if self._halt.is_set():
                     return
                 log.warning("learner %d: %s; reconnecting", self.id, exc)
-                time.sleep(0.5)
+                clock.sleep(0.5)
 
     def _decode_update(self, header: pb.UpdateHeader, tensors: dict[str, Encoded], nbytes: int
                        ) -> tuple[Update, torch.cuda.Event | None]:
@@ -429,20 +378,3 @@ class Learner:
                 if reply.stop:
                     self._stop_requested = True
 
-
-def _layout(fragment: Fragment, params: dict[str, torch.Tensor]) -> pb.FragmentLayout:
-    return pb.FragmentLayout(index=fragment.index, tensors=[
-        pb.TensorSpec(name=n, shape=list(params[n].shape), embedding=fragment.embedding) for n in fragment.names])
-
-
-def _check_layout(layout: list[pb.FragmentLayout], fragments: list[Fragment], params: dict[str, torch.Tensor],
-                  address: str) -> None:
-    """The syncer's fragments must be this model's, tensor for tensor."""
-    theirs = {f.index: [(t.name, tuple(t.shape)) for t in f.tensors] for f in layout}
-    for fragment in fragments:
-        ours = [(n, tuple(params[n].shape)) for n in fragment.names]
-        if theirs.get(fragment.index) != ours:
-            got = theirs.get(fragment.index, [])
-            diff = next(((a, b) for a, b in zip(ours, got) if a != b), (ours[len(got):][:1], got[len(ours):][:1]))
-            raise DilocoError(f"this model does not match the run at {address}: fragment {fragment.index} differs "
-                              f"(here {diff[0]}, there {diff[1]}); every learner must train the same model")

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.config import Config
-from diloco.data import EvalBatches, ShardSampler, load_corpus
+from diloco.core.recovery import RestorePolicy, restore_plan
+from diloco.data import ShardSampler
 from diloco.errors import DilocoError
 from diloco.metrics import open_metrics
 from diloco.metrics.records import LearnerMeter
-from diloco.models.factory import build_model
+from diloco.materials import prepare
 from diloco.runtime.learner import Learner, LinkShape
 from diloco.strategies import build_strategy
 from diloco.training import Replica, evaluate, resolve_device
@@ -80,9 +81,9 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     """Train one learner to the end of its plan (or of the shared budget, or until `stop` is set);
     return its report, also written to OUT/learners/learner-ID.json with a checkpoint. With no
     `syncer`, train the same way without syncing (`learner` is then required)."""
-    t, d = config.train, config.data
-    corpus = load_corpus(d.source, dtype=d.dtype, vocab_size=d.vocab_size, eval_fraction=d.eval_fraction)
-    model = build_model(config, corpus.vocab_size).to(resolve_device(t.device))
+    t = config.train
+    materials = prepare(config)
+    corpus, model = materials.corpus, materials.model.to(resolve_device(t.device))
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
     if syncer is None:
         if learner is None:
@@ -104,7 +105,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     replica.planned_steps = planned
     checkpoint = out / "checkpoints" / f"learner-{m}.pt" if out is not None else None
     if checkpoint is not None and checkpoint.is_file():
-        restore_checkpoint(checkpoint, replica, world)
+        restore_checkpoint(checkpoint, replica, world, config.failures.restore)
         sync.resume(replica.steps)
         log.info("learner %d resumes at step %d from %s (inner optimizer and data position)", m,
                  replica.steps, checkpoint)
@@ -121,11 +122,11 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     if metrics_port is not None and rank == 0:
         log.info("learner %d serves Prometheus metrics on port %d", m, metrics.sinks[-1].port)
     meter = LearnerMeter(metrics, m, config.metrics.every_steps)
-    tokens_trained, busy_s, began, started = 0, 0.0, time.monotonic(), time.monotonic()
+    tokens_trained, busy_s, began, started = 0, 0.0, clock.monotonic(), clock.monotonic()
 
     def record(final: bool) -> None:
-        meter.step(time.time() - metrics.origin, steps=replica.steps, tokens=tokens_trained * world,
-                   busy_fraction=busy_s / (time.monotonic() - began), step_time_s=time.monotonic() - started,
+        meter.step(clock.now() - metrics.origin, steps=replica.steps, tokens=tokens_trained * world,
+                   busy_fraction=busy_s / (clock.monotonic() - began), step_time_s=clock.monotonic() - started,
                    bytes_up=sync.up.bytes_sent, bytes_down=sync.down.bytes_sent, loss=lambda: replica.last_loss,
                    core=sync.core, final=final)
 
@@ -134,11 +135,11 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     # stopped at its own plan would leave the others' last rounds to speak for the whole fleet.
     last_step = planned * SHARED_BUDGET_CAP if spec.shared_budget and syncer is not None else planned
     while replica.steps < last_step and not sync.should_stop:
-        started = time.monotonic()
+        started = clock.monotonic()
         tokens = replica.train_step()
         if speed < 1:
-            time.sleep((time.monotonic() - started) * (1 / speed - 1))
-        busy_s += time.monotonic() - started
+            clock.sleep((clock.monotonic() - started) * (1 / speed - 1))
+        busy_s += clock.monotonic() - started
         tokens_trained += tokens
         if stop is not None and stop.is_set():
             sync.request_stop()
@@ -152,10 +153,9 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         record(final=True)  # after the last pushes and the leave: every byte is counted
         # Its own model's held-out loss at the end, on the batches Θ is evaluated on: the final Θ
         # should be no worse than the learners it came from.
-        report["eval_loss"] = evaluate(_unwrap(replica.model), EvalBatches(
-            corpus.eval, seq_len=t.seq_len, batch_size=t.batch_size, batches=t.eval_batches).batches)
+        report["eval_loss"] = evaluate(_unwrap(replica.model), materials.eval_batches)
     metrics.close()
-    wall_s = time.monotonic() - began
+    wall_s = clock.monotonic() - began
     report.update(speed=speed, planned_steps=planned, steps=replica.steps, resumed_from_step=resumed_from,
                   tokens=tokens_trained * world, busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
                   tokens_per_s=tokens_trained * world / wall_s if wall_s else 0.0,
@@ -175,17 +175,21 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def run_origin() -> float:
     """Time 0 of the run's metrics: the launcher's start when there is one, else now."""
-    return float(os.environ.get(ORIGIN_ENV, time.time()))
+    return float(os.environ.get(ORIGIN_ENV, clock.now()))
 
 
-def restore_checkpoint(path: Path, replica: Replica, world: int) -> None:
-    """A restarted learner's own state: inner optimizer, data position, step count. Its parameters come
-    from the syncer's current Θ instead, which is newer. Loaded without unpickling code."""
+def restore_checkpoint(path: Path, replica: Replica, world: int, policy: RestorePolicy) -> None:
+    """A restarted learner's own state, as `core/recovery.py` says: data position and step count, and
+    the inner optimizer unless the policy is `fresh`. Its parameters come from the syncer's current Θ
+    instead, which is newer. Loaded without unpickling code."""
     state = torch.load(path, weights_only=True)
-    replica.optimizer.load_state_dict(state["optimizer"])
-    if world == 1:  # with several ranks each has its own position; rank 0's checkpoint holds only its own
+    plan = restore_plan(policy, has_checkpoint=True)
+    if plan.optimizer:
+        replica.optimizer.load_state_dict(state["optimizer"])
+    if plan.data and world == 1:  # with several ranks each has its own position; rank 0's holds only its own
         replica.sampler.load_state_dict(state["data"])
-    replica.steps = int(state["steps"])
+    if plan.steps:
+        replica.steps = int(state["steps"])
 
 
 def _snapshot(value: Any) -> Any:

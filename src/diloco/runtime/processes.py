@@ -15,10 +15,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from diloco.clock import SYSTEM_CLOCK as clock
 
 PARENT_ENV = "DILOCO_PARENT_PID"
 PR_SET_PDEATHSIG = 1
@@ -94,10 +95,10 @@ class Children:
         targets = self.running(prefix)
         for child in targets:
             _signal(child, sig)
-        deadline = time.monotonic() + grace_s
+        deadline = clock.monotonic() + grace_s
         for child in targets:
             try:
-                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                child.process.wait(timeout=max(0.0, deadline - clock.monotonic()))
             except subprocess.TimeoutExpired:
                 _signal(child, signal.SIGKILL)
                 child.process.wait()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from diloco.config import Config
 from diloco.errors import DilocoError
-from diloco.strategies import StrategySpec, build_strategy
+from diloco.strategies import StrategySpec, Wiring, build_strategy
 from diloco.v1 import diloco_pb2 as pb
 
 
@@ -29,7 +29,10 @@ def spec_of(settings: pb.Settings) -> StrategySpec:
     return StrategySpec(name=settings.strategy, exchange="outer", H=settings.period,
                         learner_H=tuple(settings.learner_periods), fragments=settings.fragments, tau=settings.tau,
                         alpha=settings.alpha, wait_for_updates=settings.wait_for_updates,
-                        keep_progress=settings.keep_progress, shared_budget=settings.shared_budget)
+                        keep_progress=settings.keep_progress, shared_budget=settings.shared_budget,
+                        wiring=Wiring(codec_up=settings.codec_up, codec_down=settings.codec_down,
+                                      block=settings.block, error_feedback=settings.error_feedback,
+                                      budget=settings.token_budget))
 
 
 def check_shards(config: Config, count: int) -> None:

@@ -30,6 +30,15 @@ class Direction:
         self.record(nbytes)
         return end + self.latency_s
 
+    def signal(self, now: float) -> float:
+        """When a control message of negligible size (a heartbeat) sent now arrives: behind what is
+        on the wire and held up by outages, taking no bandwidth and not counted."""
+        start = max(now, self.busy_until)
+        for down_from, down_to in sorted(self.outages):
+            if down_from <= start < down_to:
+                start = down_to
+        return start + self.latency_s
+
     def record(self, nbytes: int) -> None:
         """Count bytes that crossed this direction (also those a collective timed as a whole)."""
         self.bytes_sent += nbytes

@@ -6,11 +6,12 @@ learners exchange progress. Later strategies add a module and a line in `BUILDER
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from diloco.config import Config
 from diloco.strategies import async_dn, async_local_sgd, ddp, decoupled, diloco, streaming
-from diloco.strategies.spec import StrategySpec
+from diloco.strategies.spec import StrategySpec, Wiring
 
 BUILDERS: dict[str, Callable[[Config], StrategySpec]] = {
     "ddp": ddp.build,
@@ -23,7 +24,12 @@ BUILDERS: dict[str, Callable[[Config], StrategySpec]] = {
 
 
 def build_strategy(config: Config) -> StrategySpec:
-    return BUILDERS[config.strategy](config)
+    """The strategy's spec, wired to the config's codecs, outlier rule and budget: what builds the cores."""
+    c = config.codec
+    wiring = Wiring(codec_up=c.up, codec_down=c.down, block=c.block, error_feedback=c.error_feedback,
+                    outlier=config.outer.outlier, outlier_factor=config.outer.outlier_factor,
+                    budget=config.token_budget(), detect_s=config.failures.detect_s)
+    return dataclasses.replace(BUILDERS[config.strategy](config), wiring=wiring)
 
 
-__all__ = ["StrategySpec", "build_strategy", "BUILDERS"]
+__all__ = ["StrategySpec", "Wiring", "build_strategy", "BUILDERS"]

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
 import torch
 
-from diloco.codecs import Codec
+from diloco.codecs import get_codec
 from diloco.core.learner import LearnerCore
 from diloco.core.syncer import SyncerCore
 from diloco.fragments import Fragment, Schedule
 from diloco.outer.delayed_nesterov import DelayedNesterov
 from diloco.outer.merge import MergeRule
 from diloco.outer.nesterov import Nesterov
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What the cores take from the config beyond the strategy itself: codecs, the outlier rule, the
+    shared budget. Filled by `build_strategy` (or, on a real learner, from the syncer's settings)."""
+
+    codec_up: str = "fp32"
+    codec_down: str = "fp32"
+    block: int = 64
+    error_feedback: bool = False
+    outlier: str = "off"
+    outlier_factor: float = 5.0
+    budget: int | None = None
+    detect_s: float = 5.0
+    """The silence after which the syncer counts a learner as dead."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,7 @@ class StrategySpec:
     shared_budget: bool = False
     """False: every learner trains an equal share of the tokens. True: learners train at their own
     speed until the total budget is spent, so faster learners train more of it."""
+    wiring: Wiring = field(default_factory=Wiring)
 
     def period(self, learner: int) -> int:
         return self.learner_H[learner] if learner < len(self.learner_H) else self.H
@@ -62,25 +79,27 @@ class StrategySpec:
         return Nesterov(self.outer_lr, self.outer_momentum)
 
     def syncer_core(self, params: dict[str, torch.Tensor], fragments: list[Fragment], members: Iterable[int], *,
-                    embeddings: Iterable[str], down_codec: Codec, outlier: str = "off",
-                    outlier_factor: float = 5.0, budget: int | None = None) -> SyncerCore:
+                    embeddings: Iterable[str]) -> SyncerCore:
         """The syncer's core for this strategy: the one place its arguments are wired, for both drivers."""
+        w = self.wiring
         return SyncerCore(params, fragments, members, optimizer=self.outer_optimizer, merge_rule=self.merge_rule,
                           embeddings=embeddings, quorum=self.quorum, grace=self.grace,
                           grace_cap_steps=self.grace_cap_steps, tau=self.tau, participation=self.participation,
-                          down_codec=down_codec, outlier=outlier, outlier_factor=outlier_factor,
-                          pacing=self.pacing, period=self.H, consolidate=self.consolidate,
-                          stale_weight=self.stale_weight,
-                          budget=budget if self.shared_budget else None)
+                          down_codec=get_codec(w.codec_down, w.block), outlier=w.outlier,
+                          outlier_factor=w.outlier_factor, pacing=self.pacing, period=self.H,
+                          consolidate=self.consolidate, stale_weight=self.stale_weight,
+                          budget=w.budget if self.shared_budget else None, detect_s=w.detect_s)
 
     def learner_core(self, learner: int, params: dict[str, torch.Tensor], fragments: list[Fragment], *,
-                     codec: Codec, error_feedback: bool, versions: list[int] | None = None, step: int = 0,
-                     first_seq: int = 0, encode_later: bool = False) -> LearnerCore:
+                     versions: list[int] | None = None, step: int = 0, first_seq: int = 0,
+                     encode_later: bool = False) -> LearnerCore:
         """A learner's core for this strategy, for both drivers."""
+        w = self.wiring
         return LearnerCore(learner, params, fragments, Schedule(self.period(learner), len(fragments)), tau=self.tau,
                            alpha=self.alpha, wait_for_updates=self.wait_for_updates, versions=versions, step=step,
-                           first_seq=first_seq, codec=codec, error_feedback=error_feedback,
-                           encode_later=encode_later, keep_progress=self.keep_progress)
+                           first_seq=first_seq, codec=get_codec(w.codec_up, w.block),
+                           error_feedback=w.error_feedback, encode_later=encode_later,
+                           keep_progress=self.keep_progress)
 
     def planned_steps(self, speeds: list[float], budget: int, tokens_per_step: int) -> list[int]:
         """Inner steps each learner plans for (its learning-rate schedule spans them). With a shared

@@ -4,12 +4,12 @@ one-line errors naming the shard."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import grpc
 import torch
 
+from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
 from diloco.errors import DilocoError
 from diloco.transport.security import TransportSecurity, default_security, make_channel
@@ -24,10 +24,6 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_sen
                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-HEARTBEAT_S = 1.0
-"""How often a learner reports its progress; the syncer measures the actual interval and counts a
-learner dead after several missed ones."""
-
 
 class SyncerUnavailable(DilocoError):
     """The shard could not be reached (yet): callers may retry."""
@@ -146,5 +142,5 @@ def with_retries(fn, *, attempts: int | None = 8, first_delay_s: float = 0.1, wh
             if give_up is not None:
                 give_up.wait(delay)
             else:
-                time.sleep(delay)
+                clock.sleep(delay)
             delay = min(delay * 2, 5.0)

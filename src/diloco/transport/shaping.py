@@ -11,9 +11,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-import time
 from typing import Generic, TypeVar
 
+from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.sim.link import Direction
 
 T = TypeVar("T")
@@ -28,8 +28,8 @@ class ShapedDirection:
         self._lock = threading.Lock()
 
     def send(self, nbytes: int, now: float | None = None) -> float:
-        """Queue `nbytes` on the link now; return the `time.monotonic()` at which they have arrived."""
-        now = time.monotonic() if now is None else now
+        """Queue `nbytes` on the link now; return the `clock.monotonic()` at which they have arrived."""
+        now = clock.monotonic() if now is None else now
         with self._lock:
             if not self.shaped:
                 self._model.record(nbytes)
@@ -65,7 +65,7 @@ class DeliveryQueue(Generic[T]):
 
     def ready(self, now: float | None = None) -> list[T]:
         """Every item whose time has come, in order; never blocks."""
-        now = time.monotonic() if now is None else now
+        now = clock.monotonic() if now is None else now
         out = []
         with self._cond:
             while self._heap and self._heap[0][0] <= now:
@@ -74,10 +74,10 @@ class DeliveryQueue(Generic[T]):
 
     def get(self, timeout: float | None = None) -> T | None:
         """The next item once its time has come; None if the queue is closed and empty, or on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else clock.monotonic() + timeout
         with self._cond:
             while True:
-                now = time.monotonic()
+                now = clock.monotonic()
                 if self._heap and self._heap[0][0] <= now:
                     return heapq.heappop(self._heap)[2]
                 if self._closed and not self._heap:

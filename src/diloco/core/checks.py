@@ -1,0 +1,71 @@
+"""What the syncer refuses: every number a learner sends is a claim, bounded here before anything changes.
+
+A refused message raises ProtocolError with one line saying why, and leaves the core as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from diloco.core.messages import Progress, Push
+from diloco.core.rounds import ProtocolError
+
+if TYPE_CHECKING:
+    from diloco.core.syncer import SyncerCore
+
+MAX_STEP_TIME_S = 3600.0
+"""A reported inner step longer than an hour is taken for a broken clock, not a slow chip."""
+MAX_COUNTER = 2**63 - 1
+"""Steps and tokens a learner may claim: past this, a counter is a lie (or a wrapped integer)."""
+MAX_DUE_S = 1e9
+"""Longest a learner may say it will take to push a fragment again."""
+MAX_FRAGMENTS = 1 << 16
+"""Fragments a learner's schedule may name."""
+
+
+def check_push(core: SyncerCore, push: Push) -> None:
+    """Raise ProtocolError for a push this syncer must refuse; nothing changes either way."""
+    if push.learner not in core.ledger:
+        raise ProtocolError(f"push from learner {push.learner}, which never joined")
+    if push.fragment not in core.fragments:
+        raise ProtocolError(f"push for fragment {push.fragment}, which this syncer does not hold")
+    state = core.fragments[push.fragment]
+    if not 0 <= push.base_version <= state.version:
+        raise ProtocolError(f"push of fragment {push.fragment} based on version {push.base_version}, "
+                            f"but the latest is {state.version}")
+    if not (0 <= push.tokens <= MAX_COUNTER and 0 <= push.steps <= MAX_COUNTER and 0 <= push.step <= MAX_COUNTER):
+        raise ProtocolError(f"push of fragment {push.fragment} with counters out of range (tokens "
+                            f"{push.tokens}, steps {push.steps}, step {push.step})")
+    if not (math.isfinite(push.step_time_s) and 0 <= push.step_time_s <= MAX_STEP_TIME_S) or \
+            (push.sent_at is not None and not math.isfinite(push.sent_at)):
+        raise ProtocolError(f"push of fragment {push.fragment} with an impossible step time "
+                            f"({push.step_time_s!r} s) or send time ({push.sent_at!r})")
+    if set(push.deltas) != set(state.fragment.names):
+        raise ProtocolError(f"push of fragment {push.fragment} does not carry exactly the fragment's tensors")
+    for name, delta in push.deltas.items():
+        if delta.shape != core.theta[name].shape:
+            raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} has shape "
+                                f"{tuple(delta.shape)}, expected {tuple(core.theta[name].shape)}")
+    if core.outlier == "reject" and push.seq > core.ledger[push.learner].last_seq:
+        norm, bound = core.outlier_bound(push)
+        if bound is not None and norm > bound:
+            raise ProtocolError(f"push of fragment {push.fragment} refused as an outlier: its norm {norm:.4g} "
+                                f"is above {core.outlier_factor:g} x the median of recent pushes ({bound:.4g})")
+
+
+def check_progress(report: Progress, known: bool) -> None:
+    """`known`: the learner has joined."""
+    """Raise ProtocolError for a progress report this syncer must refuse; nothing changes either way."""
+    if not known:
+        raise ProtocolError(f"progress from learner {report.learner}, which never joined")
+    if not (0 <= report.step <= MAX_COUNTER and 0 <= report.tokens <= MAX_COUNTER):
+        raise ProtocolError(f"progress of learner {report.learner} with counters out of range "
+                            f"(step {report.step}, tokens {report.tokens})")
+    if not (math.isfinite(report.step_time_s) and 0 <= report.step_time_s <= MAX_STEP_TIME_S):
+        raise ProtocolError(f"progress of learner {report.learner} with an impossible step time "
+                            f"({report.step_time_s!r} s)")
+    if len(report.due_in_s) > MAX_FRAGMENTS or \
+            not all(math.isfinite(d) and 0 <= d <= MAX_DUE_S for d in report.due_in_s):
+        raise ProtocolError(f"progress of learner {report.learner} with an impossible schedule "
+                            f"({len(report.due_in_s)} fragments, due in {list(report.due_in_s)[:4]} s)")

@@ -1,0 +1,71 @@
+"""What the syncer core is told: one typed event per thing that happened, each with the time it happened.
+
+Both drivers hand the core these and nothing else (`SyncerCore.handle(event, now)`), and the real
+syncer's journal records exactly these, so a replayed journal takes the decisions the live run took.
+The core answers with actions (`rounds.py`: Publish, Timer, Stop). Everything the core decides (when a
+round closes, when a learner is dead, when the run is over) follows from this sequence and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from diloco.core.messages import Progress, Push
+
+
+@dataclass(frozen=True)
+class PushArrived:
+    """A learner's outer gradient for one fragment reached the syncer."""
+
+    push: Push
+
+
+@dataclass(frozen=True)
+class ProgressArrived:
+    """A learner's report of where it stands (after a step): budget, predictions, liveness."""
+
+    report: Progress
+
+
+@dataclass(frozen=True)
+class HeartbeatArrived:
+    """A learner's periodic sign of life (training or waiting): its interval is what silence is measured
+    against. It carries the learner's counters, which count for the shared budget."""
+
+    learner: int
+    step: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    """A time the core asked to be woken at (a round's bound, a liveness check) has come."""
+
+
+@dataclass(frozen=True)
+class LearnerLeft:
+    """A learner said goodbye; `finished`: it trained its share of the run (it still counts in shares)."""
+
+    learner: int
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class LearnerRejoined:
+    """A learner (re)starts and takes Θ: its pushes from now on are numbered above `after_seq`.
+    `fragments`: the ones it takes now (None: all), as a broken transfer resumes one at a time."""
+
+    learner: int
+    after_seq: int
+    fragments: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class SyncerResumed:
+    """The syncer restarted from its saved state: every learner gets a fresh allowance of silence,
+    since none could reach it while it was down."""
+
+
+SyncerEvent = Union[PushArrived, ProgressArrived, HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
+                    SyncerResumed]

@@ -1,0 +1,108 @@
+"""Joining a run: every shard, the layout of Θ (seeded by the first learner, checked by the others),
+and Θ itself, one fragment at a time. A learner refused on the way leaves every shard it joined."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from diloco.errors import DilocoError
+from diloco.fragments import Fragment
+from diloco.runtime.shard_plan import ShardPlan
+from diloco.transport.client import ShardClient, with_retries
+from diloco.transport.security import TransportSecurity
+from diloco.v1 import diloco_pb2 as pb
+
+
+@dataclass
+class ShardLink:
+    index: int
+    client: ShardClient
+    fragments: list[int]
+
+
+@dataclass
+class Joined:
+    learner: int
+    settings: pb.Settings
+    shards: list[ShardLink]
+    fragments: list[Fragment]
+    theta: dict[str, torch.Tensor]
+    versions: dict[int, int]
+    last_seq: int
+    """The learner's last push numbered in its earlier lives: its next pushes are numbered above."""
+
+
+def join_run(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
+             partition: Callable[[int], list[Fragment]], security: TransportSecurity | None) -> Joined:
+    joined: list[tuple[ShardClient, int]] = []
+    try:
+        return _join_all(address, learner, timeout_s, host, params, partition, security, joined)
+    except DilocoError:
+        for client, me in joined:  # a refused learner must not stay counted as alive
+            try:
+                client.leave(me)
+            except DilocoError:
+                pass
+            client.close()
+        raise
+
+
+def _join_all(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
+              partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
+              joined: list[tuple[ShardClient, int]]) -> Joined:
+    first = ShardClient(address, security)
+    first.wait_ready(timeout_s)
+    reply = with_retries(lambda: first.join(learner, host), what="join")
+    me, settings = reply.learner, reply.settings
+    joined.append((first, me))
+    fragments = partition(settings.fragments)
+    replies = {reply.shard: (first, reply)}
+    for info in reply.shards:
+        if info.index in replies:
+            continue
+        client = ShardClient(info.address, security)
+        client.wait_ready(timeout_s)
+        replies[info.index] = (client, with_retries(lambda c=client: c.join(me, host), what="join"))
+        joined.append((client, me))
+    last_seq, shards = 0, []
+    for index, (client, shard_reply) in sorted(replies.items()):
+        owned = ShardPlan(index, len(replies), ()).fragments(len(fragments))
+        if shard_reply.layout:
+            _check_layout(list(shard_reply.layout), [fragments[p] for p in owned], params, client.address)
+        else:
+            layout = [_layout(fragments[p], params) for p in owned]
+            client.init(layout, {n: params[n].detach() for p in owned for n in fragments[p].names})
+        last_seq = max(last_seq, shard_reply.last_seq)
+        shards.append(ShardLink(index, client, owned))
+    theta: dict[str, torch.Tensor] = {}
+    versions: dict[int, int] = {}
+    for shard in shards:
+        for p in shard.fragments:  # one fragment at a time: a broken transfer resumes where it broke
+            values, fragment_versions, layout = with_retries(
+                lambda: shard.client.pull(me, after_seq=last_seq, fragments=[p]), what="pull")
+            # Checked again: another learner may have seeded Θ between our join and our pull.
+            _check_layout(layout, [fragments[p]], params, shard.client.address)
+            theta.update(values)
+            versions.update(fragment_versions)
+    return Joined(me, settings, shards, fragments, theta, versions, last_seq)
+
+
+def _layout(fragment: Fragment, params: dict[str, torch.Tensor]) -> pb.FragmentLayout:
+    return pb.FragmentLayout(index=fragment.index, tensors=[
+        pb.TensorSpec(name=n, shape=list(params[n].shape), embedding=fragment.embedding) for n in fragment.names])
+
+
+def _check_layout(layout: list[pb.FragmentLayout], fragments: list[Fragment], params: dict[str, torch.Tensor],
+                  address: str) -> None:
+    """The syncer's fragments must be this model's, tensor for tensor."""
+    theirs = {f.index: [(t.name, tuple(t.shape)) for t in f.tensors] for f in layout}
+    for fragment in fragments:
+        ours = [(n, tuple(params[n].shape)) for n in fragment.names]
+        if theirs.get(fragment.index) != ours:
+            got = theirs.get(fragment.index, [])
+            diff = next(((a, b) for a, b in zip(ours, got) if a != b), (ours[len(got):][:1], got[len(ours):][:1]))
+            raise DilocoError(f"this model does not match the run at {address}: fragment {fragment.index} differs "
+                              f"(here {diff[0]}, there {diff[1]}); every learner must train the same model")

@@ -1,0 +1,74 @@
+"""What a syncer shard tells about itself: the report runs' summaries are made of, and the snapshot the
+status page shows. Read-only views of the shard (`syncer.py`); callers hold its lock."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from diloco.core.syncer import RoundRecord
+
+if TYPE_CHECKING:
+    from diloco.runtime.syncer import SyncerShard
+
+SILENT_AFTER_S = 5.0
+"""A learner not heard from (heartbeats, pushes) for this long shows as silent on the status page."""
+
+
+def shard_report(shard: SyncerShard) -> dict:
+    """What this shard counted, for run summaries and reports."""
+    core = shard.core
+    out = {"shard": shard.plan.index, "shards": shard.plan.count, "fragments": shard.owned,
+           "finished": shard.finished, "push_errors": shard.push_errors, "tokens_reported": {}}
+    if core is None:
+        return out
+    out["tokens_reported"] = {m: core.tokens_reported(m) for m in core.tokens.keys() | core.tokens_banked.keys()}
+    out["fragment_numel"] = {p: s.fragment.numel for p, s in core.fragments.items()}
+    out["versions"] = {p: s.version for p, s in core.fragments.items()}
+    out["ledger"] = {m: {"pushes": e.pushes, "duplicates": e.duplicates, "last_seq": e.last_seq,
+                         "steps_merged": e.steps_merged, "merged": dict(e.merged), "stale": dict(e.stale)}
+                     for m, e in core.ledger.items()}
+    out["rounds"] = [round_view(shard, r) for r in core.rounds]
+    return out
+
+
+def round_view(shard: SyncerShard, r: RoundRecord) -> dict:
+    """One round for reports and the status page, on the shard's own time axis."""
+    return {"fragment": r.fragment, "version": r.version, "opened_at": r.opened_at - shard.started,
+            "closed_at": r.closed_at - shard.started, "participants": list(r.participants),
+            "stale": r.stale, "staleness": list(r.staleness), "held_s": r.held_s, "final": r.final}
+
+
+def learner_state(shard: SyncerShard, m: int, now: float) -> str:
+    core = shard.core
+    heard = core.liveness.heard.get(m) if core is not None else None
+    if m in shard.left:
+        return "left"
+    if core is not None and m in core.lost:
+        return "lost"
+    if m not in shard.joined:
+        return "not joined"
+    if heard is not None and now - heard > SILENT_AFTER_S:
+        return "silent"
+    return "training"
+
+
+def snapshot(shard: SyncerShard) -> dict:
+    """Membership, each learner's state and the recent rounds, for the status page."""
+    core, now = shard.core, shard.clock.now()
+    learners = {}
+    for m in sorted(set(range(shard.settings.learners)) | shard.joined):
+        entry = core.ledger.get(m) if core else None
+        heard = core.liveness.heard.get(m) if core else None
+        learners[str(m)] = {
+            "name": f"learner {m}", "host": shard.hosts.get(m, ""), "state": learner_state(shard, m, now),
+            "tokens": core.tokens_reported(m) if core else 0, "steps": shard.steps.get(m, 0),
+            "pushes": entry.pushes if entry else 0, "duplicates": entry.duplicates if entry else 0,
+            "tokens_merged": sum(entry.merged.values()) if entry else 0,
+            "tokens_stale": sum(entry.stale.values()) if entry else 0,
+            "last_seen_s": now - heard if heard is not None else None,
+            "held_versions": {str(p): v for p, v in core.held_versions.get(m, {}).items()} if core else {}}
+    rounds = [round_view(shard, r) for r in (core.rounds[-200:] if core else [])]
+    return {"shard": shard.plan.index, "shards": shard.plan.count, "strategy": shard.spec.name,
+            "uptime_s": now - shard.started, "finished": shard.finished, "fragments": shard.owned,
+            "versions": {str(p): s.version for p, s in core.fragments.items()} if core else {},
+            "learners": learners, "rounds": rounds}

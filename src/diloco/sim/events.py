@@ -1,0 +1,74 @@
+"""The simulator's own events, in virtual time, dispatched by type (`Simulation.run`).
+
+`ToSyncer` carries one of the syncer core's events (`core/events.py`) to the moment it arrives; the
+others are what happens to learners. Events for a learner carry its incarnation: one meant for an
+earlier life (before a crash) is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from diloco.core.events import SyncerEvent
+from diloco.core.messages import Update
+
+
+@dataclass(frozen=True)
+class ToSyncer:
+    event: SyncerEvent
+
+
+@dataclass(frozen=True)
+class StepEnds:
+    learner: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class Beat:
+    """Time for a learner's heartbeat (every HEARTBEAT_S, on its own thread in the real runtime)."""
+
+    learner: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class UpdateArrives:
+    learner: int
+    incarnation: int
+    update: Update
+
+
+@dataclass(frozen=True)
+class StopArrives:
+    learner: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class StateArrives:
+    """Θ reached a learner that is back from a crash (`state` None: data-parallel, take a peer's)."""
+
+    learner: int
+    incarnation: int
+    state: tuple[dict[str, Any], list[int]] | None
+
+
+@dataclass(frozen=True)
+class Crash:
+    learner: int
+
+
+@dataclass(frozen=True)
+class Recover:
+    learner: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class AllReduceDone:
+    pass
+
+
+SimEvent = Union[ToSyncer, StepEnds, Beat, UpdateArrives, StopArrives, StateArrives, Crash, Recover, AllReduceDone]

@@ -1,0 +1,64 @@
+"""A simulated learner's own state: its replica, step timer and link, and what the driver tracks of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco.core.learner import LearnerCore
+from diloco.sim.link import Link
+from diloco.sim.timing import StepTimer
+from diloco.training import Replica
+
+
+@dataclass
+class Checkpoint:
+    """What a learner saves of its own: inner-optimizer state, data position, step count."""
+
+    optimizer: dict[str, Any]
+    data: dict[str, Any]
+    steps: int
+
+
+@dataclass
+class SimLearner:
+    index: int
+    speed: float
+    replica: Replica
+    timer: StepTimer
+    link: Link
+    planned_steps: int
+    core: LearnerCore | None = None
+    tokens: int = 0
+    busy_s: float = 0.0
+    waiting_s: float = 0.0
+    down_s: float = 0.0
+    waiting_since: float | None = None
+    step_ends_at: float | None = None
+    incarnation: int = 0
+    """Bumped at every crash: events meant for an earlier life are dropped."""
+    alive: bool = True
+    down_since: float | None = None
+    finished: bool = False
+    stop_requested: bool = False
+    """The syncer said the shared budget is spent: the learner finishes at the end of this step."""
+    crashes: int = 0
+    last_seq: int = 0
+    lost_tokens: list[int] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None
+
+    def wait(self, now: float) -> None:
+        if self.waiting_since is None:
+            self.waiting_since = now
+
+    def resume(self, now: float) -> None:
+        if self.waiting_since is not None:
+            self.waiting_s += now - self.waiting_since
+            self.waiting_since = None
+
+    def abort_step(self, now: float) -> None:
+        """A step in progress is cut short: the time it would still have taken was never spent."""
+        if self.step_ends_at is not None:
+            self.busy_s -= self.step_ends_at - now
+            self.step_ends_at = None
+        self.incarnation += 1
