@@ -917,7 +917,7 @@ def test_fuzzed_messages_to_a_seeded_shard_are_refused_and_change_nothing():
               f"({fuzzer.skipped} left unsent: they could have been valid)")
         print(fuzzer.histogram())
         problems += fuzzer.problems()
-        if not shard._timer.is_alive():
+        if not shard.waker.is_alive():
             problems.append("the shard's timer thread died")
         problems += status_problems(address, True, {p: f["version"] for p, f in before["fragments"].items()})
         problems += [f"state changed: {d}" for d in differences(before, core_state(shard))][:20]
@@ -1071,8 +1071,8 @@ def test_a_push_with_absurd_timings_leaves_grace_windows_bounded(field, value):
         while shard.core.version(1) == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert shard.core.version(1) == 1, (f"the round stalled: step time {shard.core.step_time}, one-way "
-                                            f"{shard.core.one_way_s}, timer alive {shard._timer.is_alive()}")
-        assert shard._timer.is_alive()
+                                            f"{shard.core.one_way_s}, timer alive {shard.waker.is_alive()}")
+        assert shard.waker.is_alive()
 
 
 def test_a_grace_window_that_ends_after_another_still_closes_its_round():

@@ -46,6 +46,9 @@ class Waker:
         self._thread = threading.Thread(target=self._run, name="syncer-waker", daemon=True)
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         with self.condition:
             self._stopping = True

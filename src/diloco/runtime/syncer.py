@@ -98,6 +98,11 @@ class SyncerShard(pb_grpc.SyncerServicer):
             with self.lock:
                 self._restore()
 
+    @property
+    def lost(self) -> set[int]:
+        """Learners the core found dead by silence (they count again when they speak)."""
+        return set(self.core.lost) if self.core is not None else set()
+
     def start(self) -> SyncerShard:
         self.waker.start()
         return self
