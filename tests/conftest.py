@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from diloco.config import Config, load_config
@@ -23,3 +26,10 @@ def tiny_config(*overrides: str) -> Config:
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python, with tests/ (the toy models) on its path ahead of
+    what this process has there, so that it runs the same sources."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}

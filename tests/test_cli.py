@@ -1,14 +1,12 @@
 """The command line as a user meets it: files written, one-line errors, exit codes."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import TINY
+from conftest import TINY, child_env
 from diloco.cli import main
 
 REQUIRED = {"strategy", "learners", "tokens", "final_eval_loss", "virtual_wall_clock_s", "wire_bytes_up",
@@ -39,8 +37,7 @@ def test_sim_reads_a_config_file(tmp_path):
 
 
 def run_cli(*args):
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
-    return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, env=child_env(),
                           timeout=120)
 
 

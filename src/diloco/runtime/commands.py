@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from diloco.config import load_config
+from diloco.console import learners_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
 from diloco.metrics import open_metrics
-from diloco.transport.security import add_security_arguments, security_from_args, with_run_secret
+from diloco.transport.settings import add_security_arguments, security_from_args, with_run_secret
 
 METRICS_EVERY_S = 2.0
 """How often a syncer shard records its own metrics."""
@@ -56,7 +56,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from diloco.cli import learners_table, results_table, write_plots
     from diloco.runtime.launcher import Launcher
 
     config = load_config(args.config, args.set or [])
@@ -68,42 +67,40 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     launcher = Launcher(config, config_args(args), out, shards=args.shards, verbose=args.verbose,
                         security=security, env=secret_env)
     try:
-        if args.quiet:
-            summary = launcher.run()
-        else:
-            columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"),
-                       TimeElapsedColumn()]
-            with Progress(*columns, console=Console(stderr=True), transient=True) as bars:
-                speeds = config.speeds()
-                tasks = {m: bars.add_task(f"learner {m} (speed {speeds[m]:g})", total=planned, detail="")
-                         for m, planned in launcher.progress.planned.items()}
-                syncer = bars.add_task("syncer", total=None, detail="starting")
-                shown: list[bool] = []
-
-                def show(progress) -> None:
-                    if not shown and "status page" in launcher.endpoints:
-                        bars.console.print(f"status page: {launcher.endpoints['status page']}")
-                        shown.append(True)
-                    for m, task in tasks.items():
-                        done = progress.tokens.get(m, 0)
-                        bars.update(task, completed=done, detail=f"{done:,} tokens")
-                    loss = f", eval loss {progress.eval_loss:.3f}" if progress.eval_loss is not None else ""
-                    bars.update(syncer, detail=f"{progress.rounds} rounds merged{loss}")
-
-                summary = launcher.run(on_progress=show)
+        summary = launcher.run() if args.quiet else _run_with_bars(launcher)
     except KeyboardInterrupt:
         console.print(f"interrupted: learners pushed what they had and left; state saved in {out}")
         return 130
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plots = write_plots(out)
     if not args.quiet:
-        table = results_table(launcher.result)
-        table.title = f"diloco run: {config.strategy}, {config.learners.count} learners"
+        table = results_table(launcher.result, f"diloco run: {config.strategy}, {config.learners.count} learners")
         table.add_row("wall-clock (whole command)", f"{summary['wall_clock_s']:.1f} s")
         console.print(table)
         console.print(learners_table(launcher.result))
-    console.print(f"summary: {out / 'summary.json'}" + (f"; plots in {plots}" if plots else ""))
+    show_outputs(console, out)
     return 0
+
+
+def _run_with_bars(launcher) -> dict:
+    """The launcher's run, with a bar per learner (its tokens) and one for the syncer (its rounds)."""
+    with progress_bars("{task.description}", "{task.fields[detail]}") as bars:
+        speeds = launcher.config.speeds()
+        tasks = {m: bars.add_task(f"learner {m} (speed {speeds[m]:g})", total=planned, detail="")
+                 for m, planned in launcher.progress.planned.items()}
+        syncer = bars.add_task("syncer", total=None, detail="starting")
+        shown: list[bool] = []
+
+        def show(progress) -> None:
+            if not shown and "status page" in launcher.endpoints:
+                bars.console.print(f"status page: {launcher.endpoints['status page']}")
+                shown.append(True)
+            for m, task in tasks.items():
+                done = progress.tokens.get(m, 0)
+                bars.update(task, completed=done, detail=f"{done:,} tokens")
+            loss = f", eval loss {progress.eval_loss:.3f}" if progress.eval_loss is not None else ""
+            bars.update(syncer, detail=f"{progress.rounds} rounds merged{loss}")
+
+        return launcher.run(on_progress=show)
 
 
 # ---------------------------------------------------------------- diloco chaos
