@@ -63,3 +63,34 @@ def test_verbose_shows_the_traceback(tmp_path):
     result = run_cli("sim", "--set", "outer.H=0", "--verbose", "--out", str(tmp_path))
     assert result.returncode == 2
     assert "Traceback" in result.stderr
+
+
+# ---------------------------------------------------------------- keys the real runtime ignores
+
+
+def test_the_runtime_ignores_the_simulators_failure_plan_and_step_time_model_when_set():
+    from diloco.config import load_config
+    from diloco.runtime.ignored import ignored_keys
+
+    assert ignored_keys(load_config()) == {}
+    assert ignored_keys(load_config(None, ["failures.detect_s=5.0", "learners.jitter=0.23"])) == {}  # the defaults
+    ignored = ignored_keys(load_config(None, ["failures.detect_s=1", "failures.crashes=[{learner = 1, at_s = 3}]",
+                                              "failures.checkpoint_every=5", "learners.step_time_s=0.1",
+                                              "learners.drift=0", "learners.speeds=[1, 0.5]"]))
+    assert sorted(ignored) == ["failures.crashes", "failures.detect_s", "learners.drift", "learners.step_time_s"]
+    assert "diloco chaos" in ignored["failures.detect_s"] and "step-time model" in ignored["learners.drift"]
+
+
+def test_runtime_commands_warn_once_per_ignored_key_from_a_file_or_set(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text("[failures]\ndetect_s = 2.0\n")
+    assert main(["run", str(config), *sets("learners.step_time_s=0.1"), "--shards", "0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "diloco: warning: learners.step_time_s is ignored by `diloco run`: the simulator's step-time model; "
+        "a real learner's steps take what they take",
+        "diloco: warning: failures.detect_s is ignored by `diloco run`: the simulator's failure plan; "
+        "use `diloco chaos` for real faults",
+        "diloco: error: --shards must be at least 1"]
+    assert main(["learner", *sets("learners.jitter=0.5")]) == 2
+    assert "learners.jitter is ignored by `diloco learner`" in capsys.readouterr().err

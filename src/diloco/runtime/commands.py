@@ -12,10 +12,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from diloco.config import load_config
+from diloco.config import Config, load_config
 from diloco.console import learners_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
 from diloco.metrics import open_metrics
+from diloco.runtime.ignored import warn_ignored
 from diloco.transport.settings import add_security_arguments, security_from_args, with_run_secret
 
 METRICS_EVERY_S = 2.0
@@ -30,6 +31,13 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 def config_args(args: argparse.Namespace) -> list[str]:
     """The config options as given, to pass on to child processes."""
     return ([args.config] if args.config else []) + [x for item in args.set or [] for x in ("--set", item)]
+
+
+def runtime_config(args: argparse.Namespace) -> Config:
+    """The config, with a warning for each key set in it that the real runtime ignores."""
+    config = load_config(args.config, args.set or [])
+    warn_ignored(config, args.command)
+    return config
 
 
 def setup_logging(verbose: bool) -> None:
@@ -58,7 +66,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from diloco.runtime.launcher import Launcher
 
-    config = load_config(args.config, args.set or [])
+    config = runtime_config(args)
     out = Path(args.out) if args.out else Path("runs") / f"run-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     if args.shards < 1:
@@ -123,7 +131,7 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
 
     from diloco.runtime.chaos import run_chaos
 
-    config = load_config(args.config, args.set or [])
+    config = runtime_config(args)
     if min(args.kill_learners, args.kill_syncer) < 0 or args.restart_after < 0:
         raise DilocoError("--kill-learners, --kill-syncer and --restart-after must be zero or positive")
     out = Path(args.out) if args.out else Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -178,7 +186,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
 
     die_with_parent()
     setup_logging(args.verbose)
-    config = load_config(args.config, args.set or [])
+    config = runtime_config(args)
     security = security_from_args(args, role="server")
     index, count = parse_shard(args.shard)
     check_shards(config, count)
@@ -248,7 +256,7 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
 
     die_with_parent()
     setup_logging(args.verbose)
-    config = load_config(args.config, args.set or [])
+    config = runtime_config(args)
     if args.id is not None and args.id < 0:
         raise DilocoError(f"--id must be zero or positive, got {args.id}")
     if bool(args.syncer) == args.no_sync:
