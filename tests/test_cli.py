@@ -17,6 +17,7 @@ def sets(*overrides):
     return [arg for o in overrides for arg in ("--set", o)]
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_sim_writes_a_summary(tmp_path, capsys):
     code = main(["sim", *sets(*TINY, "strategy=diloco"), "--out", str(tmp_path)])
     assert code == 0
@@ -27,6 +28,7 @@ def test_sim_writes_a_summary(tmp_path, capsys):
     assert "final eval loss" in capsys.readouterr().out
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_sim_reads_a_config_file(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('strategy = "ddp"\n[learners]\nspeeds = [1, 0.5]\n')
@@ -41,6 +43,7 @@ def run_cli(*args):
                           timeout=120)
 
 
+@pytest.mark.integration  # runs `diloco` as a process
 @pytest.mark.parametrize("args, message", [
     (["sim", "--set", "outer.H=0"], "config key 'outer.H' must be positive"),
     (["sim", "--set", "outer.typo=1"], "unknown config key 'outer.typo'"),
@@ -59,6 +62,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(args, message, tmp_path):
     assert not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.integration  # runs `diloco` as a process
 def test_verbose_shows_the_traceback(tmp_path):
     result = run_cli("sim", "--set", "outer.H=0", "--verbose", "--out", str(tmp_path))
     assert result.returncode == 2

@@ -72,7 +72,7 @@ def test_no_module_of_the_package_imports_itself_back():
     assert not cycles, f"modules on an import cycle: {sorted(cycles)}"
 
 
-@pytest.mark.integration
+@pytest.mark.integration  # runs `diloco` in a fresh interpreter
 def test_help_of_every_command_loads_no_grpc():
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
@@ -80,7 +80,7 @@ def test_help_of_every_command_loads_no_grpc():
     assert grpc_modules_loaded_by(["--help"], *([name, "--help"] for name in commands)) == []
 
 
-@pytest.mark.integration
+@pytest.mark.integration  # runs `diloco` in a fresh interpreter
 def test_a_simulation_loads_no_grpc(tmp_path):
     sets = [x for o in TINY for x in ("--set", o)]
     assert grpc_modules_loaded_by(["sim", *sets, "--out", str(tmp_path), "-q"]) == []
