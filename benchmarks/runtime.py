@@ -227,14 +227,6 @@ def compare(synced: dict[str, Any], unsynced: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- (c): transport on loopback
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class GrpcPath:
     """A `diloco syncer` subprocess owning one fragment, seeded with one tensor of the fragment's size."""
 
@@ -243,27 +235,22 @@ class GrpcPath:
 
         from diloco.codecs import get_codec
         from diloco.errors import DilocoError
+        from diloco.runtime.ports import wait_for_port
         from diloco.transport.client import ShardClient
         from diloco.transport.frames import tensor_header
         from diloco.v1 import diloco_pb2 as pb
 
         self.pb = pb
-        address = f"127.0.0.1:{free_port()}"
-        log = work / "syncer.log"
-        self.proc = procs.start(diloco("syncer", "--bind", address, "--set", "strategy=decoupled",
-                                       "--set", "outer.fragments=1", "--set", "outer.quorum=0"), log)
-        self.client = ShardClient(address)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"diloco syncer exited with code {self.proc.returncode}; {log} ends:\n"
-                                   f"{tail(log)}")
-            try:
-                self.client.wait_ready(1.0)
-                break
-            except DilocoError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"diloco syncer did not answer within 60 s; {log} ends:\n{tail(log)}")
+        log, port_file = work / "syncer.log", work / "syncer.port"
+        self.proc = procs.start(diloco("syncer", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
+                                       "--set", "strategy=decoupled", "--set", "outer.fragments=1",
+                                       "--set", "outer.quorum=0"), log)
+        try:  # it binds port 0 and reports the port it got
+            port = wait_for_port(port_file, "diloco syncer", gone=lambda: None if self.proc.poll() is None else
+                                 f"exited with code {self.proc.returncode}")
+        except DilocoError as exc:
+            raise RuntimeError(f"{exc}; {log} ends:\n{tail(log)}") from None
+        self.client = ShardClient(f"127.0.0.1:{port}")
         reply = self.client.join(0)
         self.learner = reply.learner
         layout = [pb.FragmentLayout(index=0, tensors=[pb.TensorSpec(name="w", shape=[numel])])]

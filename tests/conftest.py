@@ -1,6 +1,12 @@
-"""Shared helpers: tiny configurations that train in well under a second."""
+"""Shared helpers: tiny configurations that train in well under a second; waiting for a condition."""
 
 from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -23,3 +29,29 @@ def tiny_config(*overrides: str) -> Config:
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python, with tests/ (the toy models) on its path ahead of
+    what this process has there, so that it runs the same sources."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str | Callable[[], str],
+             poll_s: float = 0.05) -> None:
+    """Return as soon as `predicate()` holds; fail the test after `timeout` seconds, saying what was
+    awaited (`what` may be a function, to describe the state at that moment)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what() if callable(what) else what}")
+        time.sleep(poll_s)
+
+
+def free_port_for_torchrun() -> int:
+    """A port no one listens on now, for torchrun's `--master-port` (torch's own rendezvous, which
+    takes a number). Our own servers never need this: they bind port 0 and report the port they got."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -8,6 +8,8 @@ from diloco.codecs import get_codec
 from diloco.core.messages import MESSAGE_HEADER_BYTES
 from diloco.sim.driver import Simulation
 
+pytestmark = pytest.mark.integration  # every test is a whole training run in the simulator
+
 HETERO = ["strategy=decoupled", "learners.speeds=[1, 1, 0.5, 0.25]", "learners.jitter=0.1", "outer.H=6",
           "outer.fragments=3", "outer.tau=2", "train.tokens=20480"]
 

@@ -185,6 +185,7 @@ def test_dynamic_local_updates_scale_the_period_with_speed():
     assert spec.optimizer == "delayed-nesterov" and spec.dn_buffer == 4
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_decoupled_learners_never_wait_and_faster_ones_train_more():
     config = tiny_config("strategy=decoupled", *HETERO)
     sim = Simulation(config)
@@ -202,6 +203,7 @@ def test_decoupled_learners_never_wait_and_faster_ones_train_more():
     assert result.goodput > 0.97
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 @pytest.mark.parametrize("strategy", ["async", "async-dn", "decoupled"])
 def test_every_trained_token_is_merged_late_or_lost(strategy):
     crash = "failures.crashes=[{learner = 1, at_s = 4.0}]"
@@ -219,6 +221,7 @@ def test_every_trained_token_is_merged_late_or_lost(strategy):
     assert result.tokens_merged + result.tokens_stale + result.tokens_lost == pytest.approx(result.tokens)
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_a_crashed_learner_rejoins_from_the_current_global_model():
     crash = "failures.crashes=[{learner = 2, at_s = 3.0}]"
     sim = Simulation(tiny_config("strategy=decoupled", *HETERO, crash, "failures.recovery_s=2",
@@ -244,6 +247,7 @@ def test_a_crashed_learner_rejoins_from_the_current_global_model():
         assert result.per_learner[m].waiting_s == 0.0 and result.per_learner[m].busy_fraction > 0.97
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_synchronous_diloco_goes_on_without_a_dead_learner_once_it_is_noticed():
     crash = "failures.crashes=[{learner = 3, at_s = 2.0}]"
     sim = Simulation(tiny_config("strategy=diloco", "outer.H=4", crash, "failures.detect_s=1",
@@ -259,6 +263,7 @@ def test_synchronous_diloco_goes_on_without_a_dead_learner_once_it_is_noticed():
     assert result.training_time_s > 1000
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_random_crashes_repeat_for_a_seed():
     overrides = ["strategy=decoupled", *HETERO, "failures.mtbf_s=6", "failures.recovery_s=1"]
     first = Simulation(tiny_config(*overrides)).run().summary()
@@ -274,6 +279,7 @@ def test_a_link_outage_holds_messages_until_it_ends():
     assert mid.send(0.0, 1_000_000) == pytest.approx(3.0)  # half before, the other half after
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_decoupled_runs_through_an_outage():
     def heard_from_learner_0_between(sim, start, end):
         return any(0 in r.participants for r in sim.syncer.rounds if start <= r.closed_at <= end)
@@ -306,6 +312,7 @@ def test_a_round_speaks_for_the_share_of_learners_it_heard_from():
     torch.testing.assert_close(heavy.theta["w"], torch.tensor([-1.0, 0.0]))  # 10000 / 40000 of 4
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_data_parallel_stalls_through_crashes_and_its_replicas_stay_identical():
     healthy = Simulation(tiny_config("strategy=ddp")).run()
     sim = Simulation(tiny_config("strategy=ddp", "failures.mtbf_s=4", "failures.recovery_s=1"))

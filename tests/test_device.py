@@ -83,6 +83,7 @@ def test_adamw_is_fused_on_a_gpu():
     assert make_optimizer(model, tiny_config().train).defaults.get("fused")
 
 
+@pytest.mark.integration  # runs the benchmark as a process
 def test_the_gpu_benchmark_runs_end_to_end_in_its_smoke_mode(tmp_path):
     """benchmarks/gpu.py measures only on a GPU; its smoke mode keeps the script working everywhere."""
     import json

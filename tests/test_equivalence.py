@@ -2,12 +2,15 @@
 
 import copy
 
+import pytest
 import torch
 
 from conftest import tiny_config
 from diloco.data import ShardSampler, load_corpus
 from diloco.models import build_model
 from diloco.sim.driver import Simulation
+
+pytestmark = pytest.mark.integration  # every test is a whole training run in the simulator
 
 PLAIN = ["train.schedule=constant", "train.warmup_steps=0", "train.grad_clip=0", "train.weight_decay=0",
          "model.factory=toy_models:tiny_lm"]

@@ -44,6 +44,7 @@ import random
 import re
 import struct
 import sys
+import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +54,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import tiny_config, wait_for
 from diloco.codecs import CODEC_NAMES, DEFAULT_BLOCK, get_codec
 from diloco.fragments import embedding_names, partition
 from diloco.runtime.learner import Learner
@@ -62,6 +63,8 @@ from diloco.transport.client import ShardClient
 from diloco.transport.frames import data_frames, decode, encode_fp32, read_message, tensor_header
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.integration  # every test fuzzes a live shard over real gRPC
 
 SEED = int(os.environ.get("DILOCO_FUZZ_SEED", "1729"))
 MESSAGES = int(os.environ.get("DILOCO_FUZZ_MESSAGES", "3000"))
@@ -108,15 +111,13 @@ def train(learner: Learner, steps: int, seed: int) -> None:
 
 def settle(shard: SyncerShard, learner: Learner, timeout_s: float = 15.0) -> None:
     """Until the shard has counted (and, with one learner, merged) every push the learner sent."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def counted() -> bool:
         with shard.lock:
             entry = shard.core.ledger.get(learner.id)
-            if entry is not None and entry.last_seq == learner.core.seq and \
-                    not any(s.pending for s in shard.core.fragments.values()):
-                return
-        time.sleep(0.02)
-    raise AssertionError(f"the shard did not count the learner's {learner.core.seq} pushes within {timeout_s} s")
+            return entry is not None and entry.last_seq == learner.core.seq and \
+                not any(s.pending for s in shard.core.fragments.values())
+
+    wait_for(counted, timeout_s, f"the shard to count the learner's {learner.core.seq} pushes", poll_s=0.02)
 
 
 @contextmanager
@@ -1065,13 +1066,15 @@ def test_a_push_with_absurd_timings_leaves_grace_windows_bounded(field, value):
             return rpc_code(lambda: stub.Push(iter(frames), timeout=10))
 
         assert push(0, **{field: value}) in ("OK", "INVALID_ARGUMENT")
-        time.sleep(0.2)  # fragment 0's grace window, if sane, is over: the timer is free for fragment 1
+
+        def stalled() -> str:
+            return (f"the round to close: step time {shard.core.step_time}, one-way {shard.core.one_way_s}, "
+                    f"timer alive {shard.waker.is_alive()}")
+
+        # Refused, or taken and merged once its grace window (if sane) is over: the timer is free for fragment 1.
+        wait_for(lambda: not shard.core.fragments[0].pending, 5, stalled, poll_s=0.02)
         assert push(1) == "OK"  # a sound push: its round closes within its grace window (≤ 2 step times)
-        deadline = time.monotonic() + 5
-        while shard.core.version(1) == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert shard.core.version(1) == 1, (f"the round stalled: step time {shard.core.step_time}, one-way "
-                                            f"{shard.core.one_way_s}, timer alive {shard.waker.is_alive()}")
+        wait_for(lambda: shard.core.version(1) == 1, 5, stalled, poll_s=0.02)
         assert shard.waker.is_alive()
 
 
@@ -1087,18 +1090,29 @@ def test_a_grace_window_that_ends_after_another_still_closes_its_round():
                                    steps=1, step_time_s=step_time, sent_at=time.time(),
                                    tensors=[tensor_header(n, encoded[n]) for n in names])
             stub.Push(iter([pb.Frame(push=header), *data_frames(encoded.values())]), timeout=10)
-        deadline = time.monotonic() + 3
-        while (shard.core.version(0), shard.core.version(1)) != (1, 1) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with shard.lock:
-            open_rounds = {p: (s.deadline, list(s.pending)) for p, s in shard.core.fragments.items() if s.pending}
-        assert (shard.core.version(0), shard.core.version(1)) == (1, 1), f"rounds still open: {open_rounds}"
+
+        def open_rounds() -> str:
+            with shard.lock:
+                return "both rounds to close; open: " + str(
+                    {p: (s.deadline, list(s.pending)) for p, s in shard.core.fragments.items() if s.pending})
+
+        wait_for(lambda: (shard.core.version(0), shard.core.version(1)) == (1, 1), 3, open_rounds, poll_s=0.02)
 
 
-def test_a_push_whose_stream_breaks_after_the_message_is_not_taken():
+def test_a_push_whose_stream_breaks_after_the_message_is_not_taken(monkeypatch):
     """A valid push followed by a message that does not parse: gRPC answers INTERNAL and ends the
     handler's request iterator as if the stream had ended cleanly. The client is told the push failed,
     so the shard must not have taken it."""
+    handled = threading.Event()
+    push = SyncerShard.Push
+
+    def push_then_tell(self, request_iterator, context):
+        try:
+            return push(self, request_iterator, context)
+        finally:
+            handled.set()
+
+    monkeypatch.setattr(SyncerShard, "Push", push_then_tell)  # before serving: gRPC takes the handler then
     with live_shard("learners.count=1") as (shard, address), learner_of(address) as learner:
         channel = grpc.insecure_channel(address)
         raw_push = channel.stream_unary("/diloco.v1.Syncer/Push", request_serializer=lambda b: b,
@@ -1111,7 +1125,7 @@ def test_a_push_whose_stream_breaks_after_the_message_is_not_taken():
                  *(f.SerializeToString() for f in data_frames(encoded.values())), b"\xff\xff"]
         try:
             code = rpc_code(lambda: raw_push(iter(blobs), timeout=10))
-            time.sleep(0.3)  # the handler may still be at work after the client has its answer
+            assert handled.wait(10)  # the handler may still be at work after the client has its answer
             entry = shard.core.ledger[REAL]
             assert code == "INTERNAL"
             assert (entry.pushes, entry.last_seq, shard.core.version(0)) == (0, 0, 0)

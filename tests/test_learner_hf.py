@@ -20,6 +20,7 @@ from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing is downloaded
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.integration  # every test trains against a live shard over real gRPC
 GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel  # the slow lazy import, once
 
 VOCAB, SEQ, BATCH = 64, 16, 4

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import tiny_config
+from conftest import free_port_for_torchrun, tiny_config
 from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
 
 WORKER = Path(__file__).parent / "workers" / "ddp_learner.py"
@@ -26,14 +25,9 @@ RANKS, STEPS, BATCH, SEQ = 2, 24, 4, 16
 FRAGMENTS = 2
 TIMEOUT_S = 120
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with Gloo is not available")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = [pytest.mark.integration,  # torchrun processes against a live shard
+              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                 reason="torch.distributed with Gloo is not available")]
 
 
 def torchrun(syncer: str, out: Path) -> tuple[int, str]:
@@ -43,7 +37,7 @@ def torchrun(syncer: str, out: Path) -> tuple[int, str]:
     if Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(RANKS),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port_for_torchrun()), str(WORKER),
                "--syncer", syncer, "--out", str(out), "--steps", str(STEPS), "--batch", str(BATCH),
                "--seq", str(SEQ)]
     log = out / "torchrun.log"  # a file, not a pipe: a stray worker holding a pipe open cannot block us

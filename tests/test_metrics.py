@@ -27,6 +27,7 @@ def last_by_learner(records):
     return last
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_simulated_metrics_add_up_to_what_was_trained_sent_and_merged(tmp_path):
     config = tiny_config("learners.speeds=[1, 0.5]", "outer.fragments=2", "metrics.every_steps=3")
     log = open_metrics(tmp_path, origin=0.0)
@@ -63,6 +64,7 @@ def test_round_cosine_is_one_for_identical_learners_and_the_norm_is_the_step():
     assert mean_cosine([same]) is None
 
 
+@pytest.mark.integration  # a live HTTP server
 def test_prometheus_serves_the_latest_value_of_each_metric_with_labels():
     sink = PrometheusSink(0, host="127.0.0.1")
     log = MetricsLog([sink])

@@ -217,6 +217,7 @@ NOISY = ["learners.speeds=[1, 1, 1, 1]", "learners.jitter=0.23", "learners.drift
          "outer.H=10", "outer.fragments=2", "train.tokens=40960"]
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_equal_learners_with_noisy_steps_meet_in_rounds_only_with_pacing():
     paced_run = Simulation(tiny_config("strategy=decoupled", *NOISY)).run()
     assert paced_run.round_stats["participants_mean"] >= 3.5
@@ -227,6 +228,7 @@ def test_equal_learners_with_noisy_steps_meet_in_rounds_only_with_pacing():
         assert report_.waiting_s == 0.0  # held rounds never hold a learner up
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_the_final_theta_is_no_worse_than_the_learners_it_came_from():
     result = Simulation(tiny_config("strategy=decoupled", *NOISY, "learners.speeds=[1, 1, 0.5, 0.25]")).run()
     assert result.final_eval_loss <= result.learners_eval_loss_mean

@@ -168,6 +168,7 @@ def test_run_plots_are_valid_images(tmp_path: Path) -> None:
         assert_png(path)
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_plots_of_a_simulator_run_without_metrics(sim_run: Path) -> None:
     written = write_run_plots(sim_run, sim_run / "elsewhere")
     assert written == [sim_run / "elsewhere" / "loss.png"]  # no learner or round records: nothing else to draw
@@ -190,6 +191,7 @@ def test_plots_without_matplotlib_say_install_plots(tmp_path: Path, monkeypatch:
 # --- comparing runs ------------------------------------------------------------------------------
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_compare_table_report_and_overlaid_plot(tmp_path: Path, sim_run: Path) -> None:
     first = write_run(tmp_path / "runs" / "sim-a", summary(), metrics_records())
     second = write_run(tmp_path / "runs" / "real-b", summary(strategy="diloco", final_eval_loss=4.4, wall_clock_s=300.0,

@@ -9,14 +9,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, tiny_config
+from conftest import TINY, free_port_for_torchrun, tiny_config, wait_for
+from diloco.runtime.ports import wait_for_port
 from diloco.sim.driver import Simulation
+
+pytestmark = pytest.mark.integration  # every test runs diloco as processes
 
 RUN_TIMEOUT_S = 240
 
@@ -28,12 +30,6 @@ def sets(*overrides: str) -> list[str]:
 def diloco(*args: str, timeout: float = RUN_TIMEOUT_S, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=timeout,
                           **kwargs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants_of(pid: int) -> list[int]:
@@ -49,14 +45,6 @@ def descendants_of(pid: int) -> list[int]:
         except OSError:
             continue
     return found
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def wait_gone(pid: int, timeout: float = 30.0) -> None:
@@ -144,23 +132,41 @@ def test_several_shards_split_the_fragments(tmp_path):
 # ---------------------------------------------------------------- separate commands, as on separate hosts
 
 
+def started_syncer(command: list[str], port_file: Path, **popen) -> tuple[subprocess.Popen, int]:
+    """A `diloco syncer` process, and the port it reported in `port_file` once it listens."""
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", *command, "--port-file", str(port_file)],
+                            **popen)
+
+    def gone() -> str | None:
+        return None if proc.poll() is None else f"exited with code {proc.returncode}"
+
+    try:
+        return proc, wait_for_port(port_file, "the syncer", gone=gone)
+    except BaseException:
+        proc.kill()
+        raise
+
+
 def test_separate_syncer_shards_and_torchrun_learners_on_loopback(tmp_path):
-    ports = [free_port(), free_port()]
-    addresses = [f"127.0.0.1:{p}" for p in ports]
+    """Each shard binds port 0 and reports the port it got; each finds the other's in its port file."""
+    port_files = [tmp_path / f"syncer-{i}.port" for i in range(2)]
+    shard_map = ",".join(f"127.0.0.1:@{path}" for path in port_files)
     config = sets(*TINY, "learners.count=2", "outer.fragments=2", "train.tokens=10240")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = []
     try:
-        for i, address in enumerate(addresses):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "diloco", "syncer", *config, "--bind", address, "--shard", f"{i}/2",
-                 "--shards", ",".join(addresses), "--out", str(tmp_path), "--exit-when-finished"],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+        addresses = []
+        for i, port_file in enumerate(port_files):
+            proc, port = started_syncer([*config, "--bind", "127.0.0.1:0", "--shard", f"{i}/2", "--shards",
+                                         shard_map, "--out", str(tmp_path), "--exit-when-finished"], port_file,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            procs.append(proc)
+            addresses.append(f"127.0.0.1:{port}")
         learners = [subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-             str(free_port()), "-m", "diloco.learner", *config, "--syncer", addresses[m % 2], "--id", str(m),
-             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-            for m in range(2)]
+             str(free_port_for_torchrun()), "-m", "diloco.learner", *config, "--syncer", addresses[m % 2],
+             "--id", str(m), "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env) for m in range(2)]
         procs += learners
         for proc in procs:
             output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
@@ -180,7 +186,10 @@ def test_separate_syncer_shards_and_torchrun_learners_on_loopback(tmp_path):
 
 
 def test_a_learner_pointed_at_nothing_fails_in_one_line():
-    done = diloco("learner", "--syncer", f"127.0.0.1:{free_port()}", "--connect-timeout", "2", timeout=60)
+    with socket.socket() as nothing:
+        nothing.bind(("127.0.0.1", 0))  # bound and never listening: connections are refused, and it stays ours
+        address = f"127.0.0.1:{nothing.getsockname()[1]}"
+        done = diloco("learner", "--syncer", address, "--connect-timeout", "2", timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "cannot reach the syncer at 127.0.0.1" in done.stderr
 
@@ -268,13 +277,12 @@ def test_killing_the_launcher_takes_its_children_with_it(tmp_path):
     wait_gone(launcher.pid, timeout=10)
 
 
-def test_a_learner_without_the_run_secret_is_refused_in_one_line():
-    port = free_port()
+def test_a_learner_without_the_run_secret_is_refused_in_one_line(tmp_path):
     env = {**os.environ, "DILOCO_SECRET": "the-right-one"}
-    syncer = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "--bind", f"127.0.0.1:{port}"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        assert "shared secret" in syncer.stdout.readline()  # listening, and says how it is secured
+    syncer, port = started_syncer(["--bind", "127.0.0.1:0"], tmp_path / "syncer.port", stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True, env=env)
+    try:  # it says where it listens (the port it got) and how it is secured
+        assert f"listening on 127.0.0.1:{port} (plaintext, shared secret)" in syncer.stdout.readline()
         done = diloco("learner", "--syncer", f"127.0.0.1:{port}", "--connect-timeout", "20", timeout=60,
                       env={**os.environ, "DILOCO_SECRET": "a-wrong-one"})
     finally:

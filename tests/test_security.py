@@ -78,6 +78,7 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
 # ---------------------------------------------------------------- the shared secret
 
 
+@pytest.mark.integration  # a live server over real gRPC
 def test_with_the_secret_every_kind_of_call_reaches_the_shard(serve_shard):
     shard, address = serve_shard(TransportSecurity(secret=SECRET))
     syncer = stub(address, TransportSecurity(secret=SECRET))
@@ -99,6 +100,7 @@ def test_with_the_secret_every_kind_of_call_reaches_the_shard(serve_shard):
     assert shard.left == {0}
 
 
+@pytest.mark.integration  # a live server over real gRPC
 @pytest.mark.parametrize("client_secret", [None, b"wrong secret"], ids=["no-secret", "wrong-secret"])
 def test_without_the_right_secret_every_call_is_refused_clearly_and_changes_nothing(serve_shard, caplog,
                                                                                    client_secret):
@@ -126,6 +128,7 @@ def test_without_the_right_secret_every_call_is_refused_clearly_and_changes_noth
         assert f"/diloco.v1.Syncer/{name}" in message and "127.0.0.1" in message and why in message
 
 
+@pytest.mark.integration  # a live server over real gRPC
 def test_a_refused_request_is_never_parsed(serve_shard):
     _, address = serve_shard(TransportSecurity(secret=SECRET))
     channel = make_channel(address, TransportSecurity(secret=b"wrong"))
@@ -134,6 +137,7 @@ def test_a_refused_request_is_never_parsed(serve_shard):
     assert (code, details) == (grpc.StatusCode.UNAUTHENTICATED, REFUSED)
 
 
+@pytest.mark.integration  # a live server over real gRPC
 def test_a_shard_without_a_secret_accepts_any_caller(serve_shard):
     _, address = serve_shard(TransportSecurity())
     for secret in (None, SECRET):
@@ -166,6 +170,7 @@ def echo_calls(channel: grpc.Channel, metadata=()) -> list:
                                                                   metadata=metadata))]
 
 
+@pytest.mark.integration  # a live server over real gRPC
 def test_the_secret_travels_and_is_checked_on_all_four_kinds_of_call():
     server, port = start_server(TransportSecurity(secret=SECRET), echo_service)
     address = f"127.0.0.1:{port}"
@@ -221,6 +226,7 @@ def status_of(address: str, security: TransportSecurity) -> pb.StatusReply:
     return stub(address, security).Status(pb.StatusRequest(), timeout=TIMEOUT)
 
 
+@pytest.mark.integration  # a live server over real gRPC
 def test_tls_clients_that_trust_the_ca_get_through_and_plaintext_ones_do_not(serve_shard, pki):
     server = load_security(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), role="server")
     _, address = serve_shard(TransportSecurity(secret=SECRET, tls_cert=server.tls_cert, tls_key=server.tls_key))
@@ -233,6 +239,7 @@ def test_tls_clients_that_trust_the_ca_get_through_and_plaintext_ones_do_not(ser
     assert (code, details) == (grpc.StatusCode.UNAUTHENTICATED, REFUSED)  # TLS is no substitute for the secret
 
 
+@pytest.mark.integration  # a live server over real gRPC
 def test_mutual_tls_needs_a_client_certificate_signed_by_the_ca(serve_shard, pki):
     server = load_security(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"),
                            tls_ca=str(pki / "ca.pem"), role="server")
@@ -246,6 +253,7 @@ def test_mutual_tls_needs_a_client_certificate_signed_by_the_ca(serve_shard, pki
     assert status_of(address, with_cert).shard == 0
 
 
+@pytest.mark.integration  # a live server over real gRPC
 def test_a_server_name_override_verifies_a_certificate_made_for_another_name(serve_shard, pki):
     _, address = serve_shard(load_security(tls_cert=str(pki / "named.pem"), tls_key=str(pki / "named.key"),
                                            role="server"))

@@ -8,6 +8,8 @@ from diloco.sim import simulate
 from diloco.sim.driver import Simulation
 from diloco.training import evaluate
 
+pytestmark = pytest.mark.integration  # every test is a whole training run in the simulator
+
 FAST_LINK = ["link.bandwidth_mbit=1e9", "link.latency_ms=0"]
 
 

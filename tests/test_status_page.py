@@ -160,6 +160,7 @@ def served():
     server.close()
 
 
+@pytest.mark.integration  # a live HTTP server
 def test_server_serves_the_page_and_the_snapshot_as_json(served, capfd):
     server, state = served
     code, ctype, body = get(f"http://{server.address}/status.json")
@@ -171,12 +172,14 @@ def test_server_serves_the_page_and_the_snapshot_as_json(served, capfd):
     assert capfd.readouterr().err == ""  # no line per request
 
 
+@pytest.mark.integration  # a live HTTP server
 def test_unknown_path_is_404(served):
     server, _ = served
     assert get(f"http://{server.address}/nope")[0] == 404
     assert get(f"http://{server.address}/status.json/x")[0] == 404
 
 
+@pytest.mark.integration  # a live HTTP server
 def test_a_failing_snapshot_is_a_500_and_the_server_keeps_serving(served):
     server, state = served
     state["fail"] = True
@@ -187,6 +190,7 @@ def test_a_failing_snapshot_is_a_500_and_the_server_keeps_serving(served):
     assert get(f"http://{server.address}/status.json")[0] == 200
 
 
+@pytest.mark.integration  # a live HTTP server
 def test_close_frees_the_port_and_is_idempotent():
     server = StatusServer(lambda: {})
     address = server.address
@@ -225,6 +229,7 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
+@pytest.mark.integration  # a live HTTP server
 @needs_chromium
 def test_page_in_headless_chromium_shows_learners_and_refreshes_itself(tmp_path):
     first = snapshot(3)

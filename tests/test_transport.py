@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import tiny_config, wait_for
 from diloco.codecs import Encoded, get_codec
 from diloco.errors import DilocoError
 from diloco.runtime.learner import Learner
@@ -85,6 +83,7 @@ def push_header(learner, fragment, seq, names, encoded, base_version=0, tokens=1
                          steps=1, tensors=[tensor_header(n, encoded[n]) for n in names])
 
 
+@pytest.mark.integration  # a live shard over real gRPC
 def test_a_retried_push_is_counted_once(shard):
     syncer, address = shard
     learner = Learner(tiny_model(), syncer=address, learner=0)
@@ -102,6 +101,7 @@ def test_a_retried_push_is_counted_once(shard):
     learner.close()
 
 
+@pytest.mark.integration  # a live shard over real gRPC
 @pytest.mark.parametrize("corrupt, message", [
     (lambda d: {**d, next(iter(d)): torch.full_like(next(iter(d.values())), float("nan"))}, "NaN or Inf"),
     (lambda d: {n: t.reshape(-1)[:-1] for n, t in d.items()}, "shape"),
@@ -125,6 +125,7 @@ def test_a_bad_push_is_refused_with_the_reason_and_changes_nothing(shard, corrup
     learner.close()
 
 
+@pytest.mark.integration  # a live shard over real gRPC
 def test_a_learner_with_another_model_is_refused_by_name(shard):
     _, address = shard
     first = Learner(tiny_model(), syncer=address, learner=0)
@@ -134,6 +135,13 @@ def test_a_learner_with_another_model_is_refused_by_name(shard):
     first.close()
 
 
+def answers_arrived(learner: Learner) -> bool:
+    """Every push the learner has in flight has its answer, merged or waiting in its inbox."""
+    unanswered = sum(flight.update is None for flight in learner.core.in_flight.values())
+    return len(learner._inbox) >= unanswered
+
+
+@pytest.mark.integration  # a live shard over real gRPC
 def test_updates_reach_the_learner_and_anchors_match_what_the_syncer_holds(shard):
     """Two learners in lockstep on one thread: every merge re-anchors on exactly the values the
     syncer recorded as sent (the anchor-consistency invariant), over the real transport."""
@@ -147,8 +155,8 @@ def test_updates_reach_the_learner_and_anchors_match_what_the_syncer_holds(shard
             opt.step()
             opt.zero_grad()
             learner.step(tokens=8)
-    time.sleep(0.5)  # let the last answers land, then merge them at one more step
-    for learner in learners:
+    wait_for(lambda: all(answers_arrived(learner) for learner in learners), 10, "the answers to every push")
+    for learner in learners:  # merge them at one more step
         learner.step(tokens=0)
     for m, learner in enumerate(learners):
         assert learner.merges > 0
@@ -164,6 +172,7 @@ def test_updates_reach_the_learner_and_anchors_match_what_the_syncer_holds(shard
         assert per_fragment == [report["tokens"]] * 2  # conservation: every token counted once per fragment
 
 
+@pytest.mark.integration  # a live shard over real gRPC
 def test_an_unseeded_shard_refuses_a_pull_clearly(shard):
     _, address = shard
     client = ShardClient(address)
@@ -172,6 +181,7 @@ def test_an_unseeded_shard_refuses_a_pull_clearly(shard):
     client.close()
 
 
+@pytest.mark.integration  # a live shard over real gRPC
 def test_status_reports_membership(shard):
     _, address = shard
     client = ShardClient(address)
@@ -184,6 +194,7 @@ def test_status_reports_membership(shard):
     client.close()
 
 
+@pytest.mark.integration  # a live shard over real gRPC
 def test_the_status_page_of_a_live_shard_shows_its_learners_by_name(shard):
     import json
     import urllib.request

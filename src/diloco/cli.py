@@ -10,69 +10,16 @@ import traceback
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from diloco import __version__
 from diloco.config import load_config
+from diloco.console import learners_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
 from diloco.goodput.command import add_arguments as add_goodput_arguments
 from diloco.report.command import add_arguments as add_report_arguments
-from diloco.results import human_bytes
 from diloco.runtime.commands import (add_chaos_arguments, add_config_arguments, add_learner_arguments,
                                      add_run_arguments, add_syncer_arguments, cmd_chaos, cmd_learner, cmd_run,
                                      cmd_syncer)
-
-
-def results_table(result) -> Table:
-    table = Table(title=f"diloco sim: {result.strategy}, {result.learners} learners")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    rows = [
-        ("tokens", f"{result.tokens:,}"),
-        ("final eval loss", f"{result.final_eval_loss:.4f}"),
-        ("virtual wall-clock", f"{result.training_time_s:.1f} s"),
-        ("goodput", f"{result.goodput:.3f}"),
-        ("wire bytes up", human_bytes(result.wire_bytes_up)),
-        ("wire bytes down", human_bytes(result.wire_bytes_down)),
-        ("peak bytes per sync", human_bytes(result.peak_sync_bytes)),
-        ("rounds", str(result.rounds)),
-        ("tokens merged / stale / lost", f"{result.tokens_merged:,.0f} / {result.tokens_stale:,.0f} / "
-                                         f"{result.tokens_lost:,.0f}"),
-        *_round_rows(result),
-        ("parameters", f"{result.parameters:,}"),
-    ]
-    for name, value in rows:
-        table.add_row(name, value)
-    return table
-
-
-def _round_rows(result) -> list[tuple[str, str]]:
-    stats = result.round_stats
-    if not stats:
-        return []
-    histogram = " ".join(f"{k}:{v}" for k, v in stats["participants_histogram"].items())
-    staleness = " ".join(f"{k}:{v}" for k, v in stats["staleness_histogram"].items())
-    rows = [("participants per round", f"{stats['participants_mean']:.2f} ({histogram})"),
-            ("staleness, versions", staleness or "-"),
-            ("rounds held open", f"{stats['held_s_total']:.2f} s ({stats['held_s_mean'] * 1000:.0f} ms each)")]
-    if result.learners_eval_loss_mean is not None:
-        rows.append(("learners' own eval loss, mean", f"{result.learners_eval_loss_mean:.4f}"))
-    return rows
-
-
-def learners_table(result) -> Table:
-    table = Table(title="per learner")
-    for col in ("learner", "speed", "tokens", "steps", "busy fraction", "waited", "rounds", "stale", "eval loss",
-                "crashes", "bytes up", "bytes down"):
-        table.add_column(col, justify="right")
-    for r in result.per_learner:
-        stale = sum(v for k, v in r.rounds.get("staleness_histogram", {}).items() if k != "0")
-        table.add_row(str(r.learner), f"{r.speed:g}", f"{r.tokens:,}", str(r.steps), f"{r.busy_fraction:.3f}",
-                      f"{r.waiting_s:.1f} s", str(r.rounds.get("rounds", "-")), str(stale) if r.rounds else "-",
-                      f"{r.eval_loss:.4f}" if r.eval_loss is not None else "-", str(r.crashes),
-                      human_bytes(r.bytes_up), human_bytes(r.bytes_down))
-    return table
 
 
 def cmd_sim(args: argparse.Namespace, console: Console) -> int:
@@ -88,11 +35,10 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
     finally:
         metrics.close()
     (out / "summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
-    plots = write_plots(out)
     if not args.quiet:
         console.print(results_table(result))
         console.print(learners_table(result))
-    console.print(f"summary: {out / 'summary.json'}" + (f"; plots in {plots}" if plots else ""))
+    show_outputs(console, out)
     return 0
 
 
@@ -102,25 +48,10 @@ def _simulate(config, metrics, quiet: bool):
     if quiet:
         return simulate(config, metrics=metrics)
     else:
-        columns = [TextColumn(f"[bold]{config.strategy}[/]"), BarColumn(),
-                   TextColumn("{task.completed:,}/{task.total:,} tokens"),
-                   TimeElapsedColumn()]
-        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        with progress_bars(f"[bold]{config.strategy}[/]", "{task.completed:,}/{task.total:,} tokens") as bar:
             task = bar.add_task("train", total=config.train.tokens)
             return simulate(config, metrics=metrics,
                             progress=lambda done, total: bar.update(task, completed=done, total=total))
-
-
-def write_plots(out: Path) -> Path | None:
-    """The run's PNG plots, when matplotlib is installed (the `plots` extra)."""
-    try:
-        from diloco.report.plots import write_run_plots
-    except ImportError:
-        return None
-    try:
-        return out / "plots" if write_run_plots(out) else None
-    except DilocoError:
-        return None
 
 
 def cmd_goodput(args: argparse.Namespace, console: Console) -> int:

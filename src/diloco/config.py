@@ -132,9 +132,11 @@ class FailuresConfig:
     recovery_s: float = 30.0
     """From a crash until the learner is back and asks for Θ."""
     detect_s: float = 5.0
-    """From a crash until the syncer stops counting on the learner (missed heartbeats)."""
+    """The silence after which the syncer counts a learner as dead (or 5 of its measured heartbeat
+    intervals, if longer): rounds stop counting on it. Both the simulator and the real runtime."""
     restore: Literal["checkpoint", "fresh"] = "checkpoint"
-    """Inner-optimizer state after a crash: the learner's own last checkpoint, or a fresh AdamW."""
+    """Inner-optimizer state after a crash: the learner's own last checkpoint, or a fresh AdamW (both
+    drivers; data position and step always come from the checkpoint)."""
     checkpoint_every: int = 25
     """Inner steps between a learner's checkpoints of its optimizer state and data position."""
     outages: list[OutageConfig] = field(default_factory=list)

@@ -32,6 +32,11 @@ class MetricsLog:
             sink.write(record)
         return record
 
+    @property
+    def prometheus_port(self) -> int | None:
+        """The port the Prometheus endpoint got (port 0 asks for any free one); None without one."""
+        return next((sink.port for sink in self.sinks if isinstance(sink, PrometheusSink)), None)
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()

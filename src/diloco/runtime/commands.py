@@ -9,14 +9,24 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from diloco.config import load_config
+from diloco.config import Config, load_config
+from diloco.console import learners_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
 from diloco.metrics import open_metrics
-from diloco.transport.security import add_security_arguments, security_from_args, with_run_secret
+from diloco.runtime.ignored import warn_ignored
+from diloco.runtime.ports import report_port, resolve_address, write_port_file
+from diloco.transport.settings import TransportSecurity, add_security_arguments, security_from_args, with_run_secret
+
+if TYPE_CHECKING:  # these load torch and gRPC: the commands import them when they run
+    import grpc
+
+    from diloco.runtime.launcher import Launcher
+    from diloco.runtime.syncer import SyncerShard
+    from diloco.status.server import StatusServer
 
 METRICS_EVERY_S = 2.0
 """How often a syncer shard records its own metrics."""
@@ -30,6 +40,13 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 def config_args(args: argparse.Namespace) -> list[str]:
     """The config options as given, to pass on to child processes."""
     return ([args.config] if args.config else []) + [x for item in args.set or [] for x in ("--set", item)]
+
+
+def runtime_config(args: argparse.Namespace) -> Config:
+    """The config, with a warning for each key set in it that the real runtime ignores."""
+    config = load_config(args.config, args.set or [])
+    warn_ignored(config, args.command)
+    return config
 
 
 def setup_logging(verbose: bool) -> None:
@@ -56,10 +73,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from diloco.cli import learners_table, results_table, write_plots
     from diloco.runtime.launcher import Launcher
 
-    config = load_config(args.config, args.set or [])
+    config = runtime_config(args)
     out = Path(args.out) if args.out else Path("runs") / f"run-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     if args.shards < 1:
@@ -68,42 +84,40 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     launcher = Launcher(config, config_args(args), out, shards=args.shards, verbose=args.verbose,
                         security=security, env=secret_env)
     try:
-        if args.quiet:
-            summary = launcher.run()
-        else:
-            columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"),
-                       TimeElapsedColumn()]
-            with Progress(*columns, console=Console(stderr=True), transient=True) as bars:
-                speeds = config.speeds()
-                tasks = {m: bars.add_task(f"learner {m} (speed {speeds[m]:g})", total=planned, detail="")
-                         for m, planned in launcher.progress.planned.items()}
-                syncer = bars.add_task("syncer", total=None, detail="starting")
-                shown: list[bool] = []
-
-                def show(progress) -> None:
-                    if not shown and "status page" in launcher.endpoints:
-                        bars.console.print(f"status page: {launcher.endpoints['status page']}")
-                        shown.append(True)
-                    for m, task in tasks.items():
-                        done = progress.tokens.get(m, 0)
-                        bars.update(task, completed=done, detail=f"{done:,} tokens")
-                    loss = f", eval loss {progress.eval_loss:.3f}" if progress.eval_loss is not None else ""
-                    bars.update(syncer, detail=f"{progress.rounds} rounds merged{loss}")
-
-                summary = launcher.run(on_progress=show)
+        summary = launcher.run() if args.quiet else _run_with_bars(launcher)
     except KeyboardInterrupt:
         console.print(f"interrupted: learners pushed what they had and left; state saved in {out}")
         return 130
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plots = write_plots(out)
     if not args.quiet:
-        table = results_table(launcher.result)
-        table.title = f"diloco run: {config.strategy}, {config.learners.count} learners"
+        table = results_table(launcher.result, f"diloco run: {config.strategy}, {config.learners.count} learners")
         table.add_row("wall-clock (whole command)", f"{summary['wall_clock_s']:.1f} s")
         console.print(table)
         console.print(learners_table(launcher.result))
-    console.print(f"summary: {out / 'summary.json'}" + (f"; plots in {plots}" if plots else ""))
+    show_outputs(console, out)
     return 0
+
+
+def _run_with_bars(launcher: Launcher) -> dict[str, Any]:
+    """The launcher's run, with a bar per learner (its tokens) and one for the syncer (its rounds)."""
+    with progress_bars("{task.description}", "{task.fields[detail]}") as bars:
+        speeds = launcher.config.speeds()
+        tasks = {m: bars.add_task(f"learner {m} (speed {speeds[m]:g})", total=planned, detail="")
+                 for m, planned in launcher.progress.planned.items()}
+        syncer = bars.add_task("syncer", total=None, detail="starting")
+        shown: list[bool] = []
+
+        def show(progress) -> None:
+            if not shown and "status page" in launcher.endpoints:
+                bars.console.print(f"status page: {launcher.endpoints['status page']}")
+                shown.append(True)
+            for m, task in tasks.items():
+                done = progress.tokens.get(m, 0)
+                bars.update(task, completed=done, detail=f"{done:,} tokens")
+            loss = f", eval loss {progress.eval_loss:.3f}" if progress.eval_loss is not None else ""
+            bars.update(syncer, detail=f"{progress.rounds} rounds merged{loss}")
+
+        return launcher.run(on_progress=show)
 
 
 # ---------------------------------------------------------------- diloco chaos
@@ -126,7 +140,7 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
 
     from diloco.runtime.chaos import run_chaos
 
-    config = load_config(args.config, args.set or [])
+    config = runtime_config(args)
     if min(args.kill_learners, args.kill_syncer) < 0 or args.restart_after < 0:
         raise DilocoError("--kill-learners, --kill-syncer and --restart-after must be zero or positive")
     out = Path(args.out) if args.out else Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -162,26 +176,37 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
 def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     add_security_arguments(p)
-    p.add_argument("--bind", default="127.0.0.1:7070", metavar="HOST:PORT", help="address to serve on")
+    p.add_argument("--bind", default="127.0.0.1:7070", metavar="HOST:PORT",
+                   help="address to serve on; port 0 takes any free port (see --port-file)")
+    p.add_argument("--port-file", metavar="PATH", help="write the port it listens on to PATH, once it listens")
     p.add_argument("--shard", default="0/1", metavar="i/N", help="this shard's index and the shard count")
-    p.add_argument("--shards", metavar="ADDR,...", help="every shard's address, by index (needed when N > 1)")
+    p.add_argument("--shards", metavar="ADDR,...",
+                   help="every shard's address, by index (needed when N > 1); HOST:@PATH stands for the port "
+                        "that shard writes to its --port-file PATH (learners' joins wait until it is known)")
     p.add_argument("--out", metavar="DIR", help="where to journal events and save state (and the report on exit)")
     p.add_argument("--resume", action="store_true", help="continue from the state a previous process left in --out")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
-    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on PORT")
-    p.add_argument("--status-port", type=int, metavar="PORT", help="serve the HTML status page on PORT")
+    add_metrics_port_arguments(p)
+    p.add_argument("--status-port", type=int, metavar="PORT", help="serve the HTML status page on PORT (0: any)")
+    p.add_argument("--status-port-file", metavar="PATH", help="write the status page's port to PATH")
+
+
+def add_metrics_port_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on PORT (0: any; of a learner, its rank 0)")
+    p.add_argument("--metrics-port-file", metavar="PATH", help="write the Prometheus metrics port to PATH")
 
 
 def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     from diloco.runtime.loop import run_origin
     from diloco.runtime.processes import die_with_parent
     from diloco.runtime.settings import check_shards
-    from diloco.runtime.syncer import ShardPlan, SyncerShard, parse_shard, serve
+    from diloco.runtime.syncer import ShardPlan, SyncerShard, parse_shard
 
     die_with_parent()
     setup_logging(args.verbose)
-    config = load_config(args.config, args.set or [])
+    config = runtime_config(args)
     security = security_from_args(args, role="server")
     index, count = parse_shard(args.shard)
     check_shards(config, count)
@@ -193,23 +218,11 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     metrics = open_metrics(out / "metrics" if out else None, name=f"syncer-{index}",
                            tensorboard=config.metrics.tensorboard, wandb=config.metrics.wandb,
                            prometheus_port=args.metrics_port, origin=run_origin())
+    if args.metrics_port is not None:
+        report_port(metrics.prometheus_port, f"shard {index}'s Prometheus metrics", args.metrics_port_file)
     shard = SyncerShard(config, ShardPlan(index, count, addresses), metrics,
                         state_dir=out / "syncer" if out else None, resume=args.resume)
-    server, port = serve(shard, args.bind, security=security)
-    host = args.bind.rsplit(":", 1)[0]
-    status = None
-    if args.status_port is not None:
-        from diloco.status.server import StatusServer
-
-        try:
-            status = StatusServer(shard.snapshot, f"{host}:{args.status_port}")
-        except OSError as exc:
-            raise DilocoError(f"cannot serve the status page on port {args.status_port}: {exc.strerror}") from None
-        print(f"status page: http://{status.address}/", flush=True)
-    if args.bind.endswith(":0"):
-        shard.plan = ShardPlan(index, count, tuple(f"{host}:{port}" if i == index else a
-                                                   for i, a in enumerate(addresses)))
-    print(f"diloco syncer shard {index}/{count} listening on {host}:{port} ({security.describe()})", flush=True)
+    server, status = _serve_shard(shard, args, security)
     while not stop.wait(METRICS_EVERY_S):
         shard.record_metrics()
         if args.exit_when_finished and shard.finished:
@@ -227,6 +240,39 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _serve_shard(shard: SyncerShard, args: argparse.Namespace,
+                 security: TransportSecurity) -> tuple[grpc.Server, StatusServer | None]:
+    """Serve the shard and its status page, report their ports, then complete the shard map learners
+    get at Join: its own address, and the ports other shards report. Joins take the shard's lock, held
+    until the map is complete, so no learner is ever given an address still unknown."""
+    from diloco.runtime.syncer import ShardPlan, serve
+
+    plan, host = shard.plan, args.bind.rsplit(":", 1)[0]
+    with shard.lock:
+        server, port = serve(shard, args.bind, security=security)
+        status = None
+        if args.status_port is not None:
+            status = _serve_status(shard, host, args.status_port)
+            print(f"status page: {status.url}", flush=True)
+            write_port_file(args.status_port_file, status.port)
+        write_port_file(args.port_file, port)
+        shard.plan = ShardPlan(plan.index, plan.count, tuple(
+            f"{host}:{port}" if i == plan.index and args.bind.endswith(":0") else
+            resolve_address(address, f"syncer shard {i}") for i, address in enumerate(plan.addresses)))
+    print(f"diloco syncer shard {plan.index}/{plan.count} listening on {host}:{port} ({security.describe()})",
+          flush=True)
+    return server, status
+
+
+def _serve_status(shard: SyncerShard, host: str, port: int) -> StatusServer:
+    from diloco.status.server import StatusServer
+
+    try:
+        return StatusServer(shard.snapshot, f"{host}:{port}")
+    except OSError as exc:
+        raise DilocoError(f"cannot serve the status page on port {port}: {exc.strerror}") from None
+
+
 # ---------------------------------------------------------------- diloco learner
 
 
@@ -242,7 +288,7 @@ def add_learner_arguments(p: argparse.ArgumentParser) -> None:
                    help="shape this learner's traffic to link.bandwidth_mbit and link.latency_ms")
     p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
                    help="give up if no syncer answers within S seconds (default 60)")
-    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on PORT (rank 0)")
+    add_metrics_port_arguments(p)
 
 
 def cmd_learner(args: argparse.Namespace, console: Console) -> int:
@@ -251,7 +297,7 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
 
     die_with_parent()
     setup_logging(args.verbose)
-    config = load_config(args.config, args.set or [])
+    config = runtime_config(args)
     if args.id is not None and args.id < 0:
         raise DilocoError(f"--id must be zero or positive, got {args.id}")
     if bool(args.syncer) == args.no_sync:
@@ -261,7 +307,8 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
     init_distributed()
     report = run_learner(config, syncer=args.syncer, learner=args.id, out=Path(args.out) if args.out else None,
                          emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout,
-                         metrics_port=args.metrics_port, security=security)
+                         metrics_port=args.metrics_port, metrics_port_file=args.metrics_port_file,
+                         security=security)
     if not args.quiet and report["rank"] == 0:
         print(json.dumps(report), flush=True)
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,8 @@ from diloco.materials import prepare
 from diloco.metrics import open_metrics
 from diloco.metrics.records import learner_lives
 from diloco.runtime.loop import ORIGIN_ENV
-from diloco.runtime.processes import Children
+from diloco.runtime.ports import read_port_file, wait_for_port
+from diloco.runtime.processes import Child, Children
 from diloco.runtime.settings import check_shards, settings_of
 from diloco.strategies import build_strategy
 from diloco.training import evaluate
@@ -62,12 +62,6 @@ def merge_metrics(folder: Path, into: Path) -> None:
     into.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Launcher:
     def __init__(self, config: Config, config_args: list[str], out: Path, shards: int = 1,
                  verbose: bool = False, security: TransportSecurity | None = None,
@@ -81,11 +75,17 @@ class Launcher:
         self.security = security or PLAINTEXT
         self.config_args = [*config_args, *(["--verbose"] if verbose else []), *self.security.argv]
         self.children = Children(out / "logs")
-        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(shards)]
+        self.ports = out / "ports"
+        """Where each child writes the ports it got: every server here binds port 0."""
+        self.addresses: list[str] = []
+        """Each shard's address, once it has reported its port."""
         self.started_unix = clock.now()
         self.env = {ORIGIN_ENV: repr(self.started_unix), **(env or {})}
         self.endpoints: dict[str, str] = {}
-        """What each child serves: its Prometheus metrics and, for shard 0, the status page."""
+        """What each child serves, once it has reported its port: its Prometheus metrics and, for
+        shard 0, the status page."""
+        self.endpoint_files: dict[str, tuple[Path, str]] = {}
+        """Each endpoint's port file, and its URL with {} for the port."""
         self.metrics = open_metrics(out / "metrics", name="launcher", origin=self.started_unix)
         self.clients: list[ShardClient] = []
         t = config.train
@@ -134,41 +134,56 @@ class Launcher:
         return [sys.executable, "-m", "diloco", *args, *self.config_args]
 
     def _start_syncers(self) -> None:
-        shard_map = ",".join(self.addresses)
-        for i, address in enumerate(self.addresses):
-            ports = self._ports(f"syncer-{i}", status=i == 0)
+        """Every shard binds port 0 and reports its port; each completes its shard map from the others'
+        reports. Learners get the addresses once every shard has reported."""
+        for path in self.ports.glob("*.port"):
+            path.unlink()  # a previous run's ports in the same folder
+        port_files = [self.ports / f"syncer-{i}.port" for i in range(self.shard_count)]
+        shard_map = ",".join(f"127.0.0.1:@{path}" for path in port_files)
+        for i, port_file in enumerate(port_files):
             self.children.start(f"syncer-{i}", self._python(
-                "syncer", "--bind", address, "--shard", f"{i}/{self.shard_count}", "--shards", shard_map,
-                "--out", str(self.out), *ports), env=self.env)
-        deadline = clock.monotonic() + STARTUP_TIMEOUT_S
-        for i, address in enumerate(self.addresses):
-            client = ShardClient(address, self.security)
-            self.clients.append(client)
-            while True:
-                self._check_children()
-                try:
-                    client.wait_ready(min(1.0, max(0.1, deadline - clock.monotonic())))
-                    break
-                except DilocoError:
-                    if clock.monotonic() > deadline:
-                        raise DilocoError(f"syncer shard {i} did not start within {STARTUP_TIMEOUT_S:g} s; "
-                                          f"see {self.out / 'logs' / f'syncer-{i}.log'}") from None
+                "syncer", "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--shards", shard_map,
+                "--shard", f"{i}/{self.shard_count}", "--out", str(self.out),
+                *self._endpoint_args(f"syncer-{i}", status=i == 0)), env=self.env)
+        for i, port_file in enumerate(port_files):
+            child = self.children.children[f"syncer-{i}"]
+            port = wait_for_port(port_file, f"syncer-{i}", gone=lambda child=child: self._why_gone(child),
+                                 timeout_s=STARTUP_TIMEOUT_S)
+            child.set_option("--bind", f"127.0.0.1:{port}")  # a restarted shard serves where learners look for it
+            self.addresses.append(f"127.0.0.1:{port}")
+            self.clients.append(ShardClient(self.addresses[-1], self.security))
+        self._collect_endpoints()
 
     def _start_learners(self) -> None:
         env = {"OMP_NUM_THREADS": "1", **self.env}  # one thread per learner: they share this machine's cores
         for m in range(self.config.learners.count):
             self.children.start(f"learner-{m}", self._python(
                 "learner", "--syncer", self.addresses[0], "--id", str(m), "--emulate-link",
-                "--out", str(self.out), *self._ports(f"learner-{m}")), env=env)
+                "--out", str(self.out), *self._endpoint_args(f"learner-{m}")), env=env)
 
-    def _ports(self, name: str, status: bool = False) -> list[str]:
-        """Free ports for a child's Prometheus endpoint (and status page), remembered for the summary."""
-        args = ["--metrics-port", str(port := free_port())]
-        self.endpoints[f"{name} metrics"] = f"http://127.0.0.1:{port}/metrics"
+    def _endpoint_args(self, name: str, status: bool = False) -> list[str]:
+        """A child's Prometheus endpoint (and status page) on any free port, reported in a port file."""
+        metrics = self.ports / f"{name}.metrics.port"
+        self.endpoint_files[f"{name} metrics"] = (metrics, "http://127.0.0.1:{}/metrics")
+        args = ["--metrics-port", "0", "--metrics-port-file", str(metrics)]
         if status:
-            args += ["--status-port", str(port := free_port())]
-            self.endpoints["status page"] = f"http://127.0.0.1:{port}/"
+            page = self.ports / "status.port"
+            self.endpoint_files["status page"] = (page, "http://127.0.0.1:{}/")
+            args += ["--status-port", "0", "--status-port-file", str(page)]
         return args
+
+    def _collect_endpoints(self) -> None:
+        """The endpoints reported so far (a restarted child reports its new port)."""
+        for name, (path, url) in self.endpoint_files.items():
+            port = read_port_file(path)
+            if port is not None:
+                self.endpoints[name] = url.format(port)
+
+    @staticmethod
+    def _why_gone(child: Child) -> str | None:
+        """Why a child will never report its port: it exited. None while it runs."""
+        code = child.returncode
+        return None if code is None else f"exited with code {code} (see {child.log_path})"
 
     def _check_children(self) -> None:
         """A child that failed ends the run with its name, exit code and last log lines."""
@@ -193,6 +208,7 @@ class Launcher:
                     self._record_eval()
                 except DilocoError:  # a shard is restarting: this point is skipped
                     pass
+            self._collect_endpoints()
             if on_progress:
                 on_progress(self.progress)
             if learners_done:
@@ -247,6 +263,7 @@ class Launcher:
         return loss
 
     def _summarise(self) -> dict[str, Any]:
+        self._collect_endpoints()
         loss = self._record_eval()
         torch.save(self.model.state_dict(), self.out / "model.pt")
         shards = [json.loads(c.status().report_json) for c in self.clients]

@@ -28,6 +28,7 @@ from diloco.metrics import open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
 from diloco.runtime.learner import Learner, LinkShape
+from diloco.runtime.ports import report_port
 from diloco.strategies import build_strategy
 from diloco.training import Replica, evaluate, resolve_device
 from diloco.transport.security import TransportSecurity
@@ -77,7 +78,7 @@ class Standalone:
 def run_learner(config: Config, *, syncer: str | None, learner: int | None = None, out: Path | None = None,
                 emulate_link: bool = False, stop: threading.Event | None = None,
                 connect_timeout_s: float = 30.0, metrics_port: int | None = None,
-                security: TransportSecurity | None = None) -> dict[str, Any]:
+                metrics_port_file: str | None = None, security: TransportSecurity | None = None) -> dict[str, Any]:
     """Train one learner to the end of its plan (or of the shared budget, or until `stop` is set);
     return its report, also written to OUT/learners/learner-ID.json with a checkpoint. With no
     `syncer`, train the same way without syncing (`learner` is then required)."""
@@ -120,7 +121,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
                            tensorboard=config.metrics.tensorboard and rank == 0, wandb=config.metrics.wandb,
                            prometheus_port=metrics_port if rank == 0 else None, origin=run_origin())
     if metrics_port is not None and rank == 0:
-        log.info("learner %d serves Prometheus metrics on port %d", m, metrics.sinks[-1].port)
+        report_port(metrics.prometheus_port, f"learner {m}'s Prometheus metrics", metrics_port_file)
     meter = LearnerMeter(metrics, m, config.metrics.every_steps)
     tokens_trained, busy_s, began, started = 0, 0.0, clock.monotonic(), clock.monotonic()
 

@@ -49,6 +49,10 @@ class Child:
     def returncode(self) -> int | None:
         return self.process.poll()
 
+    def set_option(self, option: str, value: str) -> None:
+        """Give `option` this value from the child's next restart on."""
+        self.argv[self.argv.index(option) + 1] = value
+
     def log_tail(self, lines: int = 5) -> str:
         self.log_file.flush()
         try:

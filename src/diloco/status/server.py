@@ -50,6 +50,7 @@ class StatusServer:
         bound_host, bound_port = self._httpd.server_address[:2]
         self.address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
         """host:port actually bound."""
+        self.port: int = bound_port
         self._closed = False
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
                                         name=f"status-http-{bound_port}", daemon=True)

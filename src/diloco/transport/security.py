@@ -1,139 +1,62 @@
-"""Who may talk to a syncer shard: a shared secret on every call, and TLS or mutual TLS.
+"""The shared secret and TLS on the wire: the syncer's interceptor, its listening port, the learners'
+channels. What the settings are, and how they are read, is `settings.py`.
 
 Nothing untrusted touches state: with a secret configured, the syncer's interceptor checks the
 `x-diloco-secret` metadata of every call (unary and streaming alike) in constant time before the
 handler runs; a refused call is answered UNAUTHENTICATED with a one-line reason, its payload is never
-parsed, and the refusal is logged with the caller's address. TLS (server certificate) encrypts the
-link and lets learners verify the syncer; mutual TLS (a CA given to the syncer) also makes every
-learner present a certificate signed by that CA.
-
-The secret comes from `--secret-file FILE` or the environment variable DILOCO_SECRET, never from the
-command line (where other users could read it). What travels is not the secret itself but a token
-derived from it (HMAC-SHA256), so any bytes make a valid secret; without TLS the token can still be
-sniffed and replayed, so use TLS on networks you do not trust.
-
-The same options serve both ends:
-
-    syncer:  --tls-cert/--tls-key  serve TLS     --tls-ca  require client certificates signed by it
-    learner: --tls-ca  verify the syncer with it  --tls-cert/--tls-key  present them (mutual TLS)
+parsed, and the refusal is logged with the caller's address.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import hashlib
 import hmac
 import logging
-import os
-import secrets
-import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 
 import grpc
 
 from diloco.errors import DilocoError
+from diloco.transport.settings import (  # the settings are also found here, next to their enforcement
+    PLAINTEXT, SECRET_ENV, TransportSecurity, add_security_arguments, check_ca, check_cert_and_key, default_security,
+    load_security, read_pem, resolve_secret, secret_token, security_from_args, with_run_secret)
+
+__all__ = ["METADATA_KEY", "PLAINTEXT", "REFUSED", "SECRET_ENV", "SecretClientInterceptor", "SecretInterceptor",
+           "TransportSecurity", "add_security_arguments", "channel_credentials", "default_security",
+           "load_security", "make_channel", "resolve_secret", "secret_token", "secure_server_port",
+           "security_from_args", "server_credentials", "server_interceptors", "server_tls", "channel_tls",
+           "with_run_secret"]
 
 log = logging.getLogger("diloco.security")
 
-SECRET_ENV = "DILOCO_SECRET"
 METADATA_KEY = "x-diloco-secret"
 REFUSED = "missing or wrong shared secret: set DILOCO_SECRET or --secret-file to the syncer's"
-_TOKEN_CONTEXT = b"diloco.v1 shared secret"
 
 
-# ---------------------------------------------------------------- reading the configuration
+# ---------------------------------------------------------------- credentials
 
 
-def _read(path: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise DilocoError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    return data
+def server_tls(security: TransportSecurity) -> grpc.ServerCredentials:
+    """The syncer's TLS; with a CA in the settings, clients must present a certificate it signed."""
+    return grpc.ssl_server_credentials([(security.tls_key, security.tls_cert)], root_certificates=security.tls_ca,
+                                       require_client_auth=security.tls_ca is not None)
 
 
-def resolve_secret(secret_file: str | None) -> bytes | None:
-    """The shared secret: the contents of `secret_file` (less a trailing newline), else $DILOCO_SECRET;
-    None when neither is set (no authentication). A missing, unreadable or empty file is a one-line error."""
-    if secret_file is not None:
-        secret = _read(secret_file, "--secret-file").rstrip(b"\r\n")
-        if not secret:
-            raise DilocoError(f"--secret-file {secret_file} is empty: put the shared secret in it")
-        return secret
-    value = os.environ.get(SECRET_ENV)
-    if value is None:
-        return None
-    if not value.strip("\r\n"):
-        raise DilocoError(f"{SECRET_ENV} is set but empty: set it to the shared secret, or unset it")
-    return value.rstrip("\r\n").encode("utf-8")
-
-
-def secret_token(secret: bytes) -> str:
-    """What a call carries in `x-diloco-secret`: printable, whatever bytes the secret holds."""
-    return hmac.new(secret, _TOKEN_CONTEXT, hashlib.sha256).hexdigest()
-
-
-_PEM_MARKERS = {"--tls-cert": (b"-----BEGIN CERTIFICATE-----", "certificate"),
-                "--tls-ca": (b"-----BEGIN CERTIFICATE-----", "certificate"),
-                "--tls-key": (b"PRIVATE KEY-----", "private key")}
-
-
-def _read_pem(path: str, option: str) -> bytes:
-    data = _read(path, option)
-    if b"-----BEGIN" not in data:
-        raise DilocoError(f"{option} {path} is not a PEM file (no -----BEGIN line)")
-    marker, what = _PEM_MARKERS[option]
-    if marker not in data:
-        raise DilocoError(f"{option} {path} holds no PEM {what}")
-    return data
-
-
-def _refuse_password(*_) -> bytes:
-    raise _EncryptedKey()
-
-
-class _EncryptedKey(Exception):
-    pass
-
-
-def _check_cert_and_key(cert_file: str, key_file: str) -> None:
-    """A one-line error for a key that is encrypted or does not belong to the certificate, now rather
-    than at the first handshake."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    try:
-        context.load_cert_chain(cert_file, key_file, password=_refuse_password)
-    except _EncryptedKey:
-        raise DilocoError(f"--tls-key {key_file} is encrypted: gRPC needs an unencrypted key") from None
-    except ssl.SSLError as exc:
-        reason = exc.reason or str(exc)
-        if "MISMATCH" in reason.upper():
-            raise DilocoError(f"--tls-key {key_file} is not the key of --tls-cert {cert_file}") from None
-        raise DilocoError(f"cannot load --tls-cert {cert_file} with --tls-key {key_file}: {reason}") from None
-    except OSError as exc:
-        raise DilocoError(f"cannot read --tls-cert {cert_file} / --tls-key {key_file}: {exc.strerror}") from None
-
-
-def _check_ca(ca_file: str) -> None:
-    try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=ca_file)
-    except ssl.SSLError as exc:
-        raise DilocoError(f"--tls-ca {ca_file} holds no usable CA certificate ({exc.reason or exc})") from None
-    except OSError as exc:
-        raise DilocoError(f"cannot read --tls-ca {ca_file}: {exc.strerror}") from None
+def channel_tls(security: TransportSecurity) -> grpc.ChannelCredentials:
+    """A learner's TLS: verify the syncer with the settings' CA; present their certificate if any."""
+    return grpc.ssl_channel_credentials(root_certificates=security.tls_ca, private_key=security.tls_key,
+                                        certificate_chain=security.tls_cert)
 
 
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None) -> grpc.ServerCredentials:
     """TLS for a syncer; with `client_ca_file`, clients must present a certificate signed by it."""
-    cert, key = _read_pem(cert_file, "--tls-cert"), _read_pem(key_file, "--tls-key")
-    _check_cert_and_key(cert_file, key_file)
+    cert, key = read_pem(cert_file, "--tls-cert"), read_pem(key_file, "--tls-key")
+    check_cert_and_key(cert_file, key_file)
     ca = None
     if client_ca_file is not None:
-        ca = _read_pem(client_ca_file, "--tls-ca")
-        _check_ca(client_ca_file)
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        ca = read_pem(client_ca_file, "--tls-ca")
+        check_ca(client_ca_file)
+    return server_tls(TransportSecurity(tls_cert=cert, tls_key=key, tls_ca=ca))
 
 
 def channel_credentials(ca_file: str | None, cert_file: str | None = None,
@@ -144,131 +67,13 @@ def channel_credentials(ca_file: str | None, cert_file: str | None = None,
         raise DilocoError("--tls-cert and --tls-key go together")
     ca = None
     if ca_file is not None:
-        ca = _read_pem(ca_file, "--tls-ca")
-        _check_ca(ca_file)
+        ca = read_pem(ca_file, "--tls-ca")
+        check_ca(ca_file)
     cert = key = None
     if cert_file is not None:
-        cert, key = _read_pem(cert_file, "--tls-cert"), _read_pem(key_file, "--tls-key")
-        _check_cert_and_key(cert_file, key_file)
-    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-
-
-# ---------------------------------------------------------------- one process's settings
-
-
-@dataclass(frozen=True)
-class TransportSecurity:
-    """What one process uses on its gRPC links. PEM contents, not paths: read once, at startup."""
-
-    secret: bytes | None = field(default=None, repr=False)
-    tls_cert: bytes | None = field(default=None, repr=False)
-    tls_key: bytes | None = field(default=None, repr=False)
-    tls_ca: bytes | None = field(default=None, repr=False)
-    server_name: str | None = None
-    """The name to expect in the syncer's certificate, when it differs from the address's host."""
-    argv: tuple[str, ...] = ()
-    """The options as given (files, never the secret itself), to pass on to child processes."""
-
-    @property
-    def serves_tls(self) -> bool:
-        return self.tls_cert is not None and self.tls_key is not None
-
-    @property
-    def requires_client_certs(self) -> bool:
-        return self.serves_tls and self.tls_ca is not None
-
-    @property
-    def connects_tls(self) -> bool:
-        return self.tls_ca is not None or self.tls_cert is not None
-
-    def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.tls_key, self.tls_cert)], root_certificates=self.tls_ca,
-                                           require_client_auth=self.tls_ca is not None)
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=self.tls_ca, private_key=self.tls_key,
-                                            certificate_chain=self.tls_cert)
-
-    def describe(self, role: str = "server") -> str:
-        """One line for logs: what this process enforces or uses."""
-        parts = []
-        tls = self.serves_tls if role == "server" else self.connects_tls
-        mutual = self.requires_client_certs if role == "server" else self.tls_cert is not None
-        parts.append(("mutual TLS" if mutual else "TLS") if tls else "plaintext")
-        parts.append("shared secret" if self.secret is not None else "no shared secret")
-        return ", ".join(parts)
-
-
-PLAINTEXT = TransportSecurity()
-
-
-def load_security(*, secret_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                  tls_ca: str | None = None, server_name: str | None = None, role: str = "both") -> TransportSecurity:
-    """Read and check everything now, with one-line errors naming the file. `role`: "server" (a syncer),
-    "client" (a learner, or anything calling a syncer) or "both" (`diloco run`, which hands the same
-    options to its syncers and learners)."""
-    if role not in ("server", "client", "both"):
-        raise ValueError(f"role must be server, client or both, got {role!r}")
-    if (tls_cert is None) != (tls_key is None):
-        raise DilocoError("--tls-cert and --tls-key go together: give both, or neither")
-    if tls_ca is not None and tls_cert is None and role in ("server", "both"):
-        raise DilocoError("--tls-ca makes the syncer require client certificates, which needs TLS: "
-                          "give it --tls-cert and --tls-key too")
-    if tls_cert is not None and tls_ca is None and role == "both":
-        raise DilocoError("with --tls-cert, diloco run needs --tls-ca too: the learners it starts verify the "
-                          "syncer with it (and present the same certificate, so it must allow client use)")
-    cert = key = ca = None
-    if tls_cert is not None:
-        cert, key = _read_pem(tls_cert, "--tls-cert"), _read_pem(tls_key, "--tls-key")
-        _check_cert_and_key(tls_cert, tls_key)
-    if tls_ca is not None:
-        ca = _read_pem(tls_ca, "--tls-ca")
-        _check_ca(tls_ca)
-    argv: list[str] = []
-    for option, value in (("--secret-file", secret_file), ("--tls-cert", tls_cert), ("--tls-key", tls_key),
-                          ("--tls-ca", tls_ca), ("--tls-server-name", server_name)):
-        if value is not None:
-            argv += [option, str(value)]
-    return TransportSecurity(secret=resolve_secret(secret_file), tls_cert=cert, tls_key=key, tls_ca=ca,
-                             server_name=server_name or None, argv=tuple(argv))
-
-
-def add_security_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("security (syncer and learners must agree)")
-    group.add_argument("--secret-file", metavar="FILE",
-                       help="file holding the shared secret every call must carry (default: $DILOCO_SECRET; "
-                            "neither: no authentication)")
-    group.add_argument("--tls-cert", metavar="PEM",
-                       help="certificate (chain): a syncer serves TLS with it; a learner presents it to a syncer "
-                            "that requires client certificates (mutual TLS). Needs --tls-key")
-    group.add_argument("--tls-key", metavar="PEM", help="the unencrypted private key of --tls-cert")
-    group.add_argument("--tls-ca", metavar="PEM",
-                       help="CA certificate(s): a learner connects over TLS and verifies the syncer with them; "
-                            "a syncer requires every client to present a certificate they signed")
-    group.add_argument("--tls-server-name", metavar="NAME",
-                       help="the name to expect in the syncer's certificate, when it differs from the host "
-                            "in the address")
-
-
-def security_from_args(args: argparse.Namespace, role: str = "both") -> TransportSecurity:
-    return load_security(secret_file=getattr(args, "secret_file", None), tls_cert=getattr(args, "tls_cert", None),
-                         tls_key=getattr(args, "tls_key", None), tls_ca=getattr(args, "tls_ca", None),
-                         server_name=getattr(args, "tls_server_name", None), role=role)
-
-
-def default_security() -> TransportSecurity:
-    """For callers given no settings (the `diloco.Learner` API): the secret in $DILOCO_SECRET, if any."""
-    return TransportSecurity(secret=resolve_secret(None))
-
-
-def with_run_secret(security: TransportSecurity) -> tuple[TransportSecurity, dict[str, str]]:
-    """For a launcher whose children all run on this machine: when no secret is configured, make a fresh
-    one for the run, so other local users cannot talk to its syncers. Returns the settings to use and
-    the environment to give the children (empty when a secret was configured: they get it as given)."""
-    if security.secret is not None:
-        return security, {}
-    token = secrets.token_hex(32)
-    return replace(security, secret=token.encode()), {SECRET_ENV: token}
+        cert, key = read_pem(cert_file, "--tls-cert"), read_pem(key_file, "--tls-key")
+        check_cert_and_key(cert_file, key_file)
+    return channel_tls(TransportSecurity(tls_cert=cert, tls_key=key, tls_ca=ca))
 
 
 # ---------------------------------------------------------------- the server's end
@@ -327,7 +132,7 @@ def secure_server_port(server: grpc.Server, bind: str, security: TransportSecuri
     """Listen on `bind` with TLS when the settings have a certificate, else in plaintext; the port, as
     add_insecure_port returns it (0, or RuntimeError, when the address cannot be bound)."""
     if security.serves_tls:
-        return server.add_secure_port(bind, security.server_credentials())
+        return server.add_secure_port(bind, server_tls(security))
     return server.add_insecure_port(bind)
 
 
@@ -375,7 +180,7 @@ def make_channel(address: str, security: TransportSecurity | None,
     if security.connects_tls:
         if security.server_name:
             options.append(("grpc.ssl_target_name_override", security.server_name))
-        channel = grpc.secure_channel(address, security.channel_credentials(), options=options)
+        channel = grpc.secure_channel(address, channel_tls(security), options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
     if security.secret is not None:

@@ -1,0 +1,55 @@
+"""Config keys the real runtime does not read: the simulator's failure plan and its step-time model.
+
+A user who sets one is told so, once per key, rather than getting a run that silently differs from
+what the config says. A key counts as set when its value differs from the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from diloco.config import Config
+
+_STEP_TIME_MODEL = "the simulator's step-time model; a real learner's steps take what they take"
+SIMULATOR_ONLY = {
+    "failures": "the simulator's failure plan; use `diloco chaos` for real faults",
+    "learners.step_time_s": _STEP_TIME_MODEL,
+    "learners.jitter": _STEP_TIME_MODEL,
+    "learners.drift": _STEP_TIME_MODEL,
+    "learners.drift_steps": _STEP_TIME_MODEL,
+}
+"""Keys, or whole sections, that only the simulator reads, with the reason."""
+READ_BY_THE_RUNTIME = {"failures.checkpoint_every", "failures.detect_s", "failures.restore"}
+"""Keys inside those sections that the runtime reads after all: its learners' checkpoints, the silence
+after which the syncer counts a learner dead, and what a restarted learner restores."""
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf of a config dataclass by its dotted key (lists are leaves)."""
+    leaves: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            leaves.update(flatten(value, f"{prefix}{f.name}."))
+        else:
+            leaves[prefix + f.name] = value
+    return leaves
+
+
+def ignored_keys(config: Config) -> dict[str, str]:
+    """The keys set to something other than their default that the runtime ignores, each with why."""
+    defaults = flatten(Config())
+    ignored = {}
+    for key, value in flatten(config).items():
+        reason = SIMULATOR_ONLY.get(key) or SIMULATOR_ONLY.get(key.split(".")[0])
+        if reason and key not in READ_BY_THE_RUNTIME and value != defaults[key]:
+            ignored[key] = reason
+    return ignored
+
+
+def warn_ignored(config: Config, command: str) -> None:
+    """One line on stderr per ignored key: the key, the command that ignores it, and why."""
+    for key, reason in ignored_keys(config).items():
+        print(f"diloco: warning: {key} is ignored by `diloco {command}`: {reason}", file=sys.stderr, flush=True)
