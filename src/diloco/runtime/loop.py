@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from diloco.config import Config
 from diloco.core.recovery import RestorePolicy, restore_plan
 from diloco.data import ShardSampler
 from diloco.errors import DilocoError
-from diloco.metrics import open_metrics
+from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
 from diloco.runtime.learner import Learner, LinkShape
@@ -84,32 +85,16 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     `syncer`, train the same way without syncing (`learner` is then required)."""
     t = config.train
     materials = prepare(config)
-    corpus, model = materials.corpus, materials.model.to(resolve_device(t.device))
+    model = materials.model.to(resolve_device(t.device))
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
-    if syncer is None:
-        if learner is None:
-            raise DilocoError("a learner that does not sync needs its id (--id)")
-        sync: Learner | Standalone = Standalone(learner)
-    else:
-        link = LinkShape(config.link.bandwidth_mbit, config.link.latency_ms) if emulate_link else None
-        sync = Learner(model, replica.optimizer, syncer=syncer, learner=learner, link=link,
-                       connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security)
+    sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security)
     m, rank, world = sync.id, sync.rank, sync.world
-    speeds = config.speeds()
-    speed = speeds[m] if m < len(speeds) else 1.0
-    tokens_per_step = t.batch_size * t.seq_len
-    spec = build_strategy(config)
-    plans = spec.planned_steps(speeds, config.token_budget(), tokens_per_step)
-    planned = plans[m] if m < len(plans) else plans[-1]
-    replica.sampler = ShardSampler(corpus.train, learner=m * world + rank, learners=max(len(speeds), m + 1) * world,
-                                   seq_len=t.seq_len, batch_size=t.batch_size, seed=config.seed)
-    replica.planned_steps = planned
+    speed, planned = _place(config, replica, materials.corpus.train, m, rank, world)
     checkpoint = out / "checkpoints" / f"learner-{m}.pt" if out is not None else None
     if checkpoint is not None and checkpoint.is_file():
         restore_checkpoint(checkpoint, replica, world, config.failures.restore)
         sync.resume(replica.steps)
-        log.info("learner %d resumes at step %d from %s (inner optimizer and data position)", m,
-                 replica.steps, checkpoint)
+        log.info("learner %d resumes at step %d from %s", m, replica.steps, checkpoint)
     resumed_from = replica.steps
     writer = CheckpointWriter(checkpoint) if checkpoint is not None else None
     if world > 1:
@@ -117,55 +102,111 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     if t.compile:
         replica.model = torch.compile(replica.model)
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
-    metrics = open_metrics(out / "metrics" if out and rank == 0 else None, name=f"learner-{m}",
-                           tensorboard=config.metrics.tensorboard and rank == 0, wandb=config.metrics.wandb,
-                           prometheus_port=metrics_port if rank == 0 else None, origin=run_origin())
-    if metrics_port is not None and rank == 0:
-        report_port(metrics.prometheus_port, f"learner {m}'s Prometheus metrics", metrics_port_file)
+    metrics = _metrics_for(config, out, m, rank, metrics_port, metrics_port_file)
     meter = LearnerMeter(metrics, m, config.metrics.every_steps)
-    tokens_trained, busy_s, began, started = 0, 0.0, clock.monotonic(), clock.monotonic()
-
-    def record(final: bool) -> None:
-        meter.step(clock.now() - metrics.origin, steps=replica.steps, tokens=tokens_trained * world,
-                   busy_fraction=busy_s / (clock.monotonic() - began), step_time_s=clock.monotonic() - started,
-                   bytes_up=sync.up.bytes_sent, bytes_down=sync.down.bytes_sent, loss=lambda: replica.last_loss,
-                   core=sync.core, final=final)
-
+    training = _Training(replica, sync, meter, metrics, world, rank, speed, stop,
+                         config.failures.checkpoint_every if writer is not None else 0, writer)
     # With a shared budget every learner trains until the syncer says the budget is spent, so all stop
     # together as in the simulator (its plan only shapes its learning-rate schedule); a learner that
     # stopped at its own plan would leave the others' last rounds to speak for the whole fleet.
-    last_step = planned * SHARED_BUDGET_CAP if spec.shared_budget and syncer is not None else planned
-    while replica.steps < last_step and not sync.should_stop:
-        started = clock.monotonic()
-        tokens = replica.train_step()
-        if speed < 1:
-            clock.sleep((clock.monotonic() - started) * (1 / speed - 1))
-        busy_s += clock.monotonic() - started
-        tokens_trained += tokens
-        if stop is not None and stop.is_set():
-            sync.request_stop()
-        sync.step(tokens)
-        if rank == 0:
-            record(final=False)
-            if checkpoint is not None and replica.steps % config.failures.checkpoint_every == 0:
-                writer.save(model, replica)
+    shared = build_strategy(config).shared_budget and syncer is not None
+    training.run(planned * SHARED_BUDGET_CAP if shared else planned)
     report = sync.close(finished=not (stop is not None and stop.is_set()))
     if rank == 0:
-        record(final=True)  # after the last pushes and the leave: every byte is counted
+        training.record(final=True)  # after the last pushes and the leave: every byte is counted
         # Its own model's held-out loss at the end, on the batches Θ is evaluated on: the final Θ
         # should be no worse than the learners it came from.
         report["eval_loss"] = evaluate(_unwrap(replica.model), materials.eval_batches)
     metrics.close()
-    wall_s = clock.monotonic() - began
+    wall_s, tokens, busy_s = clock.monotonic() - training.began, training.tokens * world, training.busy_s
     report.update(speed=speed, planned_steps=planned, steps=replica.steps, resumed_from_step=resumed_from,
-                  tokens=tokens_trained * world, busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
-                  tokens_per_s=tokens_trained * world / wall_s if wall_s else 0.0,
+                  tokens=tokens, busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
+                  tokens_per_s=tokens / wall_s if wall_s else 0.0,
                   interrupted=bool(stop is not None and stop.is_set()))
     if checkpoint is not None and rank == 0:
         writer.save(model, replica, wait=True)
         (out / "learners").mkdir(parents=True, exist_ok=True)
         (out / "learners" / f"learner-{m}.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _metrics_for(config: Config, out: Path | None, m: int, rank: int, port: int | None,
+                 port_file: str | None) -> MetricsLog:
+    """Rank 0 records (to OUT/metrics, and Prometheus if asked); other ranks record nothing."""
+    metrics = open_metrics(out / "metrics" if out and rank == 0 else None, name=f"learner-{m}",
+                           tensorboard=config.metrics.tensorboard and rank == 0, wandb=config.metrics.wandb,
+                           prometheus_port=port if rank == 0 else None, origin=run_origin())
+    if port is not None and rank == 0:
+        report_port(metrics.prometheus_port, f"learner {m}'s Prometheus metrics", port_file)
+    return metrics
+
+
+@dataclass
+class _Training:
+    """The loop a user would write, with what it measures: tokens, time busy, one record per step."""
+
+    replica: Replica
+    sync: Learner | Standalone
+    meter: LearnerMeter
+    metrics: MetricsLog
+    world: int
+    rank: int
+    speed: float
+    stop: threading.Event | None
+    checkpoint_every: int
+    """0: no checkpoints."""
+    writer: CheckpointWriter | None
+    tokens: int = 0
+    busy_s: float = 0.0
+    began: float = field(default_factory=clock.monotonic)
+    started: float = field(default_factory=clock.monotonic)
+
+    def run(self, last_step: int) -> None:
+        replica, sync = self.replica, self.sync
+        while replica.steps < last_step and not sync.should_stop:
+            self.started = clock.monotonic()
+            tokens = replica.train_step()
+            if self.speed < 1:  # a slower chip, emulated: the stretch counts as compute
+                clock.sleep((clock.monotonic() - self.started) * (1 / self.speed - 1))
+            self.busy_s += clock.monotonic() - self.started
+            self.tokens += tokens
+            if self.stop is not None and self.stop.is_set():
+                sync.request_stop()
+            sync.step(tokens)
+            if self.rank == 0:
+                self.record(final=False)
+                if self.checkpoint_every and replica.steps % self.checkpoint_every == 0:
+                    self.writer.save(_unwrap(replica.model), replica)
+
+    def record(self, final: bool) -> None:
+        now = clock.monotonic()
+        self.meter.step(clock.now() - self.metrics.origin, steps=self.replica.steps, tokens=self.tokens * self.world,
+                        busy_fraction=self.busy_s / (now - self.began), step_time_s=now - self.started,
+                        bytes_up=self.sync.up.bytes_sent, bytes_down=self.sync.down.bytes_sent,
+                        loss=lambda: self.replica.last_loss, core=self.sync.core, final=final)
+
+
+def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int | None, emulate_link: bool,
+              connect_timeout_s: float, security: TransportSecurity | None) -> Learner | Standalone:
+    """The learner's side of syncing: joined to the run at `syncer`, or standing alone."""
+    if syncer is None:
+        if learner is None:
+            raise DilocoError("a learner that does not sync needs its id (--id)")
+        return Standalone(learner)
+    link = LinkShape(config.link.bandwidth_mbit, config.link.latency_ms) if emulate_link else None
+    return Learner(replica.model, replica.optimizer, syncer=syncer, learner=learner, link=link,
+                   connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security)
+
+
+def _place(config: Config, replica: Replica, tokens: Any, m: int, rank: int, world: int) -> tuple[float, int]:
+    """The learner's speed and planned steps, and its data shard (a rank of it, under torchrun)."""
+    t, speeds = config.train, config.speeds()
+    plans = build_strategy(config).planned_steps(speeds, config.token_budget(), t.batch_size * t.seq_len)
+    planned = plans[m] if m < len(plans) else plans[-1]
+    replica.sampler = ShardSampler(tokens, learner=m * world + rank, learners=max(len(speeds), m + 1) * world,
+                                   seq_len=t.seq_len, batch_size=t.batch_size, seed=config.seed)
+    replica.planned_steps = planned
+    return (speeds[m] if m < len(speeds) else 1.0), planned
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
