@@ -180,9 +180,16 @@ class LearnerCore:
         return Poll(pushes)
 
     def finish(self, now: float | None = None) -> list[Push]:
-        """No more inner steps: push whatever progress no push has carried yet."""
+        """No more inner steps: push whatever progress no push has carried yet. An answer that has
+        arrived is merged first, without waiting out τ (no step is left to overlap it with): the last
+        push is then based on the newest version, and the final consolidation lands on the learners'
+        own models rather than on an outer step they never merged."""
         if now is not None:
             self.now = now
+        for p, flight in sorted(self.in_flight.items()):
+            if flight.update is not None:
+                self._merge(p, flight)
+                del self.in_flight[p]
         pushes = []
         for p in range(len(self.fragments)):
             if self.steps_since[p] == 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,35 +68,78 @@ def durable_work(run_s: float, every_s: float, cost_s: float, *, failed: bool) -
     return kept
 
 
+def _draws(draw: Callable[[int], np.ndarray]) -> Iterator[float]:
+    """Endless stream of ``draw``'s variates, fetched ``_BLOCK`` at a time.
+
+    One numpy call per block instead of one per event. A block is drawn only when the previous one
+    runs out, so the two streams of a simulation consume ``rng`` in the order they are used.
+    """
+    while True:
+        yield from draw(_BLOCK).tolist()
+
+
+def _remove_unit(up: list[int], u: float) -> int:
+    """Remove and return the running unit picked by ``u`` in [0, 1): each equally likely.
+
+    Swap-remove: the last unit takes the victim's place, so ``up`` has no order but removal is O(1).
+    """
+    k = int(u * len(up))
+    victim = up[k]
+    last = up.pop()
+    if last != victim:
+        up[k] = last
+    return victim
+
+
+def _failure_loss(layout: Layout, n_up: int, run_since: float, credited: float) -> float:
+    """Chip-seconds of useful work a failure takes back: the work since the last durable point.
+
+    ``run_since`` is the running time since that work began (the epoch with job scope, else the
+    victim's last start), ``credited`` the progress credited to the victim since its last start: one
+    unit never loses more than it was credited (its time below quorum earned nothing).
+    """
+    lost_s = run_since - durable_work(run_since, layout.durable_every_s, layout.durable_cost_s, failed=True)
+    if layout.job_scope:
+        # A synchronous step dies with any of its chips: every running chip loses it.
+        return lost_s * n_up * layout.unit_chips
+    return min(lost_s, credited) * layout.unit_chips
+
+
+def _unsaved_at_horizon(
+    layout: Layout, up: list[int], run: float, epoch_run: float, progress: float,
+    resume_run: list[float], resume_progress: list[float],
+) -> Iterator[float]:
+    """Chip-seconds to take back, unit by unit, for runs still open at the horizon.
+
+    Stalls already taken inside those runs were credited as work; with free saves there are none.
+    """
+    if layout.durable_cost_s > 0.0:
+        for unit in up:
+            x = run - (epoch_run if layout.job_scope else resume_run[unit])
+            credited = progress - resume_progress[unit]
+            kept = durable_work(x, layout.durable_every_s, layout.durable_cost_s, failed=False)
+            yield min(x - kept, credited) * layout.unit_chips
+
+
 def simulate_layout(layout: Layout, params: GoodputParams, rng: np.random.Generator) -> Outcome:
     """Run one policy layout to ``params.hours``; deterministic for the state of ``rng``."""
     n, chips_per_unit, quorum = layout.units, layout.unit_chips, layout.quorum
     unit_rate = chips_per_unit / params.mtbi_s
-    horizon = params.horizon_s
-    every, cost, job_scope, pause_s = layout.durable_every_s, layout.durable_cost_s, layout.job_scope, layout.pause_s
-    detect, restart = params.detect_s, params.restart_s
+    horizon, pause_s, job_scope = params.horizon_s, layout.pause_s, layout.job_scope
     spares = SparePool(round(params.spare_fraction * n * chips_per_unit), params.swap_s, params.repair_s)
 
-    up = list(range(n))  # running units, in no order: swap-remove keeps choice and removal O(1)
+    up = list(range(n))  # running units, in no order (see `_remove_unit`)
     resume_run = [0.0] * n  # `run` clock when the unit last came up
     resume_progress = [0.0] * n  # `progress` clock when the unit last came up
     returning: list[tuple[float, int]] = []  # heap of (time back, unit)
-
-    exps: list[float] = []
-    unis: list[float] = []
-    ie = iu = 0
+    exps, unis = _draws(rng.standard_exponential), _draws(rng.random)
     t = run = progress = useful = epoch_run = pause_until = 0.0
     failures = 0
 
     while True:
         n_up = len(up)
         running = n_up > 0 and t >= pause_until
-        next_fail = _INF
-        if running:
-            if ie == len(exps):
-                exps, ie = rng.standard_exponential(_BLOCK).tolist(), 0
-            next_fail = t + exps[ie] / (n_up * unit_rate)
-            ie += 1
+        next_fail = t + next(exps) / (n_up * unit_rate) if running else _INF
         next_back = returning[0][0] if returning else _INF
         next_t = min(next_fail, next_back, horizon, pause_until if t < pause_until else _INF)
         if running:
@@ -109,25 +153,10 @@ def simulate_layout(layout: Layout, params: GoodputParams, rng: np.random.Genera
             break
         if next_t == next_fail:
             failures += 1
-            if iu == len(unis):
-                unis, iu = rng.random(_BLOCK).tolist(), 0
-            k = int(unis[iu] * n_up)
-            iu += 1
-            victim = up[k]
-            last = up.pop()
-            if last != victim:
-                up[k] = last
-            if job_scope:
-                # A synchronous step dies with any of its chips: every running chip loses it.
-                x = run - epoch_run
-                lost = (x - durable_work(x, every, cost, failed=True)) * n_up * chips_per_unit
-            else:
-                x = run - resume_run[victim]
-                credited = progress - resume_progress[victim]
-                lost = min(x - durable_work(x, every, cost, failed=True), credited) * chips_per_unit
-            useful -= lost
-            back = spares.replace(t, t + detect) + restart
-            heapq.heappush(returning, (back, victim))
+            victim = _remove_unit(up, next(unis))
+            run_since = run - (epoch_run if job_scope else resume_run[victim])
+            useful -= _failure_loss(layout, n_up, run_since, progress - resume_progress[victim])
+            heapq.heappush(returning, (spares.replace(t, t + params.detect_s) + params.restart_s, victim))
             if pause_s > 0.0:
                 pause_until = max(pause_until, t + pause_s)
                 epoch_run = run
@@ -137,17 +166,7 @@ def simulate_layout(layout: Layout, params: GoodputParams, rng: np.random.Genera
             resume_run[unit] = run
             resume_progress[unit] = progress
 
-    if cost > 0.0:
-        # Stalls already taken inside runs still open at the horizon were credited as work.
-        for unit in up:
-            x = run - (epoch_run if job_scope else resume_run[unit])
-            credited = progress - resume_progress[unit]
-            useful -= min(x - durable_work(x, every, cost, failed=False), credited) * chips_per_unit
-
-    return Outcome(
-        useful_chip_s=useful,
-        total_chip_s=float(n * chips_per_unit) * horizon,
-        progress_s=progress,
-        horizon_s=horizon,
-        failures=failures,
-    )
+    for lost in _unsaved_at_horizon(layout, up, run, epoch_run, progress, resume_run, resume_progress):
+        useful -= lost
+    return Outcome(useful_chip_s=useful, total_chip_s=float(n * chips_per_unit) * horizon,
+                   progress_s=progress, horizon_s=horizon, failures=failures)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import html
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 TIMELINE_ROUNDS = 50
@@ -245,7 +246,21 @@ def _ticks(lo: float, hi: float, count: int = 6) -> list[float]:
     return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
 
 
+_SVG_LEFT, _SVG_RIGHT, _SVG_TOP, _SVG_WIDTH = 80, 16, 8, 960
+"""Timeline geometry in SVG units: the left margin holds the row labels, the space below the rows the
+time axis labels."""
+_SVG_ROW_H, _SVG_BAR_H = 26, 18
+"""Height of one fragment row, and of the round bars drawn in it."""
+
+_Span = tuple[dict, float, float | None]
+"""A round with its open time and its close time (None: still open)."""
+
+
 def _timeline(s: dict) -> str:
+    """The "Rounds" section: one SVG row per fragment, one bar per recent round, coloured by turnout.
+
+    Only the last TIMELINE_ROUNDS rounds are drawn, so the page stays small however long the run.
+    """
     rounds_all = [r for r in (s.get("rounds") or []) if isinstance(r, dict)]
     total = len(rounds_all)
     rounds = rounds_all[-TIMELINE_ROUNDS:]
@@ -258,86 +273,128 @@ def _timeline(s: dict) -> str:
     # "Everyone" means every learner that has joined at some point (left ones included).
     n_learners = sum(1 for v in learners.values() if (v or {}).get("state") != "not joined")
     uptime = _float(s.get("uptime_s"))
+    fragments = _timeline_fragments(s, rounds)
+    spans = _round_spans(rounds)
+    if not spans:
+        return f'<section id="timeline">{title}<p class="muted">No rounds with times.</p></section>'
 
+    svg = _timeline_svg(spans, fragments, uptime, names, n_learners)
+    return f'<section id="timeline">{title}{_timeline_legend(len(rounds), total)}{svg}</section>'
+
+
+def _timeline_fragments(s: dict, rounds: list[dict]) -> list[str]:
+    """The timeline's rows: the shard's fragments in its order, then any other fragment a round names,
+    so that every round has a row even when the snapshot does not list its fragment."""
     fragments = [str(f) for f in (s.get("fragments") or [])]
     for r in rounds:
         if str(r.get("fragment")) not in fragments:
             fragments.append(str(r.get("fragment")))
-    row_of = {f: i for i, f in enumerate(fragments)}
+    return fragments
 
-    spans = []
+
+def _round_spans(rounds: list[dict]) -> list[_Span]:
+    """The rounds that can be placed in time: those with an open time, with their open and close times."""
+    spans: list[_Span] = []
     for r in rounds:
         opened = _float(r.get("opened_at"))
         closed = _float(r.get("closed_at"))
         if opened is None:
             continue
         spans.append((r, opened, closed))
-    if not spans:
-        return f'<section id="timeline">{title}<p class="muted">No rounds with times.</p></section>'
+    return spans
+
+
+def _time_range(spans: list[_Span], uptime: float | None) -> tuple[float, float]:
+    """The time axis: from the first opening to the last close, or to now for a round still open.
+
+    Never empty, so that the scale never divides by zero.
+    """
     lo = min(o for _, o, _ in spans)
     hi = max(max(o, c if c is not None else (uptime if uptime is not None else o)) for _, o, c in spans)
     if hi <= lo:
         hi = lo + 1.0
+    return lo, hi
 
-    left, right, top, row_h, bar_h, width = 80, 16, 8, 26, 18, 960
-    plot_w = width - left - right
-    height = top + row_h * len(fragments) + 28
+
+def _timeline_svg(spans: list[_Span], fragments: list[str], uptime: float | None, names: dict[str, str],
+                  n_learners: int) -> str:
+    """The inline SVG: fragment rows and time axis, then a bar per round, drawn up to now while open."""
+    lo, hi = _time_range(spans, uptime)
+    row_of = {f: i for i, f in enumerate(fragments)}
+    axis_y = _SVG_TOP + _SVG_ROW_H * len(fragments)
+    height = axis_y + 28
+    plot_w = _SVG_WIDTH - _SVG_LEFT - _SVG_RIGHT
 
     def x(t: float) -> float:
-        return left + (t - lo) / (hi - lo) * plot_w
+        return _SVG_LEFT + (t - lo) / (hi - lo) * plot_w
 
-    parts = [f'<svg id="timeline-svg" viewBox="0 0 {width} {height}" width="100%" '
+    parts = [f'<svg id="timeline-svg" viewBox="0 0 {_SVG_WIDTH} {height}" width="100%" '
              f'preserveAspectRatio="xMinYMin meet" role="img" aria-label="round timeline">']
-    for f, i in row_of.items():
-        y = top + i * row_h
-        parts.append(f'<text x="{left - 8}" y="{y + bar_h / 2 + 4:.1f}" text-anchor="end">'
-                     f"fragment {_e(f)}</text>")
-        parts.append(f'<line class="axis" x1="{left}" x2="{width - right}" y1="{y + row_h - 4:.1f}" '
-                     f'y2="{y + row_h - 4:.1f}"/>')
-    axis_y = top + row_h * len(fragments)
-    for t in _ticks(lo, hi):
-        parts.append(f'<line class="axis" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top}" y2="{axis_y + 4}"/>')
-        parts.append(f'<text x="{x(t):.1f}" y="{axis_y + 18}" text-anchor="middle">{_e(_num(round(t, 2)))} s</text>')
-
+    parts += _timeline_grid(row_of, axis_y, _ticks(lo, hi), x)
     for r, opened, closed in spans:
-        frag = str(r.get("fragment"))
-        participants = list(r.get("participants") or [])
-        count = len(participants)
-        is_open = closed is None
         end = closed if closed is not None else max(opened, uptime if uptime is not None else opened)
-        x0, x1 = x(opened), x(end)
-        w = max(x1 - x0, 2.0)
-        y = top + row_of[frag] * row_h
-        who = ", ".join(names.get(str(p), f"learner {p}") for p in participants) or "none"
-        tip = (f"fragment {frag} → version {r.get('version', '?')}\n"
-               f"opened {opened:.2f} s, " + (f"closed {closed:.2f} s ({closed - opened:.2f} s)"
-                                             if closed is not None else "still open") + "\n"
-               f"participants ({count}): {who}\n"
-               f"stale pushes: {r.get('stale', 0)}, held open: {r.get('held_s', '—')} s")
-        cls = "round open" if is_open else "round"
-        parts.append(
-            f'<g class="round-bar" data-fragment="{_e(frag)}" data-version="{_e(r.get("version", ""))}" '
-            f'data-participants="{count}"><title>{_e(tip)}</title>'
-            f'<rect class="{cls}" x="{x0:.1f}" y="{y}" width="{w:.1f}" height="{bar_h}" rx="2" '
-            f'fill="{_colour(count, n_learners)}"/>'
-        )
-        if w >= 14:
-            parts.append(f'<text x="{x0 + w / 2:.1f}" y="{y + bar_h / 2 + 4:.1f}" text-anchor="middle" '
-                         f'style="fill:#fff">{count}</text>')
-        parts.append("</g>")
+        y = _SVG_TOP + row_of[str(r.get("fragment"))] * _SVG_ROW_H
+        parts.append(_round_bar(r, opened, closed, x(opened), x(end), y, names, n_learners))
     parts.append("</svg>")
+    return "".join(parts)
 
-    shown = (f"the last {len(rounds)} of {total} rounds" if total > len(rounds)
-             else f"{total} round{'s' if total != 1 else ''}")
-    legend = (
+
+def _timeline_grid(row_of: dict[str, int], axis_y: int, ticks: list[float],
+                   x: Callable[[float], float]) -> list[str]:
+    """A label and a baseline per fragment row, then a gridline and a time label (in s) per tick."""
+    parts: list[str] = []
+    for f, i in row_of.items():
+        y = _SVG_TOP + i * _SVG_ROW_H
+        parts.append(f'<text x="{_SVG_LEFT - 8}" y="{y + _SVG_BAR_H / 2 + 4:.1f}" text-anchor="end">'
+                     f"fragment {_e(f)}</text>")
+        parts.append(f'<line class="axis" x1="{_SVG_LEFT}" x2="{_SVG_WIDTH - _SVG_RIGHT}" '
+                     f'y1="{y + _SVG_ROW_H - 4:.1f}" y2="{y + _SVG_ROW_H - 4:.1f}"/>')
+    for t in ticks:
+        parts.append(f'<line class="axis" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{_SVG_TOP}" y2="{axis_y + 4}"/>')
+        parts.append(f'<text x="{x(t):.1f}" y="{axis_y + 18}" text-anchor="middle">{_e(_num(round(t, 2)))} s</text>')
+    return parts
+
+
+def _round_bar(r: dict, opened: float, closed: float | None, x0: float, x1: float, y: int,
+               names: dict[str, str], n_learners: int) -> str:
+    """One round's bar from ``x0`` to ``x1`` in the row at ``y``, with its details as a hover tooltip.
+
+    At least 2 units wide so that short rounds stay visible; labelled with the participant count
+    when there is room for it.
+    """
+    frag = str(r.get("fragment"))
+    participants = list(r.get("participants") or [])
+    count = len(participants)
+    w = max(x1 - x0, 2.0)
+    who = ", ".join(names.get(str(p), f"learner {p}") for p in participants) or "none"
+    tip = (f"fragment {frag} → version {r.get('version', '?')}\n"
+           f"opened {opened:.2f} s, " + (f"closed {closed:.2f} s ({closed - opened:.2f} s)"
+                                         if closed is not None else "still open") + "\n"
+           f"participants ({count}): {who}\n"
+           f"stale pushes: {r.get('stale', 0)}, held open: {r.get('held_s', '—')} s")
+    cls = "round open" if closed is None else "round"
+    bar = (f'<g class="round-bar" data-fragment="{_e(frag)}" data-version="{_e(r.get("version", ""))}" '
+           f'data-participants="{count}"><title>{_e(tip)}</title>'
+           f'<rect class="{cls}" x="{x0:.1f}" y="{y}" width="{w:.1f}" height="{_SVG_BAR_H}" rx="2" '
+           f'fill="{_colour(count, n_learners)}"/>')
+    if w >= 14:
+        bar += (f'<text x="{x0 + w / 2:.1f}" y="{y + _SVG_BAR_H / 2 + 4:.1f}" text-anchor="middle" '
+                f'style="fill:#fff">{count}</text>')
+    return bar + "</g>"
+
+
+def _timeline_legend(shown: int, total: int) -> str:
+    """How many rounds are drawn, what the bar colours mean, and that the bars have tooltips."""
+    counted = (f"the last {shown} of {total} rounds" if total > shown
+               else f"{total} round{'s' if total != 1 else ''}")
+    return (
         '<p class="legend muted">'
-        f'<span id="rounds-shown">{_e(shown)}</span>'
+        f'<span id="rounds-shown">{_e(counted)}</span>'
         '<span><i class="swatch" style="background:#2e9d4f"></i>all joined learners</span>'
         '<span><i class="swatch" style="background:#e0a526"></i>some</span>'
         '<span><i class="swatch" style="background:#d0453f"></i>one or none</span>'
         "<span>bar label: participants; hover for details</span></p>"
     )
-    return f'<section id="timeline">{title}{legend}{"".join(parts)}</section>'
 
 
 def render_content(snapshot: dict) -> str:
