@@ -192,6 +192,7 @@ def test_the_shard_waker_thread_fires_the_cores_timers_on_an_injected_clock():
         waker.stop()
 
 
+@pytest.mark.integration  # a whole training run in the simulator
 def test_the_simulator_finds_a_crashed_learner_dead_a_detect_s_after_its_last_word():
     crash = "failures.crashes=[{learner = 1, at_s = 2.0}]"
     sim = Simulation(tiny_config("strategy=diloco", "outer.H=4", crash, "failures.detect_s=1.5",

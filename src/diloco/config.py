@@ -1,6 +1,6 @@
 """Typed run configuration: dataclasses loaded from TOML and overridden with `--set key=value`.
 
-Every key is checked against the dataclass field types, then against the rules in `validate()`.
+Every key is checked against the dataclass field types, then against the rules in `config_rules.py`.
 A problem raises `ConfigError` with a one-line message that names the key.
 """
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from diloco.config_rules import validate
 from diloco.errors import ConfigError
 
 Strategy = Literal["ddp", "diloco", "streaming", "async", "async-dn", "decoupled"]
@@ -336,129 +337,3 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(f"config key '{key}' must be a string; got {value!r}")
         return value
     raise TypeError(f"unsupported config type for {key}: {hint}")
-
-
-# ---------------------------------------------------------------- rules
-
-
-def _require(ok: bool, key: str, rule: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}' {rule}; got {value!r}")
-
-
-def validate(config: Config) -> None:
-    """Rules the types cannot say. Each failure names its key.
-
-    The first failing rule is the one reported, so the checks run in a fixed order, section by section.
-    """
-    _validate_counts(config)
-    _validate_train(config.train)
-    _validate_learners(config.learners)
-    _validate_outer(config.outer, config.strategy, config.learners.count)
-    _validate_failures(config.failures, config.learners.count)
-    _validate_link(config.link)
-    _validate_model(config.model, config.train.seq_len)
-    _require(config.codec.block > 0, "codec.block", "must be positive", config.codec.block)
-    _validate_data(config.data)
-    _validate_token_budget(config.train, config.learners.count)
-
-
-def _validate_counts(config: Config) -> None:
-    """Counts and sizes across sections that must be positive, then the seed: checked first, as the
-    later rules (divisions, ranges up to a count) only make sense once these hold."""
-    t, lc, o, m = config.train, config.learners, config.outer, config.model
-    positive_ints = {
-        "train.tokens": t.tokens, "train.batch_size": t.batch_size, "train.seq_len": t.seq_len,
-        "train.eval_points": t.eval_points, "train.eval_batches": t.eval_batches,
-        "learners.count": lc.count, "outer.H": o.H, "outer.fragments": o.fragments,
-        "model.layers": m.layers, "model.width": m.width, "model.heads": m.heads,
-        "metrics.every_steps": config.metrics.every_steps,
-    }
-    for key, value in positive_ints.items():
-        _require(value > 0, key, "must be positive", value)
-    _require(config.seed >= 0, "seed", "must be zero or positive", config.seed)
-
-
-def _validate_train(t: TrainConfig) -> None:
-    """The inner optimizer's settings and the device name, which is a free string."""
-    _require(t.lr > 0, "train.lr", "must be positive", t.lr)
-    _require(t.weight_decay >= 0, "train.weight_decay", "must be zero or positive", t.weight_decay)
-    _require(t.warmup_steps >= 0, "train.warmup_steps", "must be zero or positive", t.warmup_steps)
-    _require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), "train.device",
-             "must be auto, cpu, cuda or cuda:N", t.device)
-    _require(t.grad_clip >= 0, "train.grad_clip", "must be zero or positive (0 turns clipping off)", t.grad_clip)
-
-
-def _validate_learners(lc: LearnersConfig) -> None:
-    """The fleet: one speed per learner (when given) and the simulator's step-time noise."""
-    if lc.speeds:
-        _require(len(lc.speeds) == lc.count, "learners.speeds",
-                 f"must have one entry per learner (learners.count = {lc.count})", lc.speeds)
-        for i, s in enumerate(lc.speeds):
-            _require(s > 0, f"learners.speeds[{i}]", "must be positive", s)
-    _require(0 <= lc.jitter < 1, "learners.jitter", "must be in [0, 1)", lc.jitter)
-    _require(0 <= lc.drift < 1, "learners.drift", "must be in [0, 1)", lc.drift)
-    _require(lc.drift_steps > 0, "learners.drift_steps", "must be positive", lc.drift_steps)
-    _require(lc.step_time_s > 0, "learners.step_time_s", "must be positive", lc.step_time_s)
-
-
-def _validate_outer(o: OuterConfig, strategy: Strategy, learners: int) -> None:
-    """The outer loop: sync schedule, outer optimizer, quorum and grace window, outlier filter.
-
-    Fragments must fit in H only for the strategies that stagger them over the H steps.
-    """
-    _require(o.fragments <= o.H or strategy not in ("streaming", "decoupled"), "outer.fragments",
-             f"must be at most outer.H ({o.H}) so that fragments sync on distinct steps", o.fragments)
-    _require(0 <= o.tau < o.H, "outer.tau", f"must be in [0, outer.H) = [0, {o.H})", o.tau)
-    _require(0 <= o.alpha <= 1, "outer.alpha", "must be in [0, 1]", o.alpha)
-    _require(o.lr > 0, "outer.lr", "must be positive", o.lr)
-    _require(0 <= o.momentum < 1, "outer.momentum", "must be in [0, 1)", o.momentum)
-    _require(0 <= o.quorum <= learners, "outer.quorum", f"must be in [0, learners.count] = [0, {learners}]", o.quorum)
-    _require(o.grace >= 0, "outer.grace", "must be zero or positive (0 turns the grace window off)", o.grace)
-    _require(o.grace_cap_steps >= 0, "outer.grace_cap_steps", "must be zero or positive", o.grace_cap_steps)
-    _require(o.dn_buffer >= 0, "outer.dn_buffer", "must be zero or positive", o.dn_buffer)
-    _require(o.outlier_factor > 1, "outer.outlier_factor", "must be above 1", o.outlier_factor)
-
-
-def _validate_failures(f: FailuresConfig, learners: int) -> None:
-    """Scheduled crashes and outages must name an existing learner; then the random-failure knobs."""
-    for kind, events in (("crashes", f.crashes), ("outages", f.outages)):
-        for i, event in enumerate(events):
-            key = f"failures.{kind}[{i}]"
-            _require(0 <= event.learner < learners, f"{key}.learner", f"must be in [0, {learners})", event.learner)
-            _require(event.at_s >= 0, f"{key}.at_s", "must be zero or positive", event.at_s)
-    for i, outage in enumerate(f.outages):
-        _require(outage.duration_s > 0, f"failures.outages[{i}].duration_s", "must be positive", outage.duration_s)
-    _require(f.mtbf_s >= 0, "failures.mtbf_s", "must be zero or positive (0: no random crashes)", f.mtbf_s)
-    _require(f.recovery_s >= 0, "failures.recovery_s", "must be zero or positive", f.recovery_s)
-    _require(f.detect_s >= 0, "failures.detect_s", "must be zero or positive", f.detect_s)
-    _require(f.checkpoint_every > 0, "failures.checkpoint_every", "must be positive", f.checkpoint_every)
-
-
-def _validate_link(ln: LinkConfig) -> None:
-    """The simulated network: some bandwidth, no negative latency."""
-    _require(ln.bandwidth_mbit > 0, "link.bandwidth_mbit", "must be positive", ln.bandwidth_mbit)
-    _require(ln.latency_ms >= 0, "link.latency_ms", "must be zero or positive", ln.latency_ms)
-
-
-def _validate_model(m: ModelConfig, seq_len: int) -> None:
-    """Shape rules the transformer needs: heads split the width, the context holds a training sequence."""
-    _require(m.width % m.heads == 0, "model.heads", f"must divide model.width ({m.width})", m.heads)
-    _require(m.context == 0 or m.context >= seq_len, "model.context",
-             f"must be 0 or at least train.seq_len ({seq_len})", m.context)
-    _require(0 <= m.dropout < 1, "model.dropout", "must be in [0, 1)", m.dropout)
-    _require(m.factory == "" or ":" in m.factory, "model.factory", "must look like 'package.module:callable'",
-             m.factory)
-
-
-def _validate_data(d: DataConfig) -> None:
-    """The eval split must leave both parts non-empty; a vocab_size of 0 means "read it off the data"."""
-    _require(0 < d.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)", d.eval_fraction)
-    _require(d.vocab_size >= 0, "data.vocab_size", "must be zero or positive", d.vocab_size)
-
-
-def _validate_token_budget(t: TrainConfig, learners: int) -> None:
-    """Checked last, as it combines sections: the budget must give every learner at least one step."""
-    tokens_per_round = learners * t.batch_size * t.seq_len
-    _require(t.tokens >= tokens_per_round, "train.tokens",
-             f"must cover at least one step of every learner ({tokens_per_round} tokens)", t.tokens)
