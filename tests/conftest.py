@@ -26,6 +26,12 @@ def tiny_config(*overrides: str) -> Config:
     return load_config(None, [*TINY, *overrides])
 
 
+def computed(summary: dict) -> dict:
+    """A summary without what the host's speed decides (`wall_clock_s`): what two runs of one seed
+    must agree on."""
+    return {k: v for k, v in summary.items() if k != "wall_clock_s"}
+
+
 @pytest.fixture
 def tiny():
     return tiny_config
