@@ -34,10 +34,10 @@ def learner_tokens(trained: float, merged: Mapping[int, int], stale: Mapping[int
     `merged` and `stale` per fragment (summed over shards), `numel` the fragments' sizes."""
     parameters = sum(numel.values())
     counted = {p: merged.get(p, 0) + stale.get(p, 0) for p in numel}
+    lost = sum((trained - counted[p]) * n for p, n in numel.items() if trained > counted[p]) / parameters
     over = sum((counted[p] - trained) * n for p, n in numel.items() if counted[p] > trained) / parameters
-    on_time, late = by_parameters(merged, numel, parameters), by_parameters(stale, numel, parameters)
-    return {"trained": trained, "merged": on_time, "stale": late, "lost": trained - on_time - late + over,
-            "counted_twice": over}
+    return {"trained": trained, "merged": by_parameters(merged, numel, parameters),
+            "stale": by_parameters(stale, numel, parameters), "lost": lost, "counted_twice": over}
 
 
 def ledger_of(shard_reports: Iterable[Mapping[str, Any]], learner: int) -> tuple[dict[int, int], dict[int, int]]:
