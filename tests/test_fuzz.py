@@ -110,12 +110,17 @@ def train(learner: Learner, steps: int, seed: int) -> None:
 
 
 def settle(shard: SyncerShard, learner: Learner, timeout_s: float = 15.0) -> None:
-    """Until the shard has counted (and, with one learner, merged) every push the learner sent."""
+    """Until the shard has counted (and, with one learner, merged) every push the learner sent, and its
+    last progress report has landed."""
     def counted() -> bool:
         with shard.lock:
-            entry = shard.core.ledger.get(learner.id)
-            return entry is not None and entry.last_seq == learner.core.seq and \
-                not any(s.pending for s in shard.core.fragments.values())
+            core = shard.core
+            entry = core.ledger.get(learner.id)
+            pace = core.pacer.paces.get(learner.id) if core.pacer else None
+            reported = core.tokens.get(learner.id) == learner.core.tokens and \
+                (core.pacer is None or (pace is not None and pace.step == learner.core.step))
+            return entry is not None and entry.last_seq == learner.core.seq and reported and \
+                not any(s.pending for s in core.fragments.values())
 
     wait_for(counted, timeout_s, f"the shard to count the learner's {learner.core.seq} pushes", poll_s=0.02)
 
