@@ -178,7 +178,7 @@ def main() -> None:
     if not parts <= {"sim", "real"} or not set(hardware) <= set(HARDWARE):
         parser.error(f"--parts takes sim,real and --hardware takes {','.join(HARDWARE)}")
     real_tokens = args.real_tokens or load_config(None, args.set).train.tokens
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 132)  # a log file gets the whole table
     rows: list[dict] = []
     started = time.perf_counter()
     for h in hardware:
