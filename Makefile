@@ -35,9 +35,16 @@ bench: $(STAMP)
 bench-heterogeneous: $(STAMP)
 	$(BIN)/python benchmarks/heterogeneous.py
 
-# ~45 min: the simulator at 10M tokens, then real runs at the default budget.
+# ~45 min on 2 cores: the simulator at 10M tokens, one process per hardware mix side by side (one
+# thread each: their figures are in virtual time), then the real runs alone on a quiet machine.
+QUALITY := benchmarks/results/quality
 bench-quality: $(STAMP)
-	$(BIN)/python benchmarks/quality.py $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality.py --parts sim --hardware equal --out $(QUALITY)-sim-equal $(ARGS) & \
+	equal=$$!; \
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality.py --parts sim --hardware mixed --out $(QUALITY)-sim-mixed $(ARGS) & \
+	mixed=$$!; \
+	wait $$equal && wait $$mixed
+	$(BIN)/python benchmarks/quality.py --parts real --out $(QUALITY)-real $(ARGS)
 
 bench-compression: $(STAMP)
 	$(BIN)/python benchmarks/compression.py
