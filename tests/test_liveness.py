@@ -92,7 +92,8 @@ def test_a_synchronous_round_goes_on_without_a_learner_found_dead():
 def test_the_run_is_over_when_the_last_learner_leaves_and_what_is_open_is_merged():
     syncer = core(quorum=2)
     syncer.handle(PushArrived(Push(0, 0, 0, 1, {"w": torch.ones(2)}, 10, 1)), 1.0)
-    assert syncer.handle(LearnerLeft(1, finished=True), 2.0) == [] or not syncer.over
+    assert not any(isinstance(a, RunOver) for a in syncer.handle(LearnerLeft(1, finished=True), 2.0))
+    assert not syncer.over  # learner 0 is still there
     actions = syncer.handle(LearnerLeft(0, finished=True), 3.0)
     assert isinstance(actions[-1], RunOver) and syncer.over
     assert syncer.fragments[0].version == 1 and not syncer.fragments[0].pending
@@ -121,7 +122,6 @@ def test_a_resumed_syncer_gives_everyone_a_fresh_allowance():
 
 
 def test_the_restore_policy_is_one_rule():
-    assert restore_plan("checkpoint", True) == restore_plan("checkpoint", True)
     assert restore_plan("checkpoint", True).optimizer and not restore_plan("fresh", True).optimizer
     assert restore_plan("fresh", True).data and restore_plan("fresh", True).steps
     assert not any(vars(restore_plan("checkpoint", False)).values())

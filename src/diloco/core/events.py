@@ -69,3 +69,12 @@ class SyncerResumed:
 
 SyncerEvent = Union[PushArrived, ProgressArrived, HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
                     SyncerResumed]
+
+
+def sender(event: SyncerEvent) -> int | None:
+    """The learner an event came from, if any."""
+    if isinstance(event, PushArrived):
+        return event.push.learner
+    if isinstance(event, ProgressArrived):
+        return event.report.learner
+    return getattr(event, "learner", None)

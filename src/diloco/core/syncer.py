@@ -53,7 +53,7 @@ from diloco.core.closing import close_round
 from diloco.core.saving import load_saved_state, saved_state
 from diloco.core.checks import check_progress, check_push
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
-                                SyncerEvent, SyncerResumed, TimerFired)
+                                SyncerEvent, SyncerResumed, TimerFired, sender)
 from diloco.core.liveness import Liveness
 from diloco.core.messages import Progress, Push
 from diloco.core.pacing import Pacer
@@ -209,7 +209,7 @@ class SyncerCore:
         """Take one event (raising ProtocolError, with nothing changed, for one to refuse); return what
         the driver is to do. Besides the event's own effect: whoever it came from is heard from (and
         alive again if it was found dead), and a Timer asks for the next liveness check."""
-        learner = _sender(event)
+        learner = sender(event)
         actions = self._dispatch[type(event)](self, event, now)
         self.liveness.start(now)
         if learner is not None and learner in self.ledger and not isinstance(event, LearnerLeft):
@@ -411,12 +411,3 @@ class SyncerCore:
     def check_progress(self, report: Progress) -> None:
         """Raise ProtocolError for a progress report this syncer must refuse; nothing changes either way."""
         check_progress(report, known=report.learner in self.ledger)
-
-
-def _sender(event: SyncerEvent) -> int | None:
-    """The learner an event came from, if any."""
-    if isinstance(event, PushArrived):
-        return event.push.learner
-    if isinstance(event, ProgressArrived):
-        return event.report.learner
-    return getattr(event, "learner", None)

@@ -23,7 +23,7 @@ from torch import nn
 from diloco.config import Config
 from diloco.core.learner import LearnerCore
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
-                                TimerFired)
+                                TimerFired, sender)
 from diloco.core.liveness import HEARTBEAT_S
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, tensors_wire_bytes
 from diloco.core.recovery import restore_plan
@@ -192,18 +192,15 @@ class Simulation:
     def _on_arrival(self, arrival: ToSyncer) -> None:
         """One of the syncer core's events arrives: the core decides, the driver carries out its actions."""
         event = arrival.event
-        learner = self.learners[event.report.learner] if isinstance(event, ProgressArrived) else None
-        if isinstance(event, HeartbeatArrived):
-            learner = self.learners[event.learner]
-        if learner is not None and not learner.alive:
+        if isinstance(event, (ProgressArrived, HeartbeatArrived)) and not self.learners[sender(event)].alive:
             return  # sent by a process that has crashed since: its life's counters are gone with it
         try:
             self._handle(self.syncer.handle(event, self.now))
         except ProtocolError:  # a refused push (an outlier): the learner sends that progress again later
             if isinstance(event, PushArrived):
-                sender = self.learners[event.push.learner]
-                if sender.core is not None and sender.alive:
-                    sender.core.on_refused(event.push)
+                pusher = self.learners[event.push.learner]
+                if pusher.core is not None and pusher.alive:
+                    pusher.core.on_refused(event.push)
 
     def _on_stop(self, event: StopArrives) -> None:
         """The syncer's word that the budget is spent reached a learner: it stops after this step."""
