@@ -162,15 +162,22 @@ class Learner:
             tokens = int(count)
         self.tokens += tokens
         self.steps += 1
-        flags = torch.zeros(len(self.fragments) + 1, dtype=torch.int64)
+        before = list(self.core.anchor_versions) if self.rank == 0 else []
         if self.rank == 0:
             core = self.core
-            before = list(core.anchor_versions)
             for push in core.on_step(tokens, step_time_s=step_time, now=clock.now()):
                 self._send(push)
             self._merge_arrived(wait=True)
             self._outbox.put(("progress", core.progress()))  # behind this step's pushes, on the same link
-            for p, (old, new) in enumerate(zip(before, core.anchor_versions)):
+        self._share_merges(before)
+        self._last_step_end = clock.monotonic()
+
+    def _share_merges(self, before: list[int]) -> None:
+        """Every rank ends a step (or the run) with rank 0's parameters: the fragments whose anchor
+        moved since `before` are broadcast, with rank 0's stop request. A collective: all ranks call it."""
+        flags = torch.zeros(len(self.fragments) + 1, dtype=torch.int64)
+        if self.rank == 0:
+            for p, (old, new) in enumerate(zip(before, self.core.anchor_versions)):
                 flags[p] = int(new != old)
             flags[-1] = int(self._stop_requested)
         if self.world > 1:
@@ -181,7 +188,6 @@ class Learner:
                         dist.broadcast(self.params[name].data, 0)
             self._stop_requested = bool(flags[-1])
         self.merges += int(flags[:-1].sum())
-        self._last_step_end = clock.monotonic()
 
     def _merge_arrived(self, wait: bool) -> None:
         core = self.core
@@ -213,9 +219,12 @@ class Learner:
             return self.report()
         self._closed = True
         self.wall_s = clock.monotonic() - self.started
+        before = list(self.core.anchor_versions) if self.rank == 0 else []
         if self.rank == 0:
-            for push in self.core.finish(clock.now()):
+            for push in self.core.finish(clock.now()):  # may merge answers that have arrived
                 self._send(push)
+        self._share_merges(before)
+        if self.rank == 0:
             self._outbox.put(("leave", finished))
             self._outbox.put(None)
             for thread in self._threads:
