@@ -18,8 +18,8 @@ from diloco.errors import DilocoError
 from diloco.runtime.syncer import ShardPlan, SyncerShard
 from diloco.transport.frames import encode_fp32, message_frames, tensor_header
 from diloco.transport.security import (
-    METADATA_KEY, REFUSED, SECRET_ENV, TransportSecurity, add_security_arguments, load_security, make_channel,
-    resolve_secret, secure_server_port, security_from_args, server_interceptors, with_run_secret)
+    METADATA_KEY, REFUSED, SECRET_ENV, TransportSecurity, add_security_arguments, learner_security, load_security,
+    make_channel, resolve_secret, secure_server_port, security_from_args, server_interceptors, with_run_secret)
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -81,7 +81,8 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
 @pytest.mark.integration  # a live server over real gRPC
 def test_with_the_secret_every_kind_of_call_reaches_the_shard(serve_shard):
     shard, address = serve_shard(TransportSecurity(secret=SECRET))
-    syncer = stub(address, TransportSecurity(secret=SECRET))
+    syncer = stub(address, TransportSecurity(secret=SECRET))  # the run secret: joins, seeds, observes
+    learner = stub(address, learner_security(TransportSecurity(secret=SECRET), 0))  # speaks for learner 0
     grpc.channel_ready_future(make_channel(address, TransportSecurity(secret=SECRET))).result(timeout=TIMEOUT)
     assert syncer.Status(pb.StatusRequest(), timeout=TIMEOUT).initialised is False           # unary
     assert code_of(lambda: list(syncer.Pull(pb.PullRequest(learner=0), timeout=TIMEOUT)))[0] \
@@ -89,14 +90,14 @@ def test_with_the_secret_every_kind_of_call_reaches_the_shard(serve_shard):
     assert code_of(lambda: syncer.Init(iter(GARBAGE), timeout=TIMEOUT))[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert syncer.Init(iter(init_frames(shard)), timeout=TIMEOUT).accepted                   # client stream
     assert syncer.Join(pb.JoinRequest(learner=0), timeout=TIMEOUT).learner == 0
-    frames = list(syncer.Pull(pb.PullRequest(learner=0), timeout=TIMEOUT))
+    frames = list(learner.Pull(pb.PullRequest(learner=0), timeout=TIMEOUT))
     assert frames[0].WhichOneof("body") == "state"
-    code, details = code_of(lambda: syncer.Push(iter(GARBAGE), timeout=TIMEOUT))
+    code, details = code_of(lambda: learner.Push(iter(GARBAGE), timeout=TIMEOUT))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "bad push" in details                # the frames were read
-    updates = syncer.Updates(pb.UpdatesRequest(learner=0), timeout=0.3)
+    updates = learner.Updates(pb.UpdatesRequest(learner=0), timeout=0.3)
     assert code_of(lambda: list(updates))[0] == grpc.StatusCode.DEADLINE_EXCEEDED            # an open, idle stream
-    assert syncer.Heartbeat(pb.HeartbeatRequest(learner=0, tokens=5), timeout=TIMEOUT).tokens_reported == 5
-    syncer.Leave(pb.LeaveRequest(learner=0), timeout=TIMEOUT)
+    assert learner.Heartbeat(pb.HeartbeatRequest(learner=0, tokens=5, steps=1), timeout=TIMEOUT).tokens_reported == 5
+    learner.Leave(pb.LeaveRequest(learner=0), timeout=TIMEOUT)
     assert shard.left == {0}
 
 
@@ -338,3 +339,28 @@ def test_credentials_from_files(pki):
     assert isinstance(channel_credentials(str(pki / "ca.pem"), str(pki / "client.pem"), str(pki / "client.key")),
                       grpc.ChannelCredentials)
     assert "client.key" in one_line_error(lambda: server_credentials(str(pki / "server.pem"), str(pki / "client.key")))
+
+
+@pytest.mark.integration  # a live server over real gRPC
+def test_under_mutual_tls_a_certificate_naming_a_learner_speaks_for_that_learner_only(serve_shard, pki):
+    issue(pki, "learner-3", "ca", "extendedKeyUsage=clientAuth\n")
+    _, address = serve_shard(load_security(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"),
+                                           tls_ca=str(pki / "ca.pem"), role="server"))
+    learner_3 = stub(address, load_security(tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "learner-3.pem"),
+                                            tls_key=str(pki / "learner-3.key"), role="client"))
+    assert not learner_3.Heartbeat(pb.HeartbeatRequest(learner=3), timeout=TIMEOUT).stop
+    code, details = code_of(lambda: learner_3.Heartbeat(pb.HeartbeatRequest(learner=2), timeout=TIMEOUT))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and details == "learner 3 may not send a heartbeat as learner 2"
+    shared = stub(address, load_security(tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"),
+                                         tls_key=str(pki / "client.key"), role="client"))
+    assert not shared.Heartbeat(pb.HeartbeatRequest(learner=2), timeout=TIMEOUT).stop  # names no learner: unchecked
+
+
+def test_a_learner_token_from_the_command_line_is_one_line_and_derived_from_the_run_secret(tmp_path, capsys):
+    from diloco.cli import main
+    from diloco.transport.security import LearnerCredential
+
+    (tmp_path / "secret").write_bytes(SECRET)
+    assert main(["token", "--learner", "3", "--secret-file", str(tmp_path / "secret")]) == 0
+    line = capsys.readouterr().out
+    assert line.count("\n") == 1 and LearnerCredential.parse(line, "out") == LearnerCredential.of(SECRET, 3)

@@ -8,6 +8,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 
@@ -16,7 +17,9 @@ from diloco.config import load_config
 from diloco.console import learners_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
 from diloco.goodput.command import add_arguments as add_goodput_arguments
+from diloco.outputs import output_folder, write_output, writing
 from diloco.report.command import add_arguments as add_report_arguments
+from diloco.transport.token_command import add_arguments as add_token_arguments
 from diloco.runtime.commands import (add_chaos_arguments, add_config_arguments, add_learner_arguments,
                                      add_run_arguments, add_syncer_arguments, cmd_chaos, cmd_learner, cmd_run,
                                      cmd_syncer)
@@ -26,15 +29,16 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
     from diloco.metrics import open_metrics
 
     config = load_config(args.config, args.set or [])
-    out = Path(args.out) if args.out else Path("runs") / f"sim-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
+    out = output_folder(Path(args.out) if args.out else
+                        Path("runs") / f"sim-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    with writing(out / "metrics.jsonl"):
+        (out / "metrics.jsonl").unlink(missing_ok=True)
     metrics = open_metrics(out, tensorboard=config.metrics.tensorboard, wandb=config.metrics.wandb, origin=0.0)
     try:
         result = _simulate(config, metrics, args.quiet)
     finally:
         metrics.close()
-    (out / "summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    write_output(out / "summary.json", json.dumps(result.summary(), indent=2) + "\n")
     if not args.quiet:
         console.print(results_table(result))
         console.print(learners_table(result))
@@ -54,6 +58,12 @@ def _simulate(config, metrics, quiet: bool):
                             progress=lambda done, total: bar.update(task, completed=done, total=total))
 
 
+def cmd_token(args: argparse.Namespace, console: Console) -> int:
+    from diloco.transport.token_command import run
+
+    return run(args)
+
+
 def cmd_goodput(args: argparse.Namespace, console: Console) -> int:
     from diloco.goodput.command import run
 
@@ -66,10 +76,17 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     return run(args)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments are refused as every other bad input is: one line saying why (no usage block), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diloco", description=__doc__)
+    parser = OneLineErrorParser(prog="diloco", description=__doc__)
     parser.add_argument("--version", action="version", version=f"diloco {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and more detail")
@@ -87,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
          cmd_chaos),
         ("syncer", "serve one syncer shard (CPU only) for learners on any hosts", add_syncer_arguments, cmd_syncer),
         ("learner", "train the configured model as one learner of a run", add_learner_arguments, cmd_learner),
+        ("token", "print a learner's own credential, derived from the run secret", add_token_arguments, cmd_token),
         ("report", "plots of a run folder, or a table and plots comparing several", add_report_arguments,
          cmd_report),
         ("goodput", "goodput of a job of many chips under failures, by policy", add_goodput_arguments, cmd_goodput),
@@ -109,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             traceback.print_exc()
         print(f"diloco: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file or folder the system refused: the path and why; other errors are bugs
+        if args.verbose:
+            traceback.print_exc()
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"diloco: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("diloco: interrupted", file=sys.stderr)

@@ -104,9 +104,13 @@ class OuterConfig:
     """How the decoupled syncer merges a round (DiLoCo and Streaming DiLoCo use the mean)."""
     dn_buffer: int = 0
     """Delayed Nesterov: arrivals per momentum update; 0 means the number of learners."""
-    outlier: Literal["off", "clip", "reject"] = "off"
-    """A push whose norm is above outlier_factor x the median of the fragment's recent pushes is clipped
-    to that bound, or refused (the learner is told why and sends that progress again later)."""
+    outlier: Literal["off", "clip", "reject"] = "clip"
+    """A push larger than the fragment's own scale allows (a multiple of its norm, checked from the
+    first push) is refused unless this is `off`; one larger than outlier_factor x the learners' median
+    push size (core/outliers.py) is clipped to that bound (`clip`) or refused (`reject`). `clip` by
+    default: an honest push can be large (a learner restarted from its own checkpoint), and a refused
+    one comes back larger each time, so its learner would never be merged again; a clipped one moves Θ
+    by at most the bound. In the default runs no honest push came within 1.7x of the bound."""
     outlier_factor: float = 5.0
 
 
@@ -233,17 +237,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Defaults, then the TOML file, then each `key=value` override, then validation."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        raw = _read_toml(Path(path))
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
     return config_from_dict(raw)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The file's TOML; a missing, unreadable, non-UTF-8 or malformed file is a one-line error."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start}): TOML files are UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} nests too deeply to be a config") from None
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -255,7 +272,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     text = text.strip()
     try:
         value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         value = text
     return key, value
 

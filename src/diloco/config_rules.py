@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 from diloco.errors import ConfigError
@@ -11,9 +13,45 @@ if TYPE_CHECKING:
                                OuterConfig, Strategy, TrainConfig)
 
 
+MAX_TOKENS = 2**53
+"""Token counts above it are no longer exact as floats (rates, shares and budgets are computed in floats)."""
+MAX_LEARNERS = 4096
+"""The syncer keeps a copy of Θ (or of its fragments) and a ledger per learner: more cannot fit in memory."""
+MAX_CODEC_BLOCK = 2**20
+"""Elements per scale of the block codecs: one scale per million elements already quantizes coarsely."""
+MAX_STEPS = 2**31 - 1
+"""Step counts (H, warmup, checkpoint and metrics intervals): far beyond any run, still a 32-bit int."""
+MAX_SEED = 2**63 - 1
+"""The largest seed torch and numpy both take."""
+
+
 def _require(ok: bool, key: str, rule: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"config key '{key}' {rule}; got {value!r}")
+
+
+def _require_at_most(value: int, high: int, key: str, low: int = 1, why: str = "") -> None:
+    """An upper bound, checked once the lower one holds; the message gives the whole range."""
+    _require(value <= high, key, f"must be in [{low:,}, {high:,}]" + (f": {why}" if why else ""), value)
+
+
+def _numbers(node: Any, key: str) -> list[tuple[str, Any]]:
+    """Every number in the config with its key, in field order: sections and lists walked."""
+    if dataclasses.is_dataclass(node):
+        return [pair for f in dataclasses.fields(node)
+                for pair in _numbers(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)]
+    if isinstance(node, list):
+        return [pair for i, item in enumerate(node) for pair in _numbers(item, f"{key}[{i}]")]
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return [(key, node)]
+    return []
+
+
+def _validate_finite(config: Config) -> None:
+    """No infinity or NaN anywhere: a rate, factor, speed or time that is not finite makes Θ or the
+    schedule non-finite (and `x > 0` alone lets infinity through)."""
+    for key, value in _numbers(config, ""):
+        _require(math.isfinite(value), key, "must be a finite number", value)
 
 
 def validate(config: Config) -> None:
@@ -21,7 +59,9 @@ def validate(config: Config) -> None:
 
     The first failing rule is the one reported, so the checks run in a fixed order, section by section.
     """
+    _validate_finite(config)
     _validate_counts(config)
+    _validate_bounds(config)
     _validate_train(config.train)
     _validate_learners(config.learners)
     _validate_outer(config.outer, config.strategy, config.learners.count)
@@ -29,6 +69,7 @@ def validate(config: Config) -> None:
     _validate_link(config.link)
     _validate_model(config.model, config.train.seq_len)
     _require(config.codec.block > 0, "codec.block", "must be positive", config.codec.block)
+    _require_at_most(config.codec.block, MAX_CODEC_BLOCK, "codec.block")
     _validate_data(config.data)
     _validate_token_budget(config.train, config.learners.count)
 
@@ -47,6 +88,30 @@ def _validate_counts(config: Config) -> None:
     for key, value in positive_ints.items():
         _require(value > 0, key, "must be positive", value)
     _require(config.seed >= 0, "seed", "must be zero or positive", config.seed)
+
+
+def _validate_bounds(config: Config) -> None:
+    """Upper bounds of the counts and sizes, once they are positive: beyond them a run cannot work (it
+    cannot fit in memory, or a count stops being exact)."""
+    t, lc, o, m = config.train, config.learners, config.outer, config.model
+    _require_at_most(config.seed, MAX_SEED, "seed", low=0, why="what torch and numpy take")
+    _require_at_most(t.tokens, MAX_TOKENS, "train.tokens", why="2^53, above which token counts are not exact")
+    _require_at_most(lc.count, MAX_LEARNERS, "learners.count",
+                     why="the syncer keeps a copy of Θ and a ledger per learner")
+    for key, value, high in (("train.batch_size", t.batch_size, 2**20), ("train.seq_len", t.seq_len, 2**20),
+                             ("train.eval_points", t.eval_points, 10_000),
+                             ("train.eval_batches", t.eval_batches, 10_000),
+                             ("outer.H", o.H, MAX_STEPS), ("outer.fragments", o.fragments, 2**16),
+                             ("model.layers", m.layers, 2**12), ("model.width", m.width, 2**20),
+                             ("model.heads", m.heads, 2**12),
+                             ("metrics.every_steps", config.metrics.every_steps, MAX_STEPS),
+                             ("failures.checkpoint_every", config.failures.checkpoint_every, MAX_STEPS)):
+        _require_at_most(value, high, key)
+    for key, value, high in (("train.warmup_steps", t.warmup_steps, MAX_STEPS),
+                             ("outer.dn_buffer", o.dn_buffer, MAX_STEPS), ("model.context", m.context, 2**20),
+                             ("data.vocab_size", config.data.vocab_size, 2**32)):
+        if value >= 0:  # a negative one is refused with its own rule, below
+            _require_at_most(value, high, key, low=0)
 
 
 def _validate_train(t: TrainConfig) -> None:

@@ -1,6 +1,9 @@
 """What the syncer refuses: every number a learner sends is a claim, bounded here before anything changes.
 
 A refused message raises ProtocolError with one line saying why, and leaves the core as it was.
+Pushed tensors must be finite and, with the outlier rule on, no larger than `outliers.py` allows;
+counters must be plausible (`claims.py`): steps no faster than the learner's rate, tokens no more than
+its tokens per step, sequence numbers no jump.
 """
 
 from __future__ import annotations
@@ -8,6 +11,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import torch
+
+from diloco.core.claims import MAX_SEQ_JUMP, step_problem, token_problem
 from diloco.core.messages import Progress, Push
 from diloco.core.rounds import ProtocolError
 
@@ -24,7 +30,7 @@ MAX_FRAGMENTS = 1 << 16
 """Fragments a learner's schedule may name."""
 
 
-def check_push(core: SyncerCore, push: Push) -> None:
+def check_push(core: SyncerCore, push: Push, now: float) -> None:
     """Raise ProtocolError for a push this syncer must refuse; nothing changes either way."""
     if push.learner not in core.ledger:
         raise ProtocolError(f"push from learner {push.learner}, which never joined")
@@ -47,17 +53,37 @@ def check_push(core: SyncerCore, push: Push) -> None:
         if delta.shape != core.theta[name].shape:
             raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} has shape "
                                 f"{tuple(delta.shape)}, expected {tuple(core.theta[name].shape)}")
-    if core.outlier == "reject" and push.seq > core.ledger[push.learner].last_seq:
-        norm, bound = core.outlier_bound(push)
-        if bound is not None and norm > bound:
+    for name, delta in push.deltas.items():
+        if not bool(torch.isfinite(delta).all()):
+            raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} holds a value that is not finite")
+    entry = core.ledger[push.learner]
+    last_seq = max(entry.last_seq, core.session_start.get(push.learner, 0))
+    if push.seq > last_seq + MAX_SEQ_JUMP:
+        raise ProtocolError(f"push of fragment {push.fragment} numbered {push.seq}, more than {MAX_SEQ_JUMP} "
+                            f"above the learner's last ({last_seq})")
+    if push.seq <= entry.last_seq:
+        return  # a retry of a push already taken: counted once, nothing more to check
+    tokens_per_step = core.tokens_per_step(push.learner)
+    if push.tokens > push.steps * tokens_per_step:
+        raise ProtocolError(f"push of fragment {push.fragment} claims {push.tokens} tokens in {push.steps} steps, "
+                            f"above {tokens_per_step} per step")
+    problem = step_problem(core.counters_of(push.learner, now), push.step, now)
+    if problem:
+        raise ProtocolError(f"push of fragment {push.fragment}: {problem}")
+    if core.outlier != "off":
+        norm, hard, soft = core.outlier_bounds(push)
+        if norm > hard:
+            raise ProtocolError(f"push of fragment {push.fragment} refused: its norm {norm:.4g} is above "
+                                f"{hard:.4g}, the most the fragment's own scale allows")
+        if core.outlier == "reject" and soft is not None and norm > soft:
             raise ProtocolError(f"push of fragment {push.fragment} refused as an outlier: its norm {norm:.4g} "
-                                f"is above {core.outlier_factor:g} x the median of recent pushes ({bound:.4g})")
+                                f"is above the bound {soft:.4g} (outlier factor {core.outlier_factor:g} "
+                                f"x the learners' median push)")
 
 
-def check_progress(report: Progress, known: bool) -> None:
-    """`known`: the learner has joined."""
-    """Raise ProtocolError for a progress report this syncer must refuse; nothing changes either way."""
-    if not known:
+def check_progress(core: SyncerCore, report: Progress, now: float) -> None:
+    """Raise ProtocolError for a progress report (or heartbeat) this syncer must refuse; nothing changes."""
+    if report.learner not in core.ledger:
         raise ProtocolError(f"progress from learner {report.learner}, which never joined")
     if not (0 <= report.step <= MAX_COUNTER and 0 <= report.tokens <= MAX_COUNTER):
         raise ProtocolError(f"progress of learner {report.learner} with counters out of range "
@@ -69,3 +95,8 @@ def check_progress(report: Progress, known: bool) -> None:
             not all(math.isfinite(d) and 0 <= d <= MAX_DUE_S for d in report.due_in_s):
         raise ProtocolError(f"progress of learner {report.learner} with an impossible schedule "
                             f"({len(report.due_in_s)} fragments, due in {list(report.due_in_s)[:4]} s)")
+    counters = core.counters_of(report.learner, now)
+    problem = step_problem(counters, report.step, now) or \
+        token_problem(counters, report.step, report.tokens, core.tokens_per_step(report.learner), core.budget)
+    if problem:
+        raise ProtocolError(f"progress of learner {report.learner}: {problem}")

@@ -19,6 +19,11 @@ class ProtocolError(Exception):
     """A message that breaks the protocol; the syncer's state is left as it was."""
 
 
+class RoundRefused(ProtocolError):
+    """Closing a round would have made Θ or the outer optimizer's state non-finite: the call that
+    closed it is undone whole (its push or report included) and refused."""
+
+
 class OuterOptimizer(Protocol):
     def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0) -> None: ...
 
@@ -98,6 +103,8 @@ class LedgerEntry:
     steps_merged: int = 0
     duplicates: int = 0
     last_seq: int = 0
+    clipped: int = 0
+    """Pushes the outlier rule scaled down to its bound before they were merged."""
 
     @property
     def tokens_merged(self) -> int:
@@ -106,12 +113,13 @@ class LedgerEntry:
 
     def plain(self) -> dict:
         return {"pushes": self.pushes, "merged": dict(self.merged), "stale": dict(self.stale),
-                "steps_merged": self.steps_merged, "duplicates": self.duplicates, "last_seq": self.last_seq}
+                "steps_merged": self.steps_merged, "duplicates": self.duplicates, "last_seq": self.last_seq,
+                "clipped": self.clipped}
 
     @classmethod
     def of(cls, plain: dict) -> LedgerEntry:
         entry = cls(plain["pushes"], steps_merged=plain["steps_merged"], duplicates=plain["duplicates"],
-                    last_seq=plain["last_seq"])
+                    last_seq=plain["last_seq"], clipped=plain.get("clipped", 0))
         entry.merged.update(plain["merged"])
         entry.stale.update(plain["stale"])
         return entry

@@ -41,9 +41,9 @@ take one kind of event each, for tests that drive a round by hand.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import math
-from collections import deque
+import functools
 from typing import Callable, Iterable
 
 import torch
@@ -52,13 +52,16 @@ from diloco.codecs import Codec, get_codec
 from diloco.core.closing import close_round
 from diloco.core.saving import load_saved_state, saved_state
 from diloco.core.checks import check_progress, check_push
+from diloco.core.claims import (DEFAULT_TOKENS_PER_STEP, MAX_SEQ_JUMP, MAX_TOKENS_PER_STEP, Counters,
+                                record as record_claim)
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
                                 SyncerEvent, SyncerResumed, TimerFired, sender)
 from diloco.core.liveness import Liveness
 from diloco.core.messages import Progress, Push
+from diloco.core.outliers import NormHistory, push_norm
 from diloco.core.pacing import Pacer
 from diloco.core.rounds import (Action, Contribution, FragmentState, LearnerDead, LedgerEntry, OuterOptimizer,
-                                ProtocolError, Publish, RoundRecord, RunOver, SendState, Stop, Timer,
+                                ProtocolError, Publish, RoundRecord, RoundRefused, RunOver, SendState, Stop, Timer,
                                 mean_cosine, token_weight)
 from diloco.fragments import Fragment
 from diloco.outer.merge import MergeRule
@@ -66,10 +69,29 @@ from diloco.outer.merge import MergeRule
 __all__ = ["SyncerCore", "ProtocolError", "Publish", "Timer", "Stop", "LearnerDead", "SendState", "RunOver", "Action",
            "RoundRecord", "LedgerEntry", "token_weight", "mean_cosine"]
 
-OUTLIER_WINDOW = 16
-"""Accepted pushes per fragment that the outlier rule takes its median from (it needs 3 at least)."""
 EMA = 0.3
 """Weight of the newest sample in the running estimates of ξ_step and ξ_sync."""
+
+
+def _atomic(method: Callable) -> Callable:
+    """A round that would make Θ non-finite refuses the whole call: everything is restored as it was
+    before it (the push or report that triggered it included) and RoundRefused (a ProtocolError) is
+    raised. Nested calls share the outermost one's snapshot."""
+
+    @functools.wraps(method)
+    def atomic(self: SyncerCore, *args, **kwargs):
+        if self._in_transaction:
+            return method(self, *args, **kwargs)
+        saved = self._snapshot()
+        self._in_transaction = True
+        try:
+            return method(self, *args, **kwargs)
+        except RoundRefused:
+            self._restore(saved)
+            raise
+        finally:
+            self._in_transaction = False
+    return atomic
 
 
 class SyncerCore:
@@ -95,13 +117,20 @@ class SyncerCore:
         self.participation, self.consolidate, self.stale_weight = participation, consolidate, stale_weight
         self.pacer = Pacer(period, grace, grace_cap_steps) if pacing else None
         self.outlier, self.outlier_factor = outlier, outlier_factor
-        self.recent_norms: dict[int, deque[float]] = {f.index: deque(maxlen=OUTLIER_WINDOW) for f in fragments}
-        """Per fragment, the norms of the latest accepted pushes: what an outlier is measured against."""
+        self.norms = NormHistory([f.index for f in fragments])
+        """Per fragment and learner, the sizes of the latest pushes accepted as they were (`outliers.py`)."""
         self.last_weight: dict[int, float] = {}
         self.ledger = {m: LedgerEntry() for m in self.alive}
         self.down_codec = down_codec or get_codec("fp32")
-        self.held: dict[int, dict[str, torch.Tensor]] = {m: self._copy_theta() for m in self.alive}
-        """Per learner, the values it holds as anchors, bit for bit: the downlink sends differences to them."""
+        self.starters = frozenset(self.alive)
+        """The learners that hold Θ's first version without having taken it (they start from it)."""
+        self.held: dict[int, dict[str, torch.Tensor]] = {}
+        """Per learner, the values it holds as anchors, bit for bit: the downlink sends differences to them.
+        Filled as it takes state or answers (a tensor missing is the first version's): no copy of Θ per
+        learner configured, only per learner answered."""
+        self.initial_theta = self._copy_theta() if self.down_codec.name != "fp32" else {}
+        """Θ's first version, which the starters hold until answered; kept only where answers are
+        differences (with fp32 they carry Θ itself)."""
         self.held_versions: dict[int, dict[int, int]] = {m: dict.fromkeys(self.fragments, 0) for m in self.alive}
         self.session_start: dict[int, int] = {m: 0 for m in self.alive}
         """Per learner, the last sequence number of its previous life: answers to those pushes are not sent."""
@@ -116,6 +145,16 @@ class SyncerCore:
         self.stopped = False
         """The shared budget is spent: the run is ending."""
         self.liveness = Liveness(detect_s=detect_s)
+        self.declared: dict[int, int] = {}
+        """Per learner, the tokens per inner step it declared at join (`declare`)."""
+        self.counters: dict[int, Counters] = {}
+        """Per learner, its latest accepted step and token claims (`claims.py`)."""
+        self.joined_at: dict[int, float] = {}
+        self.opened_at: float | None = None
+        """The first time the core was told: where the starters' rates are measured from."""
+        self.clock: float = 0.0
+        """The latest time the core was told: what checks made without a time use."""
+        self._in_transaction = False
         self.lost: set[int] = set()
         """Learners found dead by silence (not announced): they count again when they speak."""
         self.over = False
@@ -143,6 +182,54 @@ class SyncerCore:
     def _copy_theta(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.theta.items()}
 
+    def holds_state(self, learner: int) -> bool:
+        """It took Θ (`rejoin_state`) or started from its first version."""
+        return learner in self.held or learner in self.starters
+
+    def declare(self, learner: int, tokens_per_step: int) -> None:
+        """What a learner trains per inner step (batch × sequence × ranks), declared at join: its
+        token claims are bounded by it."""
+        if not 0 < tokens_per_step <= MAX_TOKENS_PER_STEP:
+            raise ProtocolError(f"learner {learner} declares {tokens_per_step} tokens per step, outside "
+                                f"1..{MAX_TOKENS_PER_STEP}")
+        self.declared[learner] = int(tokens_per_step)
+
+    def tokens_per_step(self, learner: int) -> int:
+        return self.declared.get(learner, DEFAULT_TOKENS_PER_STEP)
+
+    def counters_of(self, learner: int, now: float) -> Counters:
+        """Its latest accepted claims (a fresh record, not kept, for one never heard from)."""
+        found = self.counters.get(learner)
+        if found is not None:
+            return found
+        since = self.joined_at.get(learner, self.opened_at if self.opened_at is not None else now)
+        return Counters(joined_at=since)
+
+    def _claim(self, learner: int, step: int, now: float, tokens: int | None = None) -> None:
+        """Keep an accepted claim: the learner's rate and this life's tokens go on from it."""
+        counters = self.counters.setdefault(learner, self.counters_of(learner, now))
+        record_claim(counters, step, now, tokens)
+
+    def _tick(self, now: float) -> None:
+        if self.opened_at is None:
+            self.opened_at = now
+        self.clock = max(self.clock, now)
+
+    def _snapshot(self) -> dict:
+        """Everything but the tensors, copied (the core replaces tensors, never changes them in place)."""
+        keep = [self.rounds, *self.theta.values(), *self.initial_theta.values(), self.down_codec,
+                *(t for h in self.held.values() for t in h.values()),
+                *(s.optimizer for s in self.fragments.values()), *(s.fragment for s in self.fragments.values()),
+                *(t for s in self.fragments.values() for c in s.pending.values() for t in c.deltas.values())]
+        saved = copy.deepcopy(self.__dict__, {id(o): o for o in keep})
+        saved["_rounds_closed"] = len(self.rounds)
+        return saved
+
+    def _restore(self, saved: dict) -> None:
+        closed = saved.pop("_rounds_closed")
+        self.__dict__.update(saved)
+        del self.rounds[closed:]
+
     def rejoin_state(self, learner: int, after_seq: int, fragments: Iterable[int] | None = None
                      ) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
         """Θ and the versions of `fragments` (default: all), sent whole (fp32) to a learner that
@@ -153,6 +240,10 @@ class SyncerCore:
         for p in chosen:
             if p not in self.fragments:
                 raise ProtocolError(f"fragment {p} is not held here")
+        last_seq = self.ledger[learner].last_seq if learner in self.ledger else 0
+        if not 0 <= after_seq <= last_seq + MAX_SEQ_JUMP:
+            raise ProtocolError(f"learner {learner} rejoins after push {after_seq}, more than {MAX_SEQ_JUMP} "
+                                f"above its last ({last_seq})")
         names = [n for p in chosen for n in self.fragments[p].fragment.names]
         held = self.held.setdefault(learner, {})
         values = {n: self.theta[n].clone() for n in names}
@@ -163,6 +254,8 @@ class SyncerCore:
         self.ledger.setdefault(learner, LedgerEntry())
         if learner in self.tokens:  # a new life counts its tokens from zero; the earlier ones still count
             self.tokens_banked[learner] = self.tokens_banked.get(learner, 0) + self.tokens.pop(learner)
+        if learner in self.counters:
+            self.counters[learner].life_step, self.counters[learner].life_tokens = None, 0
         if self.pacer is not None:
             self.pacer.forget(learner)
         return values, versions
@@ -181,21 +274,24 @@ class SyncerCore:
 
     def join(self, learner: int, now: float) -> None:
         """A learner counts for rounds again; it took its state from `rejoin_state` first."""
-        if learner not in self.held:
+        if not self.holds_state(learner):
             raise ProtocolError(f"learner {learner} joins without having taken the current state")
+        self._tick(now)
+        self.joined_at.setdefault(learner, now)
         self.alive.add(learner)
         self.finished.discard(learner)
         self.lost.discard(learner)
         self.over = False
         self.liveness.hear(learner, now)
 
+    @_atomic
     def leave(self, learner: int, now: float, finished: bool = False) -> list[Action]:
         """A learner left or was found dead: rounds stop waiting for it (its pushes already in stay).
         One that `finished` its share of the run still counts in the rounds' shares: the fleet's
         average includes it, so the last learners still training do not speak for the whole fleet.
         Once nobody is left, every round still open is merged: the run is over."""
         self.alive.discard(learner)
-        if finished and learner in self.held:  # only one that took part has a share to keep
+        if finished and self.holds_state(learner):  # only one that took part has a share to keep
             self.finished.add(learner)
         actions = self._evaluate_all(now)
         if not self.alive and not self.over:
@@ -205,16 +301,18 @@ class SyncerCore:
 
     # ------------------------------------------------------------ the one entry for drivers
 
+    @_atomic
     def handle(self, event: SyncerEvent, now: float) -> list[Action]:
         """Take one event (raising ProtocolError, with nothing changed, for one to refuse); return what
         the driver is to do. Besides the event's own effect: whoever it came from is heard from (and
         alive again if it was found dead), and a Timer asks for the next liveness check."""
         learner = sender(event)
         actions = self._dispatch[type(event)](self, event, now)
+        self._tick(now)
         self.liveness.start(now)
         if learner is not None and learner in self.ledger and not isinstance(event, LearnerLeft):
             self.liveness.hear(learner, now, heartbeat=isinstance(event, HeartbeatArrived))
-            if learner in self.lost and learner in self.held and not self.over:
+            if learner in self.lost and self.holds_state(learner) and not self.over:
                 self.join(learner, now)
                 actions += self._evaluate_all(now)
         if isinstance(event, TimerFired):
@@ -247,8 +345,8 @@ class SyncerCore:
         return self.on_progress(event.report, now)
 
     def _on_heartbeat(self, event: HeartbeatArrived, now: float) -> list[Action]:
-        self.check_progress(Progress(event.learner, event.step, event.tokens, 0.0))
-        return self._count_tokens(event.learner, event.tokens)
+        self.check_progress(Progress(event.learner, event.step, event.tokens, 0.0), now)
+        return self._count_tokens(event.learner, event.step, event.tokens, now)
 
     def _on_timer_event(self, event: TimerFired, now: float) -> list[Action]:
         return self.on_timer(now)
@@ -273,25 +371,30 @@ class SyncerCore:
 
     # ------------------------------------------------------------ events
 
+    @_atomic
     def on_progress(self, report: Progress, now: float) -> list[Action]:
         """Where a learner stands: its tokens count for the shared budget, and its schedule for the rounds
         waiting for it."""
-        self.check_progress(report)
+        self.check_progress(report, now)
+        self._tick(now)
         if self.pacer is not None:
             self.pacer.on_progress(report, now)
-        return self._count_tokens(report.learner, report.tokens) + self._evaluate_all(now)
+        return self._count_tokens(report.learner, report.step, report.tokens, now) + self._evaluate_all(now)
 
-    def _count_tokens(self, learner: int, tokens: int) -> list[Action]:
+    def _count_tokens(self, learner: int, step: int, tokens: int, now: float) -> list[Action]:
         """A learner's tokens in this life, as it reported them: Stop once the shared budget is spent."""
+        self._claim(learner, step, now, tokens)
         self.tokens[learner] = tokens
         if self.budget_spent and not self.stopped:
             self.stopped = True
             return [Stop()]
         return []
 
+    @_atomic
     def on_push(self, push: Push, now: float) -> list[Action]:
         """Take one push; return what to publish and when to call back."""
-        self.check(push)
+        self.check(push, now)
+        self._tick(now)
         entry = self.ledger[push.learner]
         if push.seq <= entry.last_seq:
             entry.duplicates += 1  # a retry of a push already taken: counted once
@@ -299,6 +402,7 @@ class SyncerCore:
         state = self.fragments[push.fragment]
         entry.last_seq = push.seq
         entry.pushes += 1
+        self._claim(push.learner, push.step, now)
         push = self._bounded(push)
         if push.step_time_s > 0:
             old = self.step_time.get(push.learner)
@@ -317,26 +421,31 @@ class SyncerCore:
             held.add(push, now)
         return self._evaluate(state, now)
 
-    def outlier_bound(self, push: Push) -> tuple[float, float | None]:
-        """The push's norm, and the most the outlier rule allows (None while it is off or warming up)."""
-        norm = math.sqrt(sum(float(d.pow(2).sum()) for d in push.deltas.values()))
-        recent = sorted(self.recent_norms.get(push.fragment, ()))
-        if self.outlier == "off" or len(recent) < 3:
-            return norm, None
-        return norm, self.outlier_factor * recent[len(recent) // 2]
+    def outlier_bounds(self, push: Push) -> tuple[float, float, float | None]:
+        """The push's norm, the most any push may have (refused above), and the most the history
+        allows (clipped or refused above; None before there is any history)."""
+        norm = push_norm(push.deltas)
+        theta_norm = push_norm({n: self.theta[n] for n in self.fragments[push.fragment].fragment.names})
+        return (norm, self.norms.hard_bound(theta_norm),
+                self.norms.soft_bound(push.fragment, push.steps, self.outlier_factor))
 
     def _bounded(self, push: Push) -> Push:
-        """Clip an outlier (rule `clip`); remember the norm of what is accepted."""
-        norm, bound = self.outlier_bound(push)
-        if bound is not None and norm > bound and self.outlier == "clip":
-            push = dataclasses.replace(push, deltas={n: d * (bound / norm) for n, d in push.deltas.items()})
-            norm = bound
-        self.recent_norms[push.fragment].append(norm)
+        """Clip an outlier (rule `clip`); a push accepted as it was votes in the outlier history."""
+        if self.outlier == "off":
+            return push
+        norm, _, bound = self.outlier_bounds(push)
+        if bound is not None and norm > bound:  # only `clip` gets here: `reject` refused it in `check`
+            self.ledger[push.learner].clipped += 1
+            return dataclasses.replace(push, deltas={n: d * (bound / norm) for n, d in push.deltas.items()})
+        self.norms.accept(push.fragment, push.learner, norm, push.steps)
         return push
 
+    @_atomic
     def on_timer(self, now: float) -> list[Action]:
+        self._tick(now)
         return self._evaluate_all(now)
 
+    @_atomic
     def flush(self, now: float) -> list[Action]:
         """Close every round that holds anything, whatever the quorum: the run is over."""
         return [close_round(self, s, now, final=self._ending(s)) for s in self.fragments.values() if s.pending]
@@ -404,10 +513,11 @@ class SyncerCore:
 
     # ------------------------------------------------------------ checks
 
-    def check(self, push: Push) -> None:
-        """Raise ProtocolError for a push this syncer must refuse; nothing changes either way."""
-        check_push(self, push)
+    def check(self, push: Push, now: float | None = None) -> None:
+        """Raise ProtocolError for a push this syncer must refuse; nothing changes either way. Without
+        `now`, the latest time the core was told (a claim allowed then is allowed later too)."""
+        check_push(self, push, self.clock if now is None else now)
 
-    def check_progress(self, report: Progress) -> None:
+    def check_progress(self, report: Progress, now: float | None = None) -> None:
         """Raise ProtocolError for a progress report this syncer must refuse; nothing changes either way."""
-        check_progress(report, known=report.learner in self.ledger)
+        check_progress(self, report, self.clock if now is None else now)

@@ -10,6 +10,7 @@ from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.errors import DilocoError
 from diloco.metrics.catalog import CATALOG
 from diloco.metrics.sinks import JsonlSink, PrometheusSink, Sink, TensorBoardSink, WandbSink
+from diloco.status.endpoint import LOOPBACK, HttpExposure
 
 
 class MetricsLog:
@@ -43,9 +44,11 @@ class MetricsLog:
 
 
 def open_metrics(out: Path | None, *, name: str = "metrics", tensorboard: bool = False, wandb: str = "",
-                 prometheus_port: int | None = None, origin: float | None = None) -> MetricsLog:
+                 prometheus_port: int | None = None, http: HttpExposure = LOOPBACK,
+                 origin: float | None = None) -> MetricsLog:
     """The sinks a run asked for: OUT/NAME.jsonl always (when there is an OUT), TensorBoard under
-    OUT/tensorboard/NAME, W&B into project `wandb`, a Prometheus endpoint on `prometheus_port`."""
+    OUT/tensorboard/NAME, W&B into project `wandb`, a Prometheus endpoint on `prometheus_port` (on
+    `http.host`, for those holding `http.credentials`)."""
     sinks: list[Sink] = []
     if out is not None:
         sinks.append(JsonlSink(out / f"{name}.jsonl"))
@@ -56,5 +59,5 @@ def open_metrics(out: Path | None, *, name: str = "metrics", tensorboard: bool =
     if wandb:
         sinks.append(WandbSink(wandb, name, out))
     if prometheus_port is not None:
-        sinks.append(PrometheusSink(prometheus_port))
+        sinks.append(PrometheusSink(prometheus_port, http.host, http.credentials))
     return MetricsLog(sinks, origin)

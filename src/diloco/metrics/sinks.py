@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 from diloco.errors import DilocoError
 from diloco.metrics.catalog import CATALOG, LABELS
+from diloco.outputs import writing
 
 
 class Sink(Protocol):
@@ -21,14 +22,15 @@ class JsonlSink:
     """One JSON object per line, flushed per record so a killed run keeps what it measured."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
+        with writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
         self._lock = threading.Lock()
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, separators=(",", ":"))
-        with self._lock:
+        with self._lock, writing(self.path):
             self._file.write(line + "\n")
             self._file.flush()
 
@@ -92,19 +94,29 @@ class WandbSink:
 
 
 class PrometheusSink:
-    """Gauges `diloco_<kind>_<name>{labels}` holding each metric's latest value, served on a port."""
+    """Gauges `diloco_<kind>_<name>{labels}` holding each metric's latest value, served at `/metrics` on
+    `host:port` by the same hardened server as the status page (with `credentials`, only to requests
+    that carry one)."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0") -> None:
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+    def __init__(self, port: int, host: str = "127.0.0.1", credentials: Sequence[bytes] = ()) -> None:
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+        from diloco.status.endpoint import HttpEndpoint, join_bind
 
         self.registry = CollectorRegistry()
         self.gauges = {(kind, name): Gauge(f"diloco_{kind}_{name}", help_text, LABELS[kind], registry=self.registry)
                        for kind, names in CATALOG.items() for name, help_text in names.items()}
+
+        def exposition() -> tuple[str, bytes]:
+            return CONTENT_TYPE_LATEST, generate_latest(self.registry)
+
+        bind = join_bind(host, port)
         try:
-            self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+            self.endpoint = HttpEndpoint({"/metrics": exposition, "/": exposition}, bind, credentials=credentials,
+                                         name="metrics")
         except OSError as exc:
-            raise DilocoError(f"cannot serve Prometheus metrics on port {port}: {exc.strerror}") from None
-        self.port = self.server.server_port
+            raise DilocoError(f"cannot serve Prometheus metrics on {bind}: {exc.strerror or exc}") from None
+        self.port = self.endpoint.port
 
     def write(self, record: dict[str, Any]) -> None:
         kind = record["kind"]
@@ -114,5 +126,4 @@ class PrometheusSink:
             (gauge.labels(*labels) if labels else gauge).set(value)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.endpoint.close()

@@ -7,10 +7,14 @@
   them by about 1/√M; RDA keeps the norm so η need not be re-tuned when M changes. Embedding tensors
   take the weighted mean instead: their deltas are not near-orthogonal. When the directions cancel
   out, the weighted mean is used too, since no direction is left to scale.
+
+The arithmetic cannot overflow for finite inputs: a norm that overflows float32 is taken in float64, and weights are float64
+(Python floats) that must sum to a finite total (the syncer caps each at a multiple of the typical one).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Sequence
 
 import torch
@@ -19,6 +23,12 @@ MergeRule = Literal["mean", "weighted", "rda"]
 MERGE_RULES: tuple[str, ...] = ("mean", "weighted", "rda")
 _CANCEL_TOLERANCE = 1e-6
 """Below this fraction of the summed weights, the directions are taken to have cancelled out."""
+
+
+def _norm(tensor: torch.Tensor) -> float:
+    """‖tensor‖: in float32 as DiLoCo runs always took it (bit for bit), in float64 where that overflows."""
+    norm = float(torch.linalg.vector_norm(tensor.to(torch.float32)))
+    return norm if math.isfinite(norm) else float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
 
 
 def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -34,11 +44,11 @@ def radial_directional(deltas: Sequence[torch.Tensor], weights: Sequence[float])
     direction = torch.zeros_like(deltas[0], dtype=torch.float32)
     radius = 0.0
     for delta, w in zip(deltas, weights):
-        norm = float(torch.linalg.vector_norm(delta.to(torch.float32)))
+        norm = _norm(delta)
         radius += w * norm / total
         if norm > 0:
             direction.add_(delta.to(torch.float32), alpha=w / norm)
-    length = float(torch.linalg.vector_norm(direction))
+    length = _norm(direction)
     if length <= _CANCEL_TOLERANCE * total:
         return weighted_mean(deltas, weights)
     return direction.mul_(radius / length)
@@ -49,7 +59,7 @@ def merge_fragment(deltas: Sequence[dict[str, torch.Tensor]], weights: Sequence[
     """Merge each tensor of a fragment over the learners that pushed it."""
     if not deltas:
         raise ValueError("nothing to merge")
-    if len(deltas) != len(weights) or any(w < 0 for w in weights) or sum(weights) <= 0:
+    if len(deltas) != len(weights) or any(w < 0 for w in weights) or not 0 < sum(weights) < math.inf:
         raise ValueError(f"merge needs one non-negative weight per push with a positive sum, got {list(weights)}")
     if rule == "mean":
         weights = [1.0] * len(deltas)

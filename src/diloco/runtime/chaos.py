@@ -21,6 +21,7 @@ from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.config import Config
 from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.metrics.records import learner_lives
+from diloco.outputs import write_output
 from diloco.runtime.launcher import Launcher
 
 
@@ -129,5 +130,5 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
                    **accounting},
     }
     result["loss_vs_clean"] = result["faulty"]["final_eval_loss"] / clean["final_eval_loss"] - 1
-    (out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_output(out / "chaos.json", json.dumps(result, indent=2) + "\n")
     return result

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +19,10 @@ from diloco.config import Config, load_config
 from diloco.console import learners_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
 from diloco.metrics import open_metrics
+from diloco.outputs import output_folder, write_output
 from diloco.runtime.ignored import warn_ignored
 from diloco.runtime.ports import report_port, resolve_address, write_port_file
+from diloco.status.endpoint import LOOPBACK, HttpExposure, credentials_for
 from diloco.transport.settings import TransportSecurity, add_security_arguments, security_from_args, with_run_secret
 
 if TYPE_CHECKING:  # these load torch and gRPC: the commands import them when they run
@@ -62,6 +66,48 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within it, SIGTERM (what `kill` and service managers send) is Ctrl-C: a KeyboardInterrupt, so a
+    launcher stops its children in the same order (learners push and leave, then shards save)."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def port_number(text: str) -> int:
+    """argparse type of a TCP port: 0..65535 (0 takes any free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0..65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0..65535)")
+    return port
+
+
+def add_http_auth_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--http-auth", action="store_true",
+                   help="serve Prometheus metrics and the status page only to requests carrying the shared secret "
+                        "(--secret-file or $DILOCO_SECRET) or its token: 'Authorization: Bearer TOKEN' or "
+                        "'x-diloco-secret: TOKEN'")
+
+
+def check_http_auth(args: argparse.Namespace, security: TransportSecurity) -> None:
+    """--http-auth needs a secret the user knows (one `diloco run` makes up would lock everyone out)."""
+    if getattr(args, "http_auth", False) and security.secret is None:
+        raise DilocoError("--http-auth needs the shared secret: give --secret-file FILE or set DILOCO_SECRET")
+
+
+def http_exposure(args: argparse.Namespace, default_host: str, security: TransportSecurity) -> HttpExposure:
+    """Where this process's HTTP endpoints listen (--http-bind, else `default_host`), and for whom."""
+    check_http_auth(args, security)
+    host = args.http_bind or default_host
+    return HttpExposure(host, credentials_for(security.secret) if args.http_auth else ())
+
+
 # ---------------------------------------------------------------- diloco run
 
 
@@ -70,25 +116,30 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_security_arguments(p)
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/run-STRATEGY-TIME)")
     p.add_argument("--shards", type=int, default=1, metavar="N", help="syncer shard processes (default 1)")
+    add_http_auth_argument(p)
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    """Ctrl-C or SIGTERM: learners push what they have and leave, shards save their state; exit 130."""
     from diloco.runtime.launcher import Launcher
 
     config = runtime_config(args)
-    out = Path(args.out) if args.out else Path("runs") / f"run-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
     if args.shards < 1:
         raise DilocoError("--shards must be at least 1")
-    security, secret_env = with_run_secret(security_from_args(args, role="both"))
-    launcher = Launcher(config, config_args(args), out, shards=args.shards, verbose=args.verbose,
-                        security=security, env=secret_env)
-    try:
-        summary = launcher.run() if args.quiet else _run_with_bars(launcher)
-    except KeyboardInterrupt:
-        console.print(f"interrupted: learners pushed what they had and left; state saved in {out}")
-        return 130
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    configured = security_from_args(args, role="both")
+    check_http_auth(args, configured)
+    out = output_folder(Path(args.out) if args.out else
+                        Path("runs") / f"run-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    security, secret_env = with_run_secret(configured)
+    with sigterm_as_interrupt():
+        launcher = Launcher(config, config_args(args), out, shards=args.shards, verbose=args.verbose,
+                            security=security, env=secret_env, http_auth=args.http_auth)
+        try:
+            summary = launcher.run() if args.quiet else _run_with_bars(launcher)
+        except KeyboardInterrupt:
+            console.print(f"interrupted: learners pushed what they had and left; state saved in {out}")
+            return 130
+    write_output(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     if not args.quiet:
         table = results_table(launcher.result, f"diloco run: {config.strategy}, {config.learners.count} learners")
         table.add_row("wall-clock (whole command)", f"{summary['wall_clock_s']:.1f} s")
@@ -133,6 +184,7 @@ def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds from a kill to the restart (default 2)")
     p.add_argument("--shards", type=int, default=1, metavar="N", help="syncer shard processes (default 1)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/chaos-TIME)")
+    add_http_auth_argument(p)
 
 
 def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
@@ -143,13 +195,16 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
     config = runtime_config(args)
     if min(args.kill_learners, args.kill_syncer) < 0 or args.restart_after < 0:
         raise DilocoError("--kill-learners, --kill-syncer and --restart-after must be zero or positive")
-    out = Path(args.out) if args.out else Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
-    security, secret_env = with_run_secret(security_from_args(args, role="both"))
+    configured = security_from_args(args, role="both")
+    check_http_auth(args, configured)
+    out = output_folder(Path(args.out) if args.out else Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}")
+    security, secret_env = with_run_secret(configured)
     console.print(f"fault-free run, then {args.kill_learners} learner and {args.kill_syncer} syncer kills "
                   f"(seed {args.seed}); about twice as long as `diloco run`")
-    result = run_chaos(config, config_args(args), out, kill_learners=args.kill_learners,
-                       kill_syncer=args.kill_syncer, seed=args.seed, restart_after_s=args.restart_after,
-                       shards=args.shards, security=security, env=secret_env)
+    with sigterm_as_interrupt():  # as Ctrl-C: the launcher running stops its children in order
+        result = run_chaos(config, config_args(args), out, kill_learners=args.kill_learners,
+                           kill_syncer=args.kill_syncer, seed=args.seed, restart_after_s=args.restart_after,
+                           shards=args.shards, security=security, env=secret_env, http_auth=args.http_auth)
     clean, faulty = result["clean"], result["faulty"]
     table = Table(title=f"diloco chaos: {len(result['kills'])} kills, seed {args.seed}")
     for column in ("", "fault-free", "with kills", "target"):
@@ -187,15 +242,21 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the state a previous process left in --out")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
-    add_metrics_port_arguments(p)
-    p.add_argument("--status-port", type=int, metavar="PORT", help="serve the HTML status page on PORT (0: any)")
+    add_http_arguments(p, default_host="--bind's host")
+    p.add_argument("--status-port", type=port_number, metavar="PORT",
+                   help="serve the HTML status page on PORT (0: any), on the --http-bind host")
     p.add_argument("--status-port-file", metavar="PATH", help="write the status page's port to PATH")
 
 
-def add_metrics_port_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
+def add_http_arguments(p: argparse.ArgumentParser, default_host: str) -> None:
+    """The Prometheus endpoint, and where (and for whom) this process's HTTP endpoints serve."""
+    p.add_argument("--metrics-port", type=port_number, metavar="PORT",
                    help="serve Prometheus metrics on PORT (0: any; of a learner, its rank 0)")
     p.add_argument("--metrics-port-file", metavar="PATH", help="write the Prometheus metrics port to PATH")
+    p.add_argument("--http-bind", metavar="HOST",
+                   help=f"host the metrics (and status page) listen on (default: {default_host}); "
+                        "0.0.0.0 for every interface")
+    add_http_auth_argument(p)
 
 
 def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
@@ -213,16 +274,17 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     addresses = tuple(a.strip() for a in args.shards.split(",")) if args.shards else (args.bind,)
     if len(addresses) != count:
         raise DilocoError(f"--shards lists {len(addresses)} address(es) but --shard says there are {count} shards")
+    http = http_exposure(args, _bind_host(args.bind), security)
     stop = stop_on_signals()
-    out = Path(args.out) if args.out else None
+    out = output_folder(Path(args.out)) if args.out else None
     metrics = open_metrics(out / "metrics" if out else None, name=f"syncer-{index}",
                            tensorboard=config.metrics.tensorboard, wandb=config.metrics.wandb,
-                           prometheus_port=args.metrics_port, origin=run_origin())
+                           prometheus_port=args.metrics_port, http=http, origin=run_origin())
     if args.metrics_port is not None:
         report_port(metrics.prometheus_port, f"shard {index}'s Prometheus metrics", args.metrics_port_file)
     shard = SyncerShard(config, ShardPlan(index, count, addresses), metrics,
                         state_dir=out / "syncer" if out else None, resume=args.resume)
-    server, status = _serve_shard(shard, args, security)
+    server, status = _serve_shard(shard, args, security, http)
     while not stop.wait(METRICS_EVERY_S):
         shard.record_metrics()
         if args.exit_when_finished and shard.finished:
@@ -232,7 +294,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
         shard.save_state()
         with shard.lock:
             report = shard.report()
-        (out / "syncer" / f"shard-{index}.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_output(out / "syncer" / f"shard-{index}.json", json.dumps(report, indent=2) + "\n")
     server.stop(grace=2).wait()
     if status:
         status.close()
@@ -240,8 +302,13 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _serve_shard(shard: SyncerShard, args: argparse.Namespace,
-                 security: TransportSecurity) -> tuple[grpc.Server, StatusServer | None]:
+def _bind_host(bind: str) -> str:
+    """The host of --bind HOST:PORT, without the brackets of an IPv6 address."""
+    return bind.rpartition(":")[0].strip("[]") or "0.0.0.0"
+
+
+def _serve_shard(shard: SyncerShard, args: argparse.Namespace, security: TransportSecurity,
+                 http: HttpExposure = LOOPBACK) -> tuple[grpc.Server, StatusServer | None]:
     """Serve the shard and its status page, report their ports, then complete the shard map learners
     get at Join: its own address, and the ports other shards report. Joins take the shard's lock, held
     until the map is complete, so no learner is ever given an address still unknown."""
@@ -252,7 +319,7 @@ def _serve_shard(shard: SyncerShard, args: argparse.Namespace,
         server, port = serve(shard, args.bind, security=security)
         status = None
         if args.status_port is not None:
-            status = _serve_status(shard, host, args.status_port)
+            status = _serve_status(shard, http, args.status_port)
             print(f"status page: {status.url}", flush=True)
             write_port_file(args.status_port_file, status.port)
         write_port_file(args.port_file, port)
@@ -264,13 +331,15 @@ def _serve_shard(shard: SyncerShard, args: argparse.Namespace,
     return server, status
 
 
-def _serve_status(shard: SyncerShard, host: str, port: int) -> StatusServer:
+def _serve_status(shard: SyncerShard, http: HttpExposure, port: int) -> StatusServer:
+    from diloco.status.endpoint import join_bind
     from diloco.status.server import StatusServer
 
+    bind = join_bind(http.host, port)
     try:
-        return StatusServer(shard.snapshot, f"{host}:{port}")
+        return StatusServer(shard.snapshot, bind, credentials=http.credentials)
     except OSError as exc:
-        raise DilocoError(f"cannot serve the status page on port {port}: {exc.strerror}") from None
+        raise DilocoError(f"cannot serve the status page on {bind}: {exc.strerror or exc}") from None
 
 
 # ---------------------------------------------------------------- diloco learner
@@ -288,7 +357,7 @@ def add_learner_arguments(p: argparse.ArgumentParser) -> None:
                    help="shape this learner's traffic to link.bandwidth_mbit and link.latency_ms")
     p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
                    help="give up if no syncer answers within S seconds (default 60)")
-    add_metrics_port_arguments(p)
+    add_http_arguments(p, default_host="127.0.0.1")
 
 
 def cmd_learner(args: argparse.Namespace, console: Console) -> int:
@@ -303,12 +372,14 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
     if bool(args.syncer) == args.no_sync:
         raise DilocoError("give --syncer HOST:PORT, or --no-sync to train without syncing")
     security = security_from_args(args, role="client")
+    http = http_exposure(args, "127.0.0.1", security)
+    out = output_folder(Path(args.out)) if args.out else None
     stop = stop_on_signals()
     init_distributed()
-    report = run_learner(config, syncer=args.syncer, learner=args.id, out=Path(args.out) if args.out else None,
+    report = run_learner(config, syncer=args.syncer, learner=args.id, out=out,
                          emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout,
                          metrics_port=args.metrics_port, metrics_port_file=args.metrics_port_file,
-                         security=security)
+                         security=security, metrics_http=http)
     if not args.quiet and report["rank"] == 0:
         print(json.dumps(report), flush=True)
     return 0

@@ -36,10 +36,14 @@ class Joined:
 
 
 def join_run(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
-             partition: Callable[[int], list[Fragment]], security: TransportSecurity | None) -> Joined:
+             partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
+             tokens_per_step: int = 0) -> Joined:
+    """Join every shard as `learner` (None: the syncer picks, or the one the learner's own credential
+    names), declaring `tokens_per_step` (0: not known). Every call after the first join carries the
+    joined learner's own credential: the shards bind learner calls to it."""
     joined: list[tuple[ShardClient, int]] = []
     try:
-        return _join_all(address, learner, timeout_s, host, params, partition, security, joined)
+        return _join_all(address, learner, timeout_s, host, params, partition, security, joined, tokens_per_step)
     except DilocoError:
         for client, me in joined:  # a refused learner must not stay counted as alive
             try:
@@ -52,10 +56,10 @@ def join_run(address: str, learner: int | None, timeout_s: float, host: str, par
 
 def _join_all(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
               partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
-              joined: list[tuple[ShardClient, int]]) -> Joined:
+              joined: list[tuple[ShardClient, int]], tokens_per_step: int) -> Joined:
     first = ShardClient(address, security)
     first.wait_ready(timeout_s)
-    reply = with_retries(lambda: first.join(learner, host), what="join")
+    reply = with_retries(lambda: first.join(learner, host, tokens_per_step), what="join")
     me, settings = reply.learner, reply.settings
     joined.append((first, me))
     fragments = partition(settings.fragments)
@@ -65,7 +69,8 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
             continue
         client = ShardClient(info.address, security)
         client.wait_ready(timeout_s)
-        replies[info.index] = (client, with_retries(lambda c=client: c.join(me, host), what="join"))
+        replies[info.index] = (client, with_retries(lambda c=client: c.join(me, host, tokens_per_step),
+                                                    what="join"))
         joined.append((client, me))
     last_seq, shards = 0, []
     for index, (client, shard_reply) in sorted(replies.items()):

@@ -25,6 +25,7 @@ from diloco.results import LearnerReport, RunResult
 from diloco.materials import prepare
 from diloco.metrics import open_metrics
 from diloco.metrics.records import learner_lives
+from diloco.outputs import write_output, writing
 from diloco.runtime.loop import ORIGIN_ENV
 from diloco.runtime.ports import read_port_file, wait_for_port
 from diloco.runtime.processes import Child, Children
@@ -59,20 +60,22 @@ def merge_metrics(folder: Path, into: Path) -> None:
             except json.JSONDecodeError:
                 continue
     records.sort(key=lambda r: r.get("time_s", 0.0))
-    into.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+    write_output(into, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
 
 class Launcher:
     def __init__(self, config: Config, config_args: list[str], out: Path, shards: int = 1,
                  verbose: bool = False, security: TransportSecurity | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, http_auth: bool = False) -> None:
         """`security` and `env` (a generated shared secret) reach every child: options by argv, the
-        secret only by environment."""
+        secret only by environment. Every child's HTTP endpoints listen on loopback only; `http_auth`
+        also makes them require the shared secret."""
         """`config_args` are the CONFIG path and --set options, passed on to every child as given."""
         settings_of(config)  # refuses a strategy the real runtime cannot run, with the reason
         check_shards(config, shards)
         self.config, self.out, self.shard_count = config, out, shards
         self.security = security or PLAINTEXT
+        self.http_args = ["--http-bind", "127.0.0.1", *(["--http-auth"] if http_auth else [])]
         self.config_args = [*config_args, *(["--verbose"] if verbose else []), *self.security.argv]
         self.children = Children(out / "logs")
         self.ports = out / "ports"
@@ -165,7 +168,7 @@ class Launcher:
         """A child's Prometheus endpoint (and status page) on any free port, reported in a port file."""
         metrics = self.ports / f"{name}.metrics.port"
         self.endpoint_files[f"{name} metrics"] = (metrics, "http://127.0.0.1:{}/metrics")
-        args = ["--metrics-port", "0", "--metrics-port-file", str(metrics)]
+        args = ["--metrics-port", "0", "--metrics-port-file", str(metrics), *self.http_args]
         if status:
             page = self.ports / "status.port"
             self.endpoint_files["status page"] = (page, "http://127.0.0.1:{}/")
@@ -265,10 +268,10 @@ class Launcher:
     def _summarise(self) -> dict[str, Any]:
         self._collect_endpoints()
         loss = self._record_eval()
-        torch.save(self.model.state_dict(), self.out / "model.pt")
+        with writing(self.out / "model.pt"):
+            torch.save(self.model.state_dict(), self.out / "model.pt")
         shards = [json.loads(c.status().report_json) for c in self.clients]
-        (self.out / "syncer").mkdir(parents=True, exist_ok=True)
-        (self.out / "syncer" / "shards.json").write_text(json.dumps(shards, indent=2) + "\n")
+        write_output(self.out / "syncer" / "shards.json", json.dumps(shards, indent=2) + "\n")
         learners = []
         for m in range(self.config.learners.count):
             path = self.out / "learners" / f"learner-{m}.json"

@@ -45,6 +45,8 @@ log = logging.getLogger("diloco.learner")
 
 
 
+RECONNECT_S = 0.5
+"""How long the learner waits before opening a broken or ended update stream again."""
 CLOSE_BOUND_S = 60.0
 """How long `close()` keeps trying to hand its last pushes to a syncer that does not answer."""
 
@@ -65,9 +67,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
 class Learner:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, syncer: str,
                  learner: int | None = None, link: LinkShape | None = None, connect_timeout_s: float = 30.0,
-                 host: str = "", security: TransportSecurity | None = None) -> None:
+                 host: str = "", security: TransportSecurity | None = None, tokens_per_step: int | None = None
+                 ) -> None:
         """Join the run served at `syncer` (any shard's HOST:PORT) and load its current Θ into `model`.
-        `learner` asks for an id (a restart keeps its own); by default the syncer picks one."""
+        `learner` asks for an id (a restart keeps its own); by default the syncer picks one, or the one
+        named by the learner's own credential (`security`, or $DILOCO_LEARNER_TOKEN). `tokens_per_step`:
+        what one inner step trains on this rank (batch × sequence), declared to the syncer at join."""
         self.model = model
         self.optimizer = optimizer
         self.module = _unwrap(model)
@@ -89,6 +94,7 @@ class Learner:
         self.shards: list[ShardLink] = []
         self.settings: pb.Settings | None = None
         self.id = -1
+        self.declared_tokens_per_step = (tokens_per_step or 0) * self.world
         header = torch.zeros(2, dtype=torch.int64)
         if self.rank == 0:
             self._connect(syncer, learner, connect_timeout_s, host)
@@ -116,7 +122,7 @@ class Learner:
     def _connect(self, address: str, learner: int | None, timeout_s: float, host: str) -> None:
         """Join every shard, seed or check Θ's layout, take Θ, and build this learner's core."""
         joined = join_run(address, learner, timeout_s, host, self.params,
-                          self._partition, self.security)
+                          self._partition, self.security, self.declared_tokens_per_step)
         self.id, self.settings, self.shards = joined.learner, joined.settings, joined.shards
         with torch.no_grad():
             for name, value in joined.theta.items():
@@ -322,8 +328,11 @@ class Learner:
             # learner trains on meanwhile); a push it took before it went down is counted once.
             tensors, push = encoded
             try:
-                with_retries(lambda: shard.client.push(header, tensors), attempts=None, what="push",
-                             give_up=self._give_up)
+                reply = with_retries(lambda: shard.client.push(header, tensors), attempts=None, what="push",
+                                     give_up=self._give_up)
+                if reply.clipped:
+                    log.warning("learner %d: push of fragment %d was larger than the syncer's outlier bound and "
+                                "merged scaled down to it", self.id, push.fragment)
             except SyncerUnavailable:
                 raise
             except DilocoError as exc:  # refused with a reason (an outlier, a non-finite value)
@@ -344,19 +353,21 @@ class Learner:
                 self._stop_requested = True
 
     def _receive_loop(self, shard: ShardLink) -> None:
-        """New versions from one shard: decoded here, handed over when the emulated link delivers them."""
+        """New versions from one shard: decoded here, handed over when the emulated link delivers them.
+        A stream that ends or breaks is opened again (a learner without updates would train on alone);
+        one the shard refuses is this learner's error."""
         while not self._halt.is_set():
             try:
                 for header, tensors in shard.client.updates(self.id):
                     nbytes = MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in tensors.values())
                     arrival = self.down.send(nbytes)
                     self._inbox.put(arrival, self._decode_update(header, tensors, nbytes))  # (update, event)
-                return
+                reason = "the update stream ended"
             except (SyncerUnavailable, ValueError) as exc:
-                if self._halt.is_set():
-                    return
-                log.warning("learner %d: %s; reconnecting", self.id, exc)
-                clock.sleep(0.5)
+                reason = str(exc)
+            if self._halt.wait(RECONNECT_S):
+                return
+            log.warning("learner %d: %s (shard %d); reconnecting", self.id, reason, shard.index)
 
     def _decode_update(self, header: pb.UpdateHeader, tensors: dict[str, Encoded], nbytes: int
                        ) -> tuple[Update, torch.cuda.Event | None]:

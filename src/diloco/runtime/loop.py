@@ -28,8 +28,10 @@ from diloco.errors import DilocoError
 from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
+from diloco.runtime.checkpoints import read_checkpoint, write_checkpoint
 from diloco.runtime.learner import Learner, LinkShape
 from diloco.runtime.ports import report_port
+from diloco.status.endpoint import LOOPBACK, HttpExposure
 from diloco.strategies import build_strategy
 from diloco.training import Replica, evaluate, resolve_device
 from diloco.transport.security import TransportSecurity
@@ -79,7 +81,8 @@ class Standalone:
 def run_learner(config: Config, *, syncer: str | None, learner: int | None = None, out: Path | None = None,
                 emulate_link: bool = False, stop: threading.Event | None = None,
                 connect_timeout_s: float = 30.0, metrics_port: int | None = None,
-                metrics_port_file: str | None = None, security: TransportSecurity | None = None) -> dict[str, Any]:
+                metrics_port_file: str | None = None, security: TransportSecurity | None = None,
+                metrics_http: HttpExposure = LOOPBACK) -> dict[str, Any]:
     """Train one learner to the end of its plan (or of the shared budget, or until `stop` is set);
     return its report, also written to OUT/learners/learner-ID.json with a checkpoint. With no
     `syncer`, train the same way without syncing (`learner` is then required)."""
@@ -102,7 +105,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     if t.compile:
         replica.model = torch.compile(replica.model)
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
-    metrics = _metrics_for(config, out, m, rank, metrics_port, metrics_port_file)
+    metrics = _metrics_for(config, out, m, rank, metrics_port, metrics_port_file, metrics_http)
     meter = LearnerMeter(metrics, m, config.metrics.every_steps)
     training = _Training(replica, sync, meter, metrics, world, rank, speed, stop,
                          config.failures.checkpoint_every if writer is not None else 0, writer)
@@ -131,11 +134,11 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
 
 
 def _metrics_for(config: Config, out: Path | None, m: int, rank: int, port: int | None,
-                 port_file: str | None) -> MetricsLog:
+                 port_file: str | None, http: HttpExposure = LOOPBACK) -> MetricsLog:
     """Rank 0 records (to OUT/metrics, and Prometheus if asked); other ranks record nothing."""
     metrics = open_metrics(out / "metrics" if out and rank == 0 else None, name=f"learner-{m}",
                            tensorboard=config.metrics.tensorboard and rank == 0, wandb=config.metrics.wandb,
-                           prometheus_port=port if rank == 0 else None, origin=run_origin())
+                           prometheus_port=port if rank == 0 else None, http=http, origin=run_origin())
     if port is not None and rank == 0:
         report_port(metrics.prometheus_port, f"learner {m}'s Prometheus metrics", port_file)
     return metrics
@@ -195,7 +198,8 @@ def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int
         return Standalone(learner)
     link = LinkShape(config.link.bandwidth_mbit, config.link.latency_ms) if emulate_link else None
     return Learner(replica.model, replica.optimizer, syncer=syncer, learner=learner, link=link,
-                   connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security)
+                   connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security,
+                   tokens_per_step=config.train.batch_size * config.train.seq_len)
 
 
 def _place(config: Config, replica: Replica, tokens: Any, m: int, rank: int, world: int) -> tuple[float, int]:
@@ -223,8 +227,8 @@ def run_origin() -> float:
 def restore_checkpoint(path: Path, replica: Replica, world: int, policy: RestorePolicy) -> None:
     """A restarted learner's own state, as `core/recovery.py` says: data position and step count, and
     the inner optimizer unless the policy is `fresh`. Its parameters come from the syncer's current Θ
-    instead, which is newer. Loaded without unpickling code."""
-    state = torch.load(path, weights_only=True)
+    instead, which is newer. Loaded without unpickling code, once checked (`checkpoints.py`)."""
+    state = read_checkpoint(path, replica.planned_steps * SHARED_BUDGET_CAP, replica.optimizer)
     plan = restore_plan(policy, has_checkpoint=True)
     if plan.optimizer:
         replica.optimizer.load_state_dict(state["optimizer"])
@@ -263,10 +267,7 @@ class CheckpointWriter:
             self.wait()
 
     def _write(self, state: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.path)
+        write_checkpoint(state, self.path)
 
     def wait(self) -> None:
         if self._thread is not None:

@@ -3,8 +3,9 @@
 - Every child asks the kernel to kill it when the launcher dies (PR_SET_PDEATHSIG), so even a
   SIGKILLed launcher leaves no orphan. The kernel counts the thread that started the child as its
   parent: a thread that starts children must live as long as they should.
-- Children run in sessions of their own: Ctrl-C reaches the launcher only, which then stops them in
-  order (learners first, so they push and leave; then the syncer shards, so they save their state).
+- Children run in sessions of their own: Ctrl-C (or SIGTERM, which `diloco run` treats alike) reaches
+  the launcher only, which then stops them in order (learners first, so they push and leave; then the
+  syncer shards, so they save their state).
 - A stop is SIGINT, then SIGKILL for whatever has not exited within the grace period.
 """
 

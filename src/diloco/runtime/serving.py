@@ -1,8 +1,17 @@
-"""Serving a syncer shard over gRPC: the server, its options, and a one-line error for a bad address."""
+"""Serving a syncer shard over gRPC: the server, its options, and a one-line error for a bad address.
+
+What a shard can be made to spend is bounded before anyone is authenticated: the pool has a thread for
+every call the configured learners may hold at once (`CallLimits`) and no more calls run than that
+(gRPC refuses the excess at once with RESOURCE_EXHAUSTED instead of queuing it); a refused call holds no
+thread; connections that never finish their handshake, or sit idle, are closed; and the shard may open
+as many files as the host allows (`raise_open_file_limit`).
+"""
 
 from __future__ import annotations
 
 import errno
+import logging
+import resource
 import socket
 from concurrent import futures
 from typing import TYPE_CHECKING
@@ -10,21 +19,65 @@ from typing import TYPE_CHECKING
 import grpc
 
 from diloco.errors import DilocoError
-from diloco.transport.security import PLAINTEXT, TransportSecurity, secure_server_port, server_interceptors
+from diloco.transport.security import (PLAINTEXT, CallLimits, TransportSecurity, secure_server_port,
+                                       server_interceptors)
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from diloco.runtime.syncer import SyncerShard
 
+log = logging.getLogger("diloco.syncer")
 
-def serve(shard: SyncerShard, bind: str, workers: int = 32,
-          security: TransportSecurity | None = None) -> tuple[grpc.Server, int]:
+REFUSAL_THREADS = 16
+"""Threads beyond the admitted calls' for refusing calls (each refusal is over in a moment)."""
+HANDSHAKE_TIMEOUT_MS = 10_000
+"""A connection that has not finished its TLS and HTTP/2 handshake by then is closed."""
+IDLE_CONNECTION_MS = 5 * 60_000
+"""A connection with no call for this long is closed (a learner always holds its update stream)."""
+SERVER_OPTIONS = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
+                  ("grpc.max_send_message_length", 64 << 20),
+                  ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+                  ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
+                  # Learners ping every 20 s to find dead links (transport/client.py): allow it, and
+                  # ping back so that a peer that vanished frees its connection.
+                  ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
+                  ("grpc.keepalive_permit_without_calls", 1),
+                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                  ("grpc.http2.max_ping_strikes", 0)]
+
+
+def pool_size(learners: int, limits: CallLimits) -> int:
+    """Threads for every call the configured learners and the run's operator may hold at once, and for
+    refusals. Learners beyond the configured count share what is left, then are told to retry."""
+    return learners * limits.per_learner + limits.operator + REFUSAL_THREADS
+
+
+def raise_open_file_limit() -> int:
+    """Lift the soft limit on open files to the hard one, so that many connections cannot starve the
+    shard of files (its saves, its journal); the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d: %s", soft, exc)
+    return soft
+
+
+def serve(shard: SyncerShard, bind: str, workers: int | None = None,
+          security: TransportSecurity | None = None, limits: CallLimits | None = None) -> tuple[grpc.Server, int]:
     """Start serving `shard` on `bind` (HOST:PORT; port 0 picks a free one); return the server and its
-    port. A one-line error if the port is taken."""
+    port. `workers` defaults to what the configured learners need (`pool_size`). A one-line error if the
+    port is taken."""
     security = security or PLAINTEXT
+    limits = limits or CallLimits()
+    workers = workers or pool_size(shard.settings.learners, limits)
+    raise_open_file_limit()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="syncer-rpc"),
-                         interceptors=server_interceptors(security), options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20),
-                                  ("grpc.max_send_message_length", 64 << 20)])
+                         interceptors=server_interceptors(security, limits), options=SERVER_OPTIONS,
+                         maximum_concurrent_rpcs=workers)
     pb_grpc.add_SyncerServicer_to_server(shard, server)
     check_bindable(bind)
     try:

@@ -1,14 +1,21 @@
 """What a syncer shard keeps on disk: its whole state now and then, and a journal of every event since.
 
 The core's state is a function of the events it took, so saved state + journal = where it was. The
-state file is written atomically (a temporary file, then a rename) and loaded with
-torch.load(weights_only=True): no code is ever unpickled from it.
+state file carries its own digest and is written atomically (`state_files.py`: a temporary file,
+synced, then a rename); it is loaded with torch.load(weights_only=True) only once the digest matches,
+so no code is ever unpickled from it. The journal's records are checked one by one (`journal.py`).
+
+What `--resume` finds decides what happens, never silently:
+- a saved state (and the journal after it): the shard continues from it; a state that is damaged,
+  unreadable or saved by another shard or config is a one-line error;
+- no saved state but the empty journal a shard creates when it starts: it was stopped before a
+  learner seeded Θ, so there is nothing to lose and it starts fresh (saying so);
+- nothing at all, or a journal without the state it applies to: a one-line error.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
+import logging
 from pathlib import Path
 
 import torch
@@ -18,47 +25,144 @@ from diloco.core.events import SyncerEvent
 from diloco.core.messages import Update
 from diloco.errors import DilocoError
 from diloco.clock import SYSTEM_CLOCK, Clock
-from diloco.runtime.journal import QUIET_EVENTS, Journal, decode_event, encode_event
+from diloco.runtime.journal import (QUIET_EVENTS, Journal, JournalCorrupt, JournalError, JournalHalted,
+                                    JournalRecord, decode_event, encode_event)
+from diloco.runtime.state_files import load_checked, save_checked
+
+log = logging.getLogger("diloco.syncer")
+
+STATE_FORMAT = 2
+"""Version of what a state file holds: 2 adds its digest and the identity of the shard that saved it."""
 
 
 class ShardStore:
     def __init__(self, state_dir: Path, index: int, resume: bool, clock: Clock = SYSTEM_CLOCK) -> None:
-        """Refuses to overwrite another run's saved state unless asked to `resume` it."""
+        """Refuses to overwrite another run's saved state unless asked to `resume` it, and refuses to
+        `resume` from nothing (see the module's docstring for what starts fresh)."""
+        self.state_dir, self.index = state_dir, index
         self.state_path = state_dir / f"shard-{index}.state.pt"
         self.journal_path = state_dir / f"shard-{index}.journal"
         self.clock = clock
-        self.saved = self.state_path.is_file()  # none yet: killed before Θ was seeded, nothing to resume
-        if self.saved and not resume:
-            raise DilocoError(f"{state_dir} holds the saved state of shard {index}: pass --resume to continue "
-                              f"that run, or give another --out")
+        self.saved = self.state_path.is_file()
+        journal_bytes = self.journal_path.stat().st_size if self.journal_path.is_file() else None
+        if not resume:
+            if self.saved:
+                raise DilocoError(f"{state_dir} holds the saved state of shard {index}: pass --resume to continue "
+                                  f"that run, or give another --out")
+            if journal_bytes:
+                raise DilocoError(f"{self.journal_path} holds {journal_bytes} bytes of journal without a saved state: "
+                                  f"give another --out, or remove it to start a new run here")
+            self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+            self.journal_path.touch()  # the mark that this shard started here: see the module's docstring
+        elif not self.saved:
+            if journal_bytes is None:
+                raise DilocoError(f"--resume: {state_dir} holds no saved state of shard {index} (no "
+                                  f"{self.state_path.name}): nothing to resume; give the --out of the run to "
+                                  f"continue, or start without --resume")
+            if journal_bytes:
+                raise DilocoError(f"--resume: {self.journal_path} holds {journal_bytes} bytes of journal but "
+                                  f"{self.state_path.name} is missing, so its events cannot be replayed: restore "
+                                  f"the state file, or start the run afresh in another --out")
+            log.warning("shard %d: --resume found no saved state in %s and an empty journal: it stopped before "
+                        "Θ was seeded, so it starts fresh and a learner seeds Θ again", index, state_dir)
         self.journal: Journal | None = None
         self.saved_at: float | None = None
+        self._cut_journal_at: int | None = None
+        """Where the journal is cut before it is written again: a torn tail, or a refused last record."""
+
+    @property
+    def halted(self) -> str | None:
+        """Why the journal takes no more events, if it stopped."""
+        return self.journal.halted if self.journal is not None else None
 
     def load(self) -> dict | None:
-        return torch.load(self.state_path, weights_only=True) if self.saved else None
+        """The saved state, its digest checked (a one-line DilocoError for a file that cannot be used)."""
+        if not self.saved:
+            return None
+        state = load_checked(self.state_path, f"the saved state of shard {self.index}",
+                             "this shard cannot resume from it; restore a good copy, or start the run afresh "
+                             "in another --out")
+        if state.get("format") != STATE_FORMAT:
+            raise DilocoError(f"the saved state of shard {self.index} {self.state_path} has format "
+                              f"{state.get('format')!r}, not {STATE_FORMAT}: it was saved by another version of "
+                              f"diloco; resume it with that version, or start afresh in another --out")
+        seq = state.get("journal_seq")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise DilocoError(f"the saved state of shard {self.index} {self.state_path} has no valid journal "
+                              f"position ({seq!r}): it cannot be resumed")
+        return state
 
-    def events_after(self, seq: int) -> Iterator[tuple[int, SyncerEvent, float]]:
-        """(number, event, time) of every journaled event after `seq`, in order."""
-        for number, kind, payload in Journal.read(self.journal_path):
-            if number > seq:
-                yield (number, *decode_event(kind, payload))
+    def journaled_after(self, seq: int) -> list[tuple[JournalRecord, SyncerEvent, float]]:
+        """Every journaled event after `seq`, in order, each checked and decoded. A torn tail is dropped
+        (one warning); damage before the tail, or a gap after `seq`, is JournalCorrupt."""
+        contents = Journal.scan(self.journal_path)
+        if contents.torn_bytes:
+            first = contents.records[-1].seq + 1 if contents.records else seq + 1
+            log.warning("journal %s: dropped a torn tail of %d bytes at byte %d (%s), from sequence number %d "
+                        "on: a write the crash cut short; %d whole records kept", self.journal_path,
+                        contents.torn_bytes, contents.whole_bytes, contents.torn_problem, first,
+                        len(contents.records))
+            self._cut_journal_at = contents.whole_bytes
+        later = [r for r in contents.records if r.seq > seq]
+        if later and later[0].seq != seq + 1:
+            raise JournalCorrupt(f"journal {self.journal_path} goes on at sequence number {later[0].seq} but the "
+                                 f"saved state ends at {seq}: events {seq + 1}..{later[0].seq - 1} are missing")
+        events = []
+        for record in later:
+            try:
+                events.append((record, *decode_event(record.kind, record.payload)))
+            except Exception as exc:  # noqa: BLE001 — checksummed yet unreadable: written by something else
+                raise JournalCorrupt(f"journal {self.journal_path}: record {record.seq} at byte {record.offset} "
+                                     f"({record.kind}) cannot be read back ({type(exc).__name__}: {exc})") from None
+        return events
+
+    def drop_from(self, record: JournalRecord) -> None:
+        """Cut the journal before `record` when it is opened again (a refused last record)."""
+        self._cut_journal_at = record.offset
 
     def open(self, last_seq: int) -> None:
+        if self._cut_journal_at is not None and self.journal_path.is_file():
+            with open(self.journal_path, "r+b") as file:
+                file.truncate(self._cut_journal_at)
+            self._cut_journal_at = None
         self.journal = Journal(self.journal_path, last_seq)
 
     def record(self, event: SyncerEvent, now: float, push_frames: bytes = b"") -> None:
-        """On disk before the event is answered (reports and heartbeats: with the next one that is)."""
+        """On disk before the event is answered (reports and heartbeats: with the next one that is).
+        Raises JournalWriteFailed (nothing written: the event must not be taken) or JournalHalted."""
         kind, payload = encode_event(event, now, push_frames)
-        self.journal.append(kind, payload, durable=not isinstance(event, QUIET_EVENTS))
+        halted_before = self.journal.halted
+        try:
+            self.journal.append(kind, payload, durable=not isinstance(event, QUIET_EVENTS))
+        except JournalHalted:
+            if halted_before is None:
+                log.critical("%s", self.journal.halted)  # the one line that says why; each event after is refused
+            raise
+
+    def rollback(self) -> None:
+        """Take back the event just recorded: the core refused it."""
+        try:
+            self.journal.rollback()
+        except JournalHalted:
+            log.critical("%s", self.journal.halted)
+            raise
+
+    def halt(self, why: str) -> None:
+        """Journal nothing more: every event from now on is refused (fail-stop), said in one line."""
+        self.journal.halted = (f"journal {self.journal_path}: {why}; this shard takes no more events: restart it "
+                               f"with --resume")
+        log.critical("%s", self.journal.halted)
 
     def save(self, state: dict) -> None:
-        """The whole state, atomically; the journal then starts empty (its numbers go on)."""
-        state = {**state, "journal_seq": self.journal.seq}
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.state_path)
-        self.journal.truncate()
+        """The whole state, with its digest, atomically; the journal then starts empty (its numbers go
+        on). OSError (a full disk) leaves the old state and the journal as they were."""
+        state = {**state, "journal_seq": self.journal.seq, "format": STATE_FORMAT}
+        save_checked(state, self.state_path)
+        self.saved = True
+        try:
+            self.journal.truncate()
+        except JournalError as exc:  # harmless: a replay skips records the state already holds
+            log.warning("%s", exc)
         self.saved_at = self.clock.now()
 
     def age_s(self) -> float | None:

@@ -2,15 +2,25 @@
 actions: a round's bound, a liveness check) and has the shard's state saved now and then.
 
 It holds no decision: when to wake is the core's, what a wake does is the shard's (`on_time`).
+
+It outlives what its work runs into: a wake or a save that fails (no file descriptors left, a full
+disk) is logged in one line and tried again a moment later, so liveness checks and saves resume once
+the cause is gone. A thread that died would leave the shard deciding nothing and saving nothing.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 from typing import Callable
 
 from diloco.clock import SYSTEM_CLOCK, Clock
+
+log = logging.getLogger("diloco.syncer")
+
+RETRY_S = 1.0
+"""How soon a wake or a save that failed is tried again."""
 
 
 class Waker:
@@ -24,6 +34,8 @@ class Waker:
         self._next_save = clock.now() + save_every_s
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.failures = 0
+        """Wakes and saves that failed (each was tried again)."""
 
     def wake_at(self, at: float) -> None:
         """Call `on_time` at `at` or soon after (with the lock held by the caller)."""
@@ -36,11 +48,22 @@ class Waker:
         while self._due and self._due[0] <= now:
             heapq.heappop(self._due)
             due = True
-        if due:
-            self.on_time(now)
+        if due and not self._survive("wake", self.on_time, now):
+            heapq.heappush(self._due, now + RETRY_S)
         if self.on_save is not None and now >= self._next_save:
             self._next_save = now + self.save_every_s
-            self.on_save(now)
+            if not self._survive("save", self.on_save, now):
+                self._next_save = now + min(RETRY_S, self.save_every_s)
+
+    def _survive(self, what: str, work: Callable[[float], None], now: float) -> bool:
+        """Run `work`; on an error, log one line and return False (the caller tries again soon)."""
+        try:
+            work(now)
+            return True
+        except Exception as exc:  # noqa: BLE001 — whatever it is, the thread must go on
+            self.failures += 1
+            log.error("shard %s failed (%s: %s); trying again in %g s", what, type(exc).__name__, exc, RETRY_S)
+            return False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="syncer-waker", daemon=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 from pathlib import Path
@@ -27,13 +28,14 @@ from diloco.config import Config
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
                                 SyncerEvent, SyncerResumed, TimerFired)
 from diloco.core.messages import Progress, Update
+from diloco.errors import DilocoError
 from diloco.core.syncer import (Action, LearnerDead, ProtocolError, Publish, RunOver, SendState, SyncerCore,
                                 Timer)
 from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.clock import SYSTEM_CLOCK, Clock
-from diloco.runtime.journal import push_of, push_payload
+from diloco.runtime.journal import JournalCorrupt, JournalHalted, push_of, push_payload
 from diloco.runtime.serving import serve
 from diloco.runtime.settings import check_shards, settings_of
 from diloco.runtime.shard_plan import ShardPlan, fragments_of, parse_shard
@@ -42,6 +44,7 @@ from diloco.runtime.shard_store import ShardStore, plain_update, update_of
 from diloco.runtime.shard_waker import Waker
 from diloco.strategies import build_strategy
 from diloco.transport.frames import FrameError, decode, encode_fp32, message_frames, read_message, tensor_header
+from diloco.transport.security import current_caller
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -58,7 +61,29 @@ MAX_TOKENS = 2**64 - 1
 SAVE_EVERY_S = 10.0
 """How often a shard with a state folder saves its whole state (and empties its journal)."""
 INIT_LIMIT_BYTES = 1 << 38
-"""The largest Θ a shard accepts to be seeded with (256 GiB of fp32)."""
+"""The largest Θ a shard accepts to be seeded with (256 GiB of fp32), whatever the host."""
+
+
+def available_memory_bytes() -> int:
+    """Memory this host can still give (MemAvailable; without /proc, the free physical pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return INIT_LIMIT_BYTES
+
+
+def init_limit_bytes() -> int:
+    """The largest Θ this shard can be seeded with now: the message and its decoded copy are held at
+    once, so half of what the host can give (at most INIT_LIMIT_BYTES). Declared sizes above it are
+    refused from the header, before any data is read."""
+    return min(INIT_LIMIT_BYTES, available_memory_bytes() // 2)
 
 
 class SyncerShard(pb_grpc.SyncerServicer):
@@ -82,6 +107,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.left: set[int] = set()
         self.steps: dict[int, int] = {}
         self.hosts: dict[int, str] = {}
+        self.declared: dict[int, int] = {}
+        """Per learner, the tokens one of its inner steps trains, as it declared when it joined."""
         self.push_errors = 0
         self.finished = False
         self.started = clock.now()
@@ -116,10 +143,22 @@ class SyncerShard(pb_grpc.SyncerServicer):
 
     def apply(self, event: SyncerEvent, now: float, push_frames: bytes = b"") -> list[Action]:
         """Journal one event, hand it to the core, carry out its actions (under the lock). Replay takes
-        the same path. The caller has checked the event: one the core would refuse is never journaled."""
-        if self.store is not None and not self._replaying:
+        the same path. Nothing is taken that is not on disk, and nothing stays on disk that was not
+        taken: a record that cannot be written raises JournalWriteFailed before the core sees the event,
+        and one the core refuses (ProtocolError) is taken back off the journal before it is re-raised."""
+        journaled = self.store is not None and not self._replaying
+        if journaled:
             self.store.record(event, now, push_frames)
-        actions = self.core.handle(event, now)
+        try:
+            actions = self.core.handle(event, now)
+        except ProtocolError:
+            if journaled:
+                self.store.rollback()  # JournalHalted if it cannot be: the shard takes nothing more
+            raise
+        except Exception as exc:
+            if journaled:  # the core may be half-changed: journal nothing more, resume from disk instead
+                self._halt_journal(f"the core failed on {type(event).__name__} ({type(exc).__name__}: {exc})")
+            raise
         for action in actions:
             if isinstance(action, Publish):
                 for learner, update in action.updates.items():
@@ -146,6 +185,20 @@ class SyncerShard(pb_grpc.SyncerServicer):
             self.round_meter.emit(self.core.rounds)
         return actions
 
+    def _take(self, event: SyncerEvent, context: grpc.ServicerContext, push_frames: bytes = b"") -> list[Action]:
+        """`apply` for a caller: a refusal (the event itself, or the round it would close) is answered
+        INVALID_ARGUMENT with its one line, and logged; the shard is as it was."""
+        now = self.clock.now()
+        try:
+            if isinstance(event, PushArrived):  # the common refusals, before a write to the journal
+                self.core.check(event.push, now)
+            return self.apply(event, now, push_frames)
+        except ProtocolError as exc:
+            if isinstance(event, PushArrived):
+                self.push_errors += 1
+            log.warning("refused %s from %s: %s", type(event).__name__, context.peer(), exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     def _wake(self, now: float) -> None:
         if self.core is not None and not self._stopping:
             self.apply(TimerFired(), now)
@@ -166,15 +219,42 @@ class SyncerShard(pb_grpc.SyncerServicer):
 
     # ------------------------------------------------------------ RPCs
 
+    def _speaks_for(self, learner: int, what: str, context: grpc.ServicerContext) -> None:
+        """Refuse a call that speaks for a learner its caller is not (PERMISSION_DENIED, one line, logged);
+        with no credentials configured, identity is not enforced."""
+        caller = current_caller()
+        if not caller.may_speak_for(learner):
+            log.warning("refused %s for learner %d from %s: the caller is %s", what, learner, context.peer(), caller)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{caller} may not {what} as learner {learner}")
+
+    def _declare(self, learner: int, tokens_per_step: int) -> None:
+        """Hand a learner's declared tokens per step to the core (raises ProtocolError if it refuses)."""
+        declare = getattr(self.core, "declare", None)  # a core without declarations takes none
+        if declare is not None:
+            declare(learner, tokens_per_step)
+
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         if request.learner > MAX_LEARNER_ID:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"learner id {request.learner} is above {MAX_LEARNER_ID}")
+        caller = current_caller()
+        if caller.kind == "learner":  # a learner's own credential joins as that learner only
+            if request.learner >= 0:
+                self._speaks_for(request.learner, "join", context)
+            request.learner = caller.learner
         with self.lock:
             if request.learner >= 0:
                 learner = request.learner
             else:  # the lowest configured id that is not taken, else a new one
                 taken = self.joined - self.left
                 learner = next(m for m in range(len(taken) + self.settings.learners + 1) if m not in taken)
+            if request.tokens_per_step:
+                try:  # checked before anything changes: a refused join changes nothing
+                    if self.core is not None:
+                        self._declare(learner, request.tokens_per_step)
+                except ProtocolError as exc:
+                    log.warning("refused join of learner %d from %s: %s", learner, context.peer(), exc)
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                self.declared[learner] = request.tokens_per_step
             self.joined.add(learner)
             self.left.discard(learner)
             self.hosts[learner] = request.host or context.peer()
@@ -189,7 +269,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         if self.core is not None:
             return pb.InitReply(accepted=False)  # seeded already: not worth reading
         try:
-            message = read_message(iter(request_iterator), "state", limit=INIT_LIMIT_BYTES)
+            message = read_message(iter(request_iterator), "state", limit=init_limit_bytes())
             if not context.is_active():
                 raise FrameError("the stream broke")
             if message is None:
@@ -204,6 +284,12 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 return pb.InitReply(accepted=False)
             self.core = self._make_core(values, fragments, embeddings)
             self.layout = list(header.layout)
+            for learner, tokens_per_step in self.declared.items():  # those who joined before the seeding
+                try:
+                    self._declare(learner, tokens_per_step)
+                except ProtocolError as exc:
+                    log.warning("learner %d's declared %d tokens per step refused: %s", learner, tokens_per_step,
+                                exc)
             if self.store is not None:
                 self.store.open(last_seq=0)
                 self.save_state()  # the seeded Θ is the base every journaled event applies to
@@ -230,8 +316,9 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 theta = {n: core.theta[n].clone() for n in names}
                 versions = {p: core.fragments[p].version for p in fragments}
             else:
+                self._speaks_for(request.learner, "pull", context)
                 event = LearnerRejoined(request.learner, request.after_seq, tuple(fragments))
-                sent = next(a for a in self.apply(event, self.clock.now()) if isinstance(a, SendState))
+                sent = next(a for a in self._take(event, context) if isinstance(a, SendState))
                 theta, versions = sent.values, sent.versions
         encoded = encode_fp32(theta)
         header = pb.StateHeader(versions=[pb.FragmentVersion(fragment=p, version=v) for p, v in versions.items()],
@@ -256,17 +343,18 @@ class SyncerShard(pb_grpc.SyncerServicer):
         except FrameError as exc:
             self.push_errors += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")
+        self._speaks_for(header.learner, "push", context)
         push = push_of(header, tensors, deltas)
         with self.lock:
             entry = core.ledger.get(push.learner)
             duplicates = entry.duplicates if entry else 0
-            try:
-                core.check(push)  # refused before it is journaled: a refused push changes nothing
-            except ProtocolError as exc:
-                self.push_errors += 1
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            self.apply(PushArrived(push), self.clock.now(), push_payload(header, tensors) if self.store else b"")
-            return pb.PushReply(duplicate=core.ledger[push.learner].duplicates > duplicates)
+            clipped = entry.clipped if entry else 0
+            self._take(PushArrived(push), context, push_payload(header, tensors) if self.store else b"")
+            entry = core.ledger[push.learner]
+            if entry.clipped > clipped:
+                log.warning("push %d of fragment %d from learner %d clipped to the outlier bound", push.seq,
+                            push.fragment, push.learner)
+            return pb.PushReply(duplicate=entry.duplicates > duplicates, clipped=entry.clipped > clipped)
 
     def _push_limit(self) -> int:
         """The most data one push of any fragment here may carry: fp32, the widest encoding."""
@@ -274,7 +362,10 @@ class SyncerShard(pb_grpc.SyncerServicer):
         return 4 * max(s.fragment.numel for s in core.fragments.values()) + MESSAGE_SLACK_BYTES
 
     def Updates(self, request: pb.UpdatesRequest, context: grpc.ServicerContext):
+        """A newer stream of the same learner retires this one (the learner reconnected); only the learner
+        itself may open one, so nobody else can end its stream."""
         learner = request.learner
+        self._speaks_for(learner, "open the update stream", context)
         with self.lock:
             stream_id = self.streams.get(learner, 0) + 1
             self.streams[learner] = stream_id
@@ -293,31 +384,29 @@ class SyncerShard(pb_grpc.SyncerServicer):
         """A learner is alive (a heartbeat, on its timer) or says where it stands (a progress report, after
         a step: `due_in_s` is set). Only heartbeats measure the interval that liveness is judged by."""
         learner = request.learner
+        self._speaks_for(learner, "send a heartbeat", context)
         with self.lock:
             core = self.core
             if learner in self.joined and learner not in self.left:  # strangers count for nothing
-                self.steps[learner] = request.steps
                 if core is not None:
                     report = Progress(learner, request.steps, request.tokens, request.step_time_s,
                                       tuple(request.due_in_s))
                     event = ProgressArrived(report) if request.due_in_s else \
                         HeartbeatArrived(learner, step=request.steps, tokens=request.tokens)
-                    try:
-                        core.check_progress(report)  # refused before it is journaled: nothing changes
-                    except ProtocolError as exc:
-                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    self.apply(event, self.clock.now())
+                    self._take(event, context)
+                self.steps[learner] = request.steps
             total = core.tokens_reported() if core is not None else 0
             stop = core is not None and core.budget_spent
             return pb.HeartbeatReply(stop=stop, tokens_reported=min(total, MAX_TOKENS))
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        self._speaks_for(request.learner, "leave", context)
         with self.lock:
             if request.learner not in self.joined:
                 return pb.LeaveReply()  # never took part: nothing to change
             log.info("learner %d left", request.learner)
             if self.core is not None:
-                self.apply(LearnerLeft(request.learner, finished=request.finished), self.clock.now())
+                self._take(LearnerLeft(request.learner, finished=request.finished), context)
             else:
                 self.left.add(request.learner)
         return pb.LeaveReply()
@@ -349,38 +438,128 @@ class SyncerShard(pb_grpc.SyncerServicer):
             self.save_state()
 
     def save_state(self) -> None:
-        """Everything the shard decides from, written atomically, then the journal emptied: what it
-        held is in the state now."""
+        """Everything the shard decides from, with who saved it, written atomically with its digest,
+        then the journal emptied: what it held is in the state now. Not once the journal has halted
+        (the journal and the last good state are what a restart resumes from)."""
         with self.lock:
-            if self.core is None or self.store is None:
+            if self.core is None or self.store is None or self.store.halted is not None:
                 return
-            self.store.save({
-                "core": self.core.state_dict(),
-                "layout": [torch.frombuffer(bytearray(f.SerializeToString()), dtype=torch.uint8)
-                           for f in self.layout],
-                "joined": sorted(self.joined), "left": sorted(self.left), "finished": self.finished,
-                "last_updates": {m: {p: plain_update(u) for p, u in by_fragment.items()}
-                                 for m, by_fragment in self.last_updates.items()},
-                "report": self.report()})
+            try:
+                self.store.save({
+                    "identity": self._identity(),
+                    "core": self.core.state_dict(),
+                    "layout": [torch.frombuffer(bytearray(f.SerializeToString()), dtype=torch.uint8)
+                               for f in self.layout],
+                    "joined": sorted(self.joined), "left": sorted(self.left), "finished": self.finished,
+                    "last_updates": {m: {p: plain_update(u) for p, u in by_fragment.items()}
+                                     for m, by_fragment in self.last_updates.items()},
+                    "report": self.report()})
+            except OSError as exc:
+                raise DilocoError(f"could not save the state of shard {self.plan.index} to {self.store.state_path} "
+                                  f"({exc.strerror or exc}); the journal still holds every event since the last "
+                                  f"save") from None
+
+    def _identity(self) -> dict:
+        """What a saved state must match to be resumed here: this shard, its fragments, the run's settings."""
+        settings = self.settings.SerializeToString(deterministic=True)
+        return {"shard": self.plan.index, "shards": self.plan.count, "fragments": list(self.owned),
+                "settings": torch.frombuffer(bytearray(settings), dtype=torch.uint8) if settings
+                else torch.empty(0, dtype=torch.uint8)}
+
+    def _halt_journal(self, why: str) -> None:
+        """Journal nothing more (the event just recorded is taken back first): fail-stop, one line."""
+        try:
+            self.store.rollback()
+        except JournalHalted:
+            return  # halted already, and said so
+        self.store.halt(why)
+
+    def _check_identity(self, state: dict, where: str) -> None:
+        """Refuse, in one line, a state saved by another shard, shard count or config."""
+        identity = state.get("identity")
+        if not isinstance(identity, dict):
+            raise DilocoError(f"{where} does not say which shard saved it: it cannot be resumed here")
+        mine = self._identity()
+        for key in ("shard", "shards", "fragments"):
+            if identity.get(key) != mine[key]:
+                raise DilocoError(f"{where} was saved by a shard with {key} {identity.get(key)!r}, but this one has "
+                                  f"{mine[key]!r}: resume with the --shard and config of the run that saved it")
+        saved_settings = pb.Settings()
+        try:
+            saved_settings.ParseFromString(bytes(identity["settings"].numpy()))
+        except Exception:  # noqa: BLE001 — anything unparsable is a foreign file
+            raise DilocoError(f"{where} holds settings that cannot be read: it cannot be resumed here") from None
+        differing = [f.name for f in pb.Settings.DESCRIPTOR.fields
+                     if getattr(saved_settings, f.name) != getattr(self.settings, f.name)]
+        if differing:
+            raise DilocoError(f"{where} was saved by a run with other settings ({', '.join(differing)} differ): "
+                              f"resume with the config of the run that saved it")
+
+    def _check_theta(self, state: dict, where: str) -> None:
+        """Refuse, in one line, a Θ that cannot be this shard's: tensors missing or of other shapes than
+        the layout says, values that are not finite, learners' copies that do not fit."""
+        theta = state["core"]["theta"]
+        shapes = {t.name: list(t.shape) for f in self.layout for t in f.tensors}
+        if not isinstance(theta, dict) or set(theta) != set(shapes):
+            raise DilocoError(f"{where}: Θ holds other tensors than its layout names")
+        for name, value in theta.items():
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point() or list(value.shape) != shapes[name]:
+                raise DilocoError(f"{where}: Θ tensor {name!r} is not a float tensor of shape {shapes[name]}")
+            if not bool(torch.isfinite(value).all()):
+                raise DilocoError(f"{where}: Θ tensor {name!r} holds NaN or Inf: refusing to resume from it")
+        for learner, held in state["core"]["held"].items():
+            for name, value in held.items():
+                if name not in shapes or not isinstance(value, torch.Tensor) or list(value.shape) != shapes[name]:
+                    raise DilocoError(f"{where}: what learner {learner} holds of {name!r} does not fit Θ")
 
     def _restore(self) -> None:
-        """Load the saved state, replay the journal after it, and go on journaling where it ended."""
+        """Load the saved state (checked: `_check_identity`, `_check_theta`), replay the journal after it, and go on
+        journaling where it ended. A journaled event the core refuses on replay means the state is not
+        the one it was journaled on (a one-line error), except the last record: a crash between
+        writing it and taking it back (the core refused it live too) leaves exactly that, so it is
+        dropped with a warning."""
         state = self.store.load()
         if state is None:
             return
-        self.layout = [pb.FragmentLayout.FromString(bytes(t.numpy())) for t in state["layout"]]
-        fragments, embeddings = fragments_of(self.plan, self.owned, self.layout)
-        self.core = self._make_core(state["core"]["theta"], fragments, embeddings)
-        self.core.load_state_dict(state["core"])
-        self.joined, self.left = set(state["joined"]), set(state["left"])
-        self.finished = state["finished"]
-        self.last_updates = {m: {p: update_of(plain) for p, plain in by_fragment.items()}
-                             for m, by_fragment in state["last_updates"].items()}
+        where = f"the saved state of shard {self.plan.index} {self.store.state_path}"
+        try:
+            self._check_identity(state, where)
+            self.layout = [pb.FragmentLayout.FromString(bytes(t.numpy())) for t in state["layout"]]
+            fragments, embeddings = fragments_of(self.plan, self.owned, self.layout)
+            self._check_theta(state, where)
+            self.core = self._make_core(state["core"]["theta"], fragments, embeddings)
+            self.core.load_state_dict(state["core"])
+            self.joined, self.left = set(state["joined"]), set(state["left"])
+            self.finished = bool(state["finished"])
+            self.last_updates = {m: {p: update_of(plain) for p, plain in by_fragment.items()}
+                                 for m, by_fragment in state["last_updates"].items()}
+        except DilocoError as exc:
+            self.core = None
+            if str(exc).startswith(where):
+                raise
+            raise DilocoError(f"{where} cannot be resumed here: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 — missing keys, wrong types: not a state this version saved
+            self.core = None
+            raise DilocoError(f"{where} does not hold a state this shard can take ({type(exc).__name__}: {exc}): "
+                              f"restore a good copy, or start the run afresh in another --out") from None
         last_seq, replayed = state["journal_seq"], 0
+        journaled = self.store.journaled_after(last_seq)
         self._replaying = True
         try:
-            for last_seq, event, now in self.store.events_after(last_seq):
-                self.apply(event, now)
+            for index, (record, event, now) in enumerate(journaled):
+                try:
+                    self.apply(event, now)
+                except ProtocolError as exc:
+                    if index < len(journaled) - 1:
+                        raise JournalCorrupt(f"journal {self.store.journal_path}: record {record.seq} at byte "
+                                             f"{record.offset} ({record.kind}) is refused on replay ({exc}) though "
+                                             f"it was taken once: the saved state is not the one it was journaled "
+                                             f"on") from None
+                    log.warning("journal %s: its last record (%d, %s) is refused on replay (%s): the shard died "
+                                "before taking it back; dropped", self.store.journal_path, record.seq, record.kind, exc)
+                    self.store.drop_from(record)
+                    break
+                last_seq = record.seq
                 replayed += 1
         finally:
             self._replaying = False

@@ -102,6 +102,10 @@ class Simulation:
             learner.lost_tokens = [0] * len(self.fragments)
         params = {n: p for n, p in base.named_parameters() if p.requires_grad}
         self.syncer = spec.syncer_core(params, self.fragments, range(len(self.learners)), embeddings=embeddings)
+        tokens_per_step = self.config.train.batch_size * self.config.train.seq_len
+        for learner in self.learners:  # each starts from Θ's first version, as a real learner takes it at join
+            self.syncer.declare(learner.index, tokens_per_step)
+            self.syncer.rejoin_state(learner.index, after_seq=0)
 
     def _learner_core(self, learner: SimLearner, versions: list[int] | None, step: int) -> LearnerCore:
         return self.spec.learner_core(learner.index, learner.replica.named_params(), self.fragments,

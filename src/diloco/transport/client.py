@@ -12,7 +12,7 @@ import torch
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
 from diloco.errors import DilocoError
-from diloco.transport.security import TransportSecurity, default_security, make_channel
+from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
 from diloco.transport.frames import decode, encode_fp32, message_frames, read_message, tensor_header
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
@@ -24,6 +24,17 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_sen
                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
+GRPC_BUSY = "Concurrent RPC limit exceeded!"
+"""gRPC's own refusal when the syncer's `maximum_concurrent_rpcs` calls are running."""
+
+
+def retryable(error: grpc.RpcError) -> bool:
+    """Unreachable, too slow, or refused for want of capacity (not a message too large: that stays so)."""
+    code = error.code()
+    details = error.details() or ""
+    return code in RETRYABLE or (code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                                 and (details.startswith(BUSY) or details == GRPC_BUSY))
 
 class SyncerUnavailable(DilocoError):
     """The shard could not be reached (yet): callers may retry."""
@@ -37,17 +48,19 @@ def describe(error: grpc.RpcError) -> str:
 
 class ShardClient:
     def __init__(self, address: str, security: TransportSecurity | None = None) -> None:
-        """`security`: the shared secret and TLS settings; by default the secret in DILOCO_SECRET, if any."""
+        """`security`: the shared secret (or a learner's own credential) and TLS settings; by default the
+        secret in DILOCO_SECRET, else the credential in DILOCO_LEARNER_TOKEN, if any."""
         self.address = address
-        self.channel = make_channel(address, security if security is not None else default_security(),
-                                    CHANNEL_OPTIONS)
+        security = security if security is not None else default_security()
+        self.identity = ClientIdentity(security)
+        self.channel = make_channel(address, security, CHANNEL_OPTIONS, self.identity)
         self.stub = pb_grpc.SyncerStub(self.channel)
 
     def _call(self, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except grpc.RpcError as exc:
-            if exc.code() in RETRYABLE:
+            if retryable(exc):
                 raise SyncerUnavailable(f"syncer at {self.address} unavailable during {what} ({describe(exc)})") \
                     from None
             raise DilocoError(f"syncer at {self.address} refused {what}: {exc.details()}") from None
@@ -60,9 +73,28 @@ class ShardClient:
             raise DilocoError(f"cannot reach the syncer at {self.address} (nothing answered within "
                               f"{timeout_s:g} s): check the address and that `diloco syncer` runs there") from None
 
-    def join(self, learner: int | None, host: str = "") -> pb.JoinReply:
-        request = pb.JoinRequest(learner=-1 if learner is None else learner, host=host)
-        return self._call("join", self.stub.Join, request, timeout=30)
+    @property
+    def own_learner(self) -> int | None:
+        """The learner this client's credential names, if it holds only one learner's."""
+        return self.identity.learner
+
+    def act_as(self, learner: int) -> None:
+        """Calls from now on speak for `learner` (the shard binds learner calls to their credential)."""
+        self.identity.act_as(learner)
+
+    def join(self, learner: int | None, host: str = "", tokens_per_step: int = 0) -> pb.JoinReply:
+        """Join as `learner` (None: the syncer picks, or the one this client's credential names); from the
+        reply on, calls carry the joined learner's credential. `tokens_per_step`: what one inner step
+        trains (batch × sequence × ranks), 0 when not known."""
+        if learner is None:
+            learner = self.own_learner
+        if learner is not None:
+            self.act_as(learner)
+        request = pb.JoinRequest(learner=-1 if learner is None else learner, host=host,
+                                 tokens_per_step=tokens_per_step)
+        reply = self._call("join", self.stub.Join, request, timeout=30)
+        self.act_as(reply.learner)
+        return reply
 
     def init(self, layout: list[pb.FragmentLayout], values: dict[str, torch.Tensor]) -> bool:
         encoded = encode_fp32(values)
@@ -101,6 +133,9 @@ class ShardClient:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 return
+            if exc.code() in REFUSALS:  # asking again would be refused again
+                raise DilocoError(f"syncer at {self.address} refused the update stream: {exc.details()}") \
+                    from None
             raise SyncerUnavailable(f"update stream from {self.address} broke ({describe(exc)})") from None
 
     def cancel_updates(self) -> None:

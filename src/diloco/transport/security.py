@@ -1,36 +1,58 @@
-"""The shared secret and TLS on the wire: the syncer's interceptor, its listening port, the learners'
-channels. What the settings are, and how they are read, is `settings.py`.
+"""The shared secret, each learner's identity and TLS on the wire: the syncer's interceptor, its listening
+port, the learners' channels. What the settings are, and how they are read, is `settings.py`.
 
-Nothing untrusted touches state: with a secret configured, the syncer's interceptor checks the
-`x-diloco-secret` metadata of every call (unary and streaming alike) in constant time before the
-handler runs; a refused call is answered UNAUTHENTICATED with a one-line reason, its payload is never
-parsed, and the refusal is logged with the caller's address.
+Nothing untrusted touches state or holds a thread: with a secret configured, the syncer's interceptor
+checks the call's metadata in constant time from its headers alone, before any body is read. A refused
+call is answered UNAUTHENTICATED with a one-line reason by a request-streaming handler that never waits
+for the body (a unary handler would hold a pool thread until the body came), and the refusal is logged
+with the caller's address.
+
+Who the caller is (`Caller`, read by the shard's handlers with `current_caller()`):
+  * `x-diloco-secret` = the run token, no `x-diloco-learner`: the operator (join, seed, observe, status);
+    it speaks for no learner;
+  * `x-diloco-learner: m` with learner m's own token: learner m, and only m;
+  * under mutual TLS, a client certificate whose CN or a DNS SAN is `learner-m` makes the caller learner
+    m (a credential in the metadata must then name the same learner);
+  * with no secret and no learner certificate (plaintext development runs, or mutual TLS with a shared
+    certificate): `UNCHECKED`, identity is not enforced.
+Accepted calls are admitted under per-caller limits (`CallLimits`) before their body is read: excess
+calls are refused at once with RESOURCE_EXHAUSTED ("busy: ...") and the client retries.
 """
 
 from __future__ import annotations
 
 import collections
+import contextvars
 import hmac
 import logging
+import re
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import grpc
 
 from diloco.errors import DilocoError
 from diloco.transport.settings import (  # the settings are also found here, next to their enforcement
-    PLAINTEXT, SECRET_ENV, TransportSecurity, add_security_arguments, check_ca, check_cert_and_key, default_security,
-    load_security, read_pem, resolve_secret, secret_token, security_from_args, with_run_secret)
+    LEARNER_TOKEN_ENV, MAX_LEARNER_ID, PLAINTEXT, SECRET_ENV, LearnerCredential, TransportSecurity,
+    add_security_arguments, check_ca, check_cert_and_key, default_security, learner_token, load_security, read_pem,
+    resolve_secret, secret_token, security_from_args, with_run_secret)
 
-__all__ = ["METADATA_KEY", "PLAINTEXT", "REFUSED", "SECRET_ENV", "SecretClientInterceptor", "SecretInterceptor",
-           "TransportSecurity", "add_security_arguments", "channel_credentials", "default_security",
-           "load_security", "make_channel", "resolve_secret", "secret_token", "secure_server_port",
-           "security_from_args", "server_credentials", "server_interceptors", "server_tls", "channel_tls",
-           "with_run_secret"]
+__all__ = ["BUSY", "Caller", "CallLimits", "ClientIdentity", "CredentialInterceptor", "LEARNER_KEY",
+           "LEARNER_TOKEN_ENV", "LearnerCredential", "METADATA_KEY", "PLAINTEXT", "REFUSED", "SECRET_ENV",
+           "TransportSecurity", "UNCHECKED", "add_security_arguments", "channel_credentials", "current_caller",
+           "default_security", "learner_security", "learner_token", "load_security", "make_channel",
+           "resolve_secret", "secret_token", "secure_server_port", "security_from_args", "server_credentials",
+           "server_interceptors", "server_tls", "channel_tls", "with_run_secret"]
 
 log = logging.getLogger("diloco.security")
 
 METADATA_KEY = "x-diloco-secret"
+LEARNER_KEY = "x-diloco-learner"
 REFUSED = "missing or wrong shared secret: set DILOCO_SECRET or --secret-file to the syncer's"
+BUSY = "busy: "
+"""How a refusal for want of capacity starts: the client waits and tries again."""
+_LEARNER_NAME = re.compile(r"learner-(\d{1,10})")
 
 
 # ---------------------------------------------------------------- credentials
@@ -79,53 +101,176 @@ def channel_credentials(ca_file: str | None, cert_file: str | None = None,
 # ---------------------------------------------------------------- the server's end
 
 
-def _handler_of_kind(handler: grpc.RpcMethodHandler, behaviour) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that runs `behaviour` on the raw, unparsed request."""
-    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    return make[(bool(handler.request_streaming), bool(handler.response_streaming))](
-        behaviour, request_deserializer=None, response_serializer=handler.response_serializer)
+@dataclass(frozen=True)
+class Caller:
+    """Who a call comes from, as authenticated: `learner` is the one learner it may speak for."""
+
+    kind: str  # "learner", "operator" or "unchecked"
+    learner: int | None = None
+
+    def may_speak_for(self, learner: int) -> bool:
+        return self.kind == "unchecked" or (self.kind == "learner" and self.learner == learner)
+
+    def __str__(self) -> str:
+        return f"learner {self.learner}" if self.kind == "learner" else \
+            "the run secret's holder" if self.kind == "operator" else "an unauthenticated caller"
 
 
-class SecretInterceptor(grpc.ServerInterceptor):
-    """Refuses every call whose `x-diloco-secret` is missing or wrong, before its handler runs."""
+UNCHECKED = Caller("unchecked")
+OPERATOR = Caller("operator")
+_CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("diloco_caller", default=UNCHECKED)
 
-    def __init__(self, secret: bytes) -> None:
-        if not secret:
+
+def current_caller() -> Caller:
+    """The caller of the call this handler serves. gRPC runs the interceptor's admission and the
+    handler (a streaming one's every step too) in one context per call, so this is the call's own."""
+    return _CALLER.get()
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """How many calls may run at once: per learner (its update stream, a push, a heartbeat, a retired
+    stream still winding down, one spare), for the run secret's holder (joins, seeding, observers)."""
+
+    per_learner: int = 5
+    operator: int = 16
+
+
+def _refusal(code: grpc.StatusCode, message: str, method: str, why: str, response_serializer
+             ) -> grpc.RpcMethodHandler:
+    """A handler that refuses at once. Request-streaming whatever the method's kind: gRPC then runs it
+    without waiting for the body, which may never come."""
+
+    def refuse(_requests, context: grpc.ServicerContext):
+        log.warning("refused %s from %s: %s", method, context.peer(), why)
+        context.abort(code, message)
+
+    return grpc.stream_unary_rpc_method_handler(refuse, request_deserializer=None,
+                                                response_serializer=response_serializer)
+
+
+class CredentialInterceptor(grpc.ServerInterceptor):
+    """Authenticates every call from its metadata before its body is read, admits it under `limits`,
+    and makes its `Caller` known to the handler."""
+
+    def __init__(self, secret: bytes | None, learner_certificates: bool = False,
+                 limits: CallLimits | None = None) -> None:
+        if secret is not None and not secret:
             raise ValueError("an empty shared secret")
-        self._token = secret_token(secret).encode("ascii")
+        self._secret = secret
+        self._run_token = secret_token(secret).encode("ascii") if secret is not None else None
+        self._learner_certificates = learner_certificates
+        self._limits = limits
+        self._active: dict[Caller, int] = collections.Counter()
+        self._active_lock = threading.Lock()
 
-    def authorised(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool | None:
-        """True for the right token, False for a wrong one, None when there is none."""
-        values = [v for k, v in (metadata or ()) if k == METADATA_KEY]
-        if not values:
-            return None
+    def identify(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> tuple[Caller | None, str]:
+        """The caller the metadata proves, or None and why not."""
+        if self._secret is None:
+            return UNCHECKED, ""
+        given = [v if isinstance(v, bytes) else v.encode("utf-8", "replace")
+                 for k, v in (metadata or ()) if k == METADATA_KEY]
+        names = [v if isinstance(v, str) else v.decode("ascii", "replace") for k, v in (metadata or ())
+                 if k == LEARNER_KEY]
+        if not given:
+            return None, "no shared secret"
+        if len(names) > 1 or (names and (not names[0].isdigit() or int(names[0]) > MAX_LEARNER_ID)):
+            return None, "a malformed learner id"
+        learner = int(names[0]) if names else None
+        expected = self._run_token if learner is None else learner_token(self._secret, learner).encode("ascii")
         ok = False
-        for value in values:  # compare every one: the time taken says nothing about which matched
-            given = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
-            ok |= hmac.compare_digest(given, self._token)
-        return ok
+        for value in given:  # compare every one: the time taken says nothing about which matched
+            ok |= hmac.compare_digest(value, expected)
+        if not ok:
+            return None, "a wrong shared secret" if learner is None else f"a wrong credential for learner {learner}"
+        return (OPERATOR if learner is None else Caller("learner", learner)), ""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:  # an unknown method: gRPC answers UNIMPLEMENTED and runs nothing
             return None
-        verdict = self.authorised(handler_call_details.invocation_metadata)
-        if verdict:
-            return handler
         method = handler_call_details.method
-        why = "no shared secret" if verdict is None else "a wrong shared secret"
+        caller, why = self.identify(handler_call_details.invocation_metadata)
+        if caller is None:
+            return _refusal(grpc.StatusCode.UNAUTHENTICATED, REFUSED, method, why, handler.response_serializer)
+        return self._admitted(handler, caller, method)
 
-        def refuse(_request, context: grpc.ServicerContext):
-            log.warning("refused %s from %s: %s", method, context.peer(), why)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+    def _certified(self, caller: Caller, context: grpc.ServicerContext) -> Caller | str:
+        """Under mutual TLS, the learner a client certificate names; a refusal's reason if the metadata
+        names another."""
+        if not self._learner_certificates:
+            return caller
+        auth = context.auth_context() or {}
+        names = {n.decode("utf-8", "replace") for key in ("x509_common_name", "x509_subject_alternative_name")
+                 for n in auth.get(key, ())}
+        learners = {int(m.group(1)) for n in names if (m := _LEARNER_NAME.fullmatch(n))}
+        if not learners:
+            return caller
+        if len(learners) > 1:
+            return f"a client certificate naming several learners {sorted(learners)}"
+        learner = learners.pop()
+        if caller.kind == "learner" and caller.learner != learner:
+            return f"a credential for learner {caller.learner} with a certificate for learner {learner}"
+        return Caller("learner", learner)
 
-        return _handler_of_kind(handler, refuse)
+    def _admit(self, caller: Caller) -> bool:
+        limits = self._limits
+        if limits is None or caller.kind == "unchecked":
+            return True
+        limit = limits.per_learner if caller.kind == "learner" else limits.operator
+        with self._active_lock:
+            if self._active[caller] >= limit:
+                return False
+            self._active[caller] += 1
+        return True
+
+    def _release(self, caller: Caller) -> None:
+        with self._active_lock:
+            self._active[caller] -= 1
+            if not self._active[caller]:
+                del self._active[caller]
+
+    def active_calls(self) -> dict[Caller, int]:
+        with self._active_lock:
+            return dict(self._active)
+
+    def _admitted(self, handler: grpc.RpcMethodHandler, caller: Caller, method: str) -> grpc.RpcMethodHandler:
+        """`handler` as a request-streaming handler: admission runs as soon as the headers are in, and
+        only then is the (one, for a unary method) request read."""
+        unary_request = not handler.request_streaming
+        behaviour = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+
+        def admitted(requests, context: grpc.ServicerContext):
+            who = self._certified(caller, context)
+            if isinstance(who, str):
+                log.warning("refused %s from %s: %s", method, context.peer(), who)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"refused: {who}")
+            if not self._admit(who):
+                log.warning("refused %s from %s: %s has too many calls open", method, context.peer(), who)
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{BUSY}{who} has too many calls open")
+            if self._limits is not None and who.kind != "unchecked" and not context.add_callback(
+                    lambda: self._release(who)):
+                self._release(who)  # the call ended already
+            _CALLER.set(who)
+            if not unary_request:
+                return behaviour(requests, context)
+            request = next(requests, None)
+            if request is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes exactly one request message")
+            return behaviour(request, context)
+
+        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming \
+            else grpc.stream_unary_rpc_method_handler
+        return make(admitted, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
 
 
-def server_interceptors(security: TransportSecurity) -> list[grpc.ServerInterceptor]:
+def server_interceptors(security: TransportSecurity, limits: CallLimits | None = None
+                        ) -> list[grpc.ServerInterceptor]:
     """For `grpc.server(..., interceptors=...)`."""
-    return [SecretInterceptor(security.secret)] if security.secret is not None else []
+    if security.secret is None and not security.requires_client_certs and limits is None:
+        return []
+    return [CredentialInterceptor(security.secret, security.requires_client_certs, limits)]
 
 
 def secure_server_port(server: grpc.Server, bind: str, security: TransportSecurity) -> int:
@@ -145,16 +290,54 @@ class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", 
     pass
 
 
-class SecretClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds `x-diloco-secret` to every call, of all four kinds."""
+class ClientIdentity:
+    """The credential a channel's calls carry; a learner that joined with the run secret switches to its
+    own (`act_as`) once it has an id."""
 
-    def __init__(self, secret: bytes) -> None:
-        self._pair = (METADATA_KEY, secret_token(secret))
+    def __init__(self, security: TransportSecurity) -> None:
+        self._secret, self._own = security.secret, security.learner
+        self._learner: int | None = None
+        self.metadata: tuple[tuple[str, str], ...] = ()
+        if security.learner is not None:
+            self._use(security.learner)
+        elif security.secret is not None:
+            self.metadata = ((METADATA_KEY, secret_token(security.secret)),)
+
+    @property
+    def learner(self) -> int | None:
+        """The learner these calls speak for, if any."""
+        return self._learner
+
+    def _use(self, credential: LearnerCredential) -> None:
+        self._learner = credential.learner
+        self.metadata = ((METADATA_KEY, credential.token), (LEARNER_KEY, str(credential.learner)))
+
+    def act_as(self, learner: int) -> None:
+        """Speak for `learner` from now on. A learner given only its own credential cannot be another."""
+        if self._own is not None:
+            if learner != self._own.learner:
+                raise DilocoError(f"this learner holds learner {self._own.learner}'s credential, not learner "
+                                  f"{learner}'s: run it with --id {self._own.learner}, or give it the run secret")
+        elif self._secret is not None:
+            self._use(LearnerCredential.of(self._secret, learner))
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class CredentialClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the identity's credential to every call, of all four kinds (replacing any the caller set)."""
+
+    def __init__(self, identity: ClientIdentity) -> None:
+        self.identity = identity
 
     def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = [m for m in (details.metadata or ()) if m[0] != METADATA_KEY]
-        metadata.append(self._pair)
+        metadata = [m for m in (details.metadata or ()) if m[0] not in (METADATA_KEY, LEARNER_KEY)]
+        metadata += self.identity.metadata
         return _CallDetails(details.method, details.timeout, metadata, details.credentials,
                             getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
 
@@ -171,10 +354,18 @@ class SecretClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStream
         return continuation(self._details(client_call_details), request_iterator)
 
 
-def make_channel(address: str, security: TransportSecurity | None,
-                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+def learner_security(security: TransportSecurity, learner: int) -> TransportSecurity:
+    """Settings that carry only learner `learner`'s own credential, derived from the run secret."""
+    if security.secret is None:
+        raise DilocoError("a learner's credential is derived from the run secret: set DILOCO_SECRET or "
+                          "--secret-file")
+    return replace(security, secret=None, learner=LearnerCredential.of(security.secret, learner))
+
+
+def make_channel(address: str, security: TransportSecurity | None, options: Sequence[tuple[str, object]] = (),
+                 identity: ClientIdentity | None = None) -> grpc.Channel:
     """A channel to a syncer at `address`: TLS when the settings have a CA or a client certificate,
-    every call carrying the shared secret when there is one."""
+    every call carrying the credential of `identity` (by default the settings' own), if any."""
     security = security or PLAINTEXT
     options = list(options)
     if security.connects_tls:
@@ -183,6 +374,7 @@ def make_channel(address: str, security: TransportSecurity | None,
         channel = grpc.secure_channel(address, channel_tls(security), options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
-    if security.secret is not None:
-        channel = grpc.intercept_channel(channel, SecretClientInterceptor(security.secret))
+    identity = identity or ClientIdentity(security)
+    if identity.metadata:
+        channel = grpc.intercept_channel(channel, CredentialClientInterceptor(identity))
     return channel

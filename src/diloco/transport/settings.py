@@ -9,6 +9,12 @@ command line (where other users could read it). What travels is not the secret i
 derived from it (HMAC-SHA256), so any bytes make a valid secret; without TLS the token can still be
 sniffed and replayed, so use TLS on networks you do not trust.
 
+Each learner also has an identity of its own: learner m's credential is `m:` followed by
+HMAC-SHA256(secret, "diloco-learner:m"), and the syncer binds every call that speaks for a learner
+(push, heartbeat, leave, updates, pull) to the learner its credential names. A holder of the run secret
+can derive every credential; a learner given only its own (`--learner-token-file` or
+DILOCO_LEARNER_TOKEN, printed by `diloco token --learner m`) can act as nobody else.
+
 The same options serve both ends:
 
     syncer:  --tls-cert/--tls-key  serve TLS     --tls-ca  require client certificates signed by it
@@ -31,7 +37,11 @@ from dataclasses import dataclass, field, replace
 from diloco.errors import DilocoError
 
 SECRET_ENV = "DILOCO_SECRET"
+LEARNER_TOKEN_ENV = "DILOCO_LEARNER_TOKEN"
 _TOKEN_CONTEXT = b"diloco.v1 shared secret"
+_LEARNER_CONTEXT = b"diloco-learner:"
+MAX_LEARNER_ID = 2**32 - 1
+"""Learner ids travel as uint32."""
 
 
 # ---------------------------------------------------------------- reading the configuration
@@ -65,6 +75,46 @@ def resolve_secret(secret_file: str | None) -> bytes | None:
 def secret_token(secret: bytes) -> str:
     """What a call carries in `x-diloco-secret`: printable, whatever bytes the secret holds."""
     return hmac.new(secret, _TOKEN_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def learner_token(secret: bytes, learner: int) -> str:
+    """Learner `learner`'s own token: only the run secret's holder can make it, and it names one learner."""
+    return hmac.new(secret, _LEARNER_CONTEXT + str(learner).encode("ascii"), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class LearnerCredential:
+    """What a learner holds when it is given only its own identity: its id and its token."""
+
+    learner: int
+    token: str = field(repr=False)
+
+    @classmethod
+    def of(cls, secret: bytes, learner: int) -> LearnerCredential:
+        return cls(learner, learner_token(secret, learner))
+
+    def text(self) -> str:
+        """The form `diloco token` prints and `--learner-token-file` reads: `ID:TOKEN`."""
+        return f"{self.learner}:{self.token}"
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> LearnerCredential:
+        learner, sep, token = text.strip().partition(":")
+        if not sep or not learner.isdigit() or int(learner) > MAX_LEARNER_ID or len(token) != 64 \
+                or any(c not in "0123456789abcdef" for c in token):
+            raise DilocoError(f"{where} does not hold a learner credential (ID:64 hex digits, as printed by "
+                              f"`diloco token --learner ID`)")
+        return cls(int(learner), token)
+
+
+def resolve_learner_credential(token_file: str | None) -> LearnerCredential | None:
+    """A learner's own credential: the contents of `token_file`, else $DILOCO_LEARNER_TOKEN; None when
+    neither is set."""
+    if token_file is not None:
+        return LearnerCredential.parse(_read(token_file, "--learner-token-file").decode("utf-8", "replace"),
+                                       f"--learner-token-file {token_file}")
+    value = os.environ.get(LEARNER_TOKEN_ENV)
+    return LearnerCredential.parse(value, LEARNER_TOKEN_ENV) if value is not None else None
 
 
 _PEM_MARKERS = {"--tls-cert": (b"-----BEGIN CERTIFICATE-----", "certificate"),
@@ -132,6 +182,13 @@ class TransportSecurity:
     """The name to expect in the syncer's certificate, when it differs from the address's host."""
     argv: tuple[str, ...] = ()
     """The options as given (files, never the secret itself), to pass on to child processes."""
+    learner: LearnerCredential | None = None
+    """A learner given only its own credential, not the run secret."""
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether calls carry a credential at all (a syncer: whether it demands one)."""
+        return self.secret is not None or self.learner is not None
 
     @property
     def serves_tls(self) -> bool:
@@ -151,7 +208,9 @@ class TransportSecurity:
         tls = self.serves_tls if role == "server" else self.connects_tls
         mutual = self.requires_client_certs if role == "server" else self.tls_cert is not None
         parts.append(("mutual TLS" if mutual else "TLS") if tls else "plaintext")
-        parts.append("shared secret" if self.secret is not None else "no shared secret")
+        parts.append("shared secret" if self.secret is not None else
+                     f"learner {self.learner.learner}'s credential" if self.learner is not None else
+                     "no shared secret")
         return ", ".join(parts)
 
 
@@ -159,7 +218,8 @@ PLAINTEXT = TransportSecurity()
 
 
 def load_security(*, secret_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                  tls_ca: str | None = None, server_name: str | None = None, role: str = "both") -> TransportSecurity:
+                  tls_ca: str | None = None, server_name: str | None = None, role: str = "both",
+                  learner_token_file: str | None = None) -> TransportSecurity:
     """Read and check everything now, with one-line errors naming the file. `role`: "server" (a syncer),
     "client" (a learner, or anything calling a syncer) or "both" (`diloco run`, which hands the same
     options to its syncers and learners)."""
@@ -185,8 +245,15 @@ def load_security(*, secret_file: str | None = None, tls_cert: str | None = None
                           ("--tls-ca", tls_ca), ("--tls-server-name", server_name)):
         if value is not None:
             argv += [option, str(value)]
-    return TransportSecurity(secret=resolve_secret(secret_file), tls_cert=cert, tls_key=key, tls_ca=ca,
-                             server_name=server_name or None, argv=tuple(argv))
+    secret = resolve_secret(secret_file)
+    learner = resolve_learner_credential(learner_token_file) if role == "client" else None
+    if learner_token_file is not None and role != "client":
+        raise DilocoError("--learner-token-file is for `diloco learner`: a syncer and `diloco run` need the run "
+                          "secret (--secret-file or DILOCO_SECRET)")
+    if learner is not None and secret is not None:
+        learner = None  # the run secret derives every learner's credential: the learner's own adds nothing
+    return TransportSecurity(secret=secret, tls_cert=cert, tls_key=key, tls_ca=ca,
+                             server_name=server_name or None, argv=tuple(argv), learner=learner)
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
@@ -194,6 +261,9 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--secret-file", metavar="FILE",
                        help="file holding the shared secret every call must carry (default: $DILOCO_SECRET; "
                             "neither: no authentication)")
+    group.add_argument("--learner-token-file", metavar="FILE",
+                       help="a learner only: file holding its own credential (ID:TOKEN, from `diloco token "
+                            "--learner ID`) instead of the run secret (default: $DILOCO_LEARNER_TOKEN)")
     group.add_argument("--tls-cert", metavar="PEM",
                        help="certificate (chain): a syncer serves TLS with it; a learner presents it to a syncer "
                             "that requires client certificates (mutual TLS). Needs --tls-key")
@@ -209,12 +279,15 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
 def security_from_args(args: argparse.Namespace, role: str = "both") -> TransportSecurity:
     return load_security(secret_file=getattr(args, "secret_file", None), tls_cert=getattr(args, "tls_cert", None),
                          tls_key=getattr(args, "tls_key", None), tls_ca=getattr(args, "tls_ca", None),
-                         server_name=getattr(args, "tls_server_name", None), role=role)
+                         server_name=getattr(args, "tls_server_name", None), role=role,
+                         learner_token_file=getattr(args, "learner_token_file", None))
 
 
 def default_security() -> TransportSecurity:
-    """For callers given no settings (the `diloco.Learner` API): the secret in $DILOCO_SECRET, if any."""
-    return TransportSecurity(secret=resolve_secret(None))
+    """For callers given no settings (the `diloco.Learner` API): the secret in $DILOCO_SECRET, else the
+    learner's own credential in $DILOCO_LEARNER_TOKEN, if any."""
+    secret = resolve_secret(None)
+    return TransportSecurity(secret=secret, learner=None if secret is not None else resolve_learner_credential(None))
 
 
 def with_run_secret(security: TransportSecurity) -> tuple[TransportSecurity, dict[str, str]]:

@@ -157,12 +157,14 @@ class ShardInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner", "host")
+    __slots__ = ("learner", "host", "tokens_per_step")
     LEARNER_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     learner: int
     host: str
-    def __init__(self, learner: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+    tokens_per_step: int
+    def __init__(self, learner: _Optional[int] = ..., host: _Optional[str] = ..., tokens_per_step: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("learner", "settings", "shard", "shards", "layout", "last_seq")
@@ -199,10 +201,12 @@ class PullRequest(_message.Message):
     def __init__(self, learner: _Optional[int] = ..., observer: _Optional[bool] = ..., after_seq: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("duplicate",)
+    __slots__ = ("duplicate", "clipped")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
-    def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
+    clipped: bool
+    def __init__(self, duplicate: _Optional[bool] = ..., clipped: _Optional[bool] = ...) -> None: ...
 
 class UpdatesRequest(_message.Message):
     __slots__ = ("learner",)

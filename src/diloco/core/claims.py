@@ -1,0 +1,92 @@
+"""How far a learner's counters may move: steps, tokens and sequence numbers are claims, kept plausible.
+
+- Steps may rise no faster than the learner's measured rate allows: before RATE_KNOWN_S of its claims
+  are seen, at most 1/MIN_STEP_S steps per second (a generous bootstrap); after, RATE_FACTOR× its
+  measured rate. Either way plus RATE_SLACK_STEPS. Claims come from progress reports, heartbeats and
+  pushes, on the core's own clock (`now`), so a replayed journal decides the same.
+- Tokens may rise by at most the steps risen × the learner's tokens per step (what it `declare`d at
+  join, else DEFAULT_TOKENS_PER_STEP), and one claim may add at most MAX_CLAIM_SHARE of the shared
+  budget: no single message can spend it.
+- A push's sequence number may be at most MAX_SEQ_JUMP above the learner's last one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MIN_STEP_S = 1e-4
+"""Shortest inner step believed before a learner's rate is measured."""
+RATE_KNOWN_S = 1.0
+"""Time a learner's step claims must span before its measured rate is used."""
+RATE_FACTOR = 4.0
+"""How much faster than measured a learner may claim to step (a faster chip, a burst)."""
+RATE_SLACK_STEPS = 8
+"""Steps a claim may add beyond what the rate allows (reports cross on the wire, clocks jitter)."""
+DEFAULT_TOKENS_PER_STEP = 1 << 24
+"""Tokens per inner step of a learner that declared none: above any real batch × sequence × ranks."""
+MAX_TOKENS_PER_STEP = 1 << 40
+"""Largest tokens per step a learner may declare."""
+MAX_SEQ_JUMP = 1 << 16
+"""Most a push's sequence number may be above the learner's last (pushes are numbered consecutively;
+this leaves room for many refused in a row)."""
+MAX_CLAIM_SHARE = 0.25
+"""Most of the shared budget one progress report or heartbeat may add."""
+
+
+@dataclass
+class Counters:
+    """One learner's latest claims, and where its rate is measured from."""
+
+    joined_at: float
+    origin_step: int | None = None
+    origin_at: float = 0.0
+    step: int = 0
+    """The highest step it claimed (in any life: a restart resumes from a checkpoint at most this)."""
+    at: float = 0.0
+    life_step: int | None = None
+    """The step of its latest report in this life (None: none yet), with the tokens it claimed then."""
+    life_tokens: int = 0
+
+    def allowed_steps(self, now: float) -> float:
+        """Most the step count may rise to by `now`."""
+        if self.origin_step is None:
+            return RATE_SLACK_STEPS + max(0.0, now - self.joined_at) / MIN_STEP_S
+        span = self.at - self.origin_at
+        elapsed = max(0.0, now - self.at)
+        if span < RATE_KNOWN_S:
+            rate = 1.0 / MIN_STEP_S
+        else:
+            rate = RATE_FACTOR * (self.step - self.origin_step) / span
+        return self.step + RATE_SLACK_STEPS + elapsed * rate
+
+    def plain(self) -> dict:
+        return asdict(self)
+
+
+def step_problem(counters: Counters, step: int, now: float) -> str | None:
+    """Why claiming `step` at `now` is implausible, or None."""
+    allowed = counters.allowed_steps(now)
+    if step > allowed:
+        return f"step {step} is above the {int(allowed)} its rate allows"
+    return None
+
+
+def token_problem(counters: Counters, step: int, tokens: int, tokens_per_step: int, budget: int | None) -> str | None:
+    """Why claiming `tokens` (this life) at `step` is implausible, or None."""
+    base_step, base_tokens = (0, 0) if counters.life_step is None else (counters.life_step, counters.life_tokens)
+    rise = tokens - base_tokens
+    if rise > max(0, step - base_step) * tokens_per_step:
+        return f"tokens {tokens} rose by more than {tokens_per_step} per step risen since step {base_step}"
+    if budget is not None and rise > max(tokens_per_step, int(MAX_CLAIM_SHARE * budget)):
+        return f"tokens {tokens} add more than {MAX_CLAIM_SHARE:g} of the shared budget at once"
+    return None
+
+
+def record(counters: Counters, step: int, now: float, tokens: int | None = None) -> None:
+    """An accepted claim: the rate and the life's tokens go on from it."""
+    if counters.origin_step is None:
+        counters.origin_step, counters.origin_at = 0, counters.joined_at
+    if step > counters.step:
+        counters.step, counters.at = step, now
+    if tokens is not None:
+        counters.life_step, counters.life_tokens = step, tokens

@@ -1,0 +1,45 @@
+"""Output folders and files: a folder that cannot be used, or a write that fails (a full disk, a folder
+made read-only), is refused in one line naming the path and the reason."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from diloco.errors import DilocoError
+
+
+def output_folder(out: Path) -> Path:
+    """`out`, created if needed, once it is known to be a folder this process can write into."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DilocoError(f"--out {out} is a file, not a folder") from None
+    except OSError as exc:
+        raise DilocoError(f"cannot create --out {out}: {exc.strerror or exc}") from None
+    probe = out / f".diloco-write-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise DilocoError(f"cannot write into --out {out}: {exc.strerror or exc}") from None
+    return out
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Within it, an OSError (whose message may not say which file) is an error that names `path`."""
+    try:
+        yield
+    except OSError as exc:
+        raise DilocoError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write one output file, its folder created if needed; a failure names the file."""
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)

@@ -1,0 +1,118 @@
+"""Files of saved state that vouch for themselves: a shard's state, a learner's checkpoint.
+
+Such a file is what torch.save wrote, then a trailer of 48 bytes: a marker (8 bytes, `DLCSUM01`), the
+length of what precedes it (8, little-endian) and its BLAKE2b-256 digest (32). It is written to a
+temporary file, synced, then renamed over the old one, so a crash leaves the old file or the new one.
+
+Reading checks the trailer and the digest before torch.load sees a byte, then loads with
+weights_only=True (no code is ever unpickled). Every way a file can be unusable — missing, cut short,
+damaged, written by something else, holding pickled objects — is a one-line DilocoError naming the
+file, never a traceback. torch.load reads the zip archive from its end directory and ignores the
+trailer, so `torch.load(path, weights_only=True)` still opens these files by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.errors import DilocoError
+
+TRAILER = struct.Struct("<8sQ32s")
+TRAILER_MARK = b"DLCSUM01"
+CHUNK_BYTES = 1 << 22
+
+
+class StateFileError(DilocoError):
+    """A saved state or checkpoint that cannot be trusted; the message names the file and why."""
+
+
+def _digest_of(file, length: int) -> bytes:
+    """BLAKE2b-256 of the first `length` bytes of an open file, read in chunks (state may be large)."""
+    digest = hashlib.blake2b(digest_size=32)
+    file.seek(0)
+    left = length
+    while left > 0:
+        chunk = file.read(min(CHUNK_BYTES, left))
+        if not chunk:
+            break
+        digest.update(chunk)
+        left -= len(chunk)
+    return digest.digest()
+
+
+def save_checked(state: dict, path: Path) -> None:
+    """`state` at `path`, with its digest, atomically and synced: the old file stays until the new one
+    is whole. A failure (a full disk) leaves no temporary file behind and raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w+b") as file:
+            torch.save(state, file)
+            file.flush()
+            length = file.tell()
+            digest = _digest_of(file, length)
+            file.seek(length)
+            file.write(TRAILER.pack(TRAILER_MARK, length, digest))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """The rename itself on disk (where the platform allows opening a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_checked(path: Path, what: str, advice: str) -> dict:
+    """The dict saved at `path` by `save_checked`, once its digest matches; `what` names the file in
+    errors ("saved state of shard 0"), `advice` says what to do about one."""
+    def refuse(why: str) -> StateFileError:
+        return StateFileError(f"{what} {path} {why}: {advice}")
+
+    try:
+        file = open(path, "rb")
+    except OSError as exc:
+        raise refuse(f"cannot be read ({exc.strerror or exc})") from None
+    with file:
+        size = os.fstat(file.fileno()).st_size
+        if size < TRAILER.size:
+            raise refuse(f"is cut short ({size} bytes)")
+        file.seek(size - TRAILER.size)
+        mark, length, digest = TRAILER.unpack(file.read(TRAILER.size))
+        if mark != TRAILER_MARK:
+            raise refuse("has no checksum (cut short, damaged, or not written by this version of diloco)")
+        if length != size - TRAILER.size:
+            raise refuse(f"is {size} bytes but its checksum covers {length} (cut short or padded)")
+        if _digest_of(file, length) != digest:
+            raise refuse("is damaged (its contents do not match its checksum)")
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise refuse(f"holds objects a state file never holds (refused to unpickle them: {first})") from None
+    except Exception as exc:  # torch reports a bad archive as RuntimeError, EOFError, ValueError...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise refuse(f"cannot be loaded ({first})") from None
+    if not isinstance(state, dict):
+        raise refuse(f"holds a {type(state).__name__}, not the dict it was saved as")
+    return state
