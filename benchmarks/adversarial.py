@@ -342,12 +342,13 @@ def init_too_large(shard: Shard) -> Callable[[], object]:
 
 
 def walking_up(shard: Shard) -> Callable[[], object]:
-    """Pushes at 4.99x the largest accepted norm, 40 in a row: the bound must not follow them up."""
+    """40 pushes, each 4.99x the largest one taken as it was: the bound must not follow them up. With
+    the default rule a push over the bound is merged clipped to it (and the reply says so)."""
 
     def probe() -> object:
         client = ShardClient(shard.address, learner_security(shard.run_secret, 0))
         norm = 64 ** 0.5 * 1e-3  # an honest push's norm
-        accepted, largest = 0, norm
+        taken, clipped, refused, largest = 0, 0, 0, norm
         for _ in range(40):
             shard.seq[0] += 1
             shard.step[0] += 4
@@ -355,14 +356,19 @@ def walking_up(shard: Shard) -> Callable[[], object]:
             header, tensors = push_message(0, 1, shard.seq[0], {"w1": torch.full((64,), largest * 4.99 / 8)},
                                            tokens=256, steps=4, step=shard.step[0])
             try:
-                client.push(header, tensors)
-            except Exception:
+                reply = client.push(header, tensors)
+            except Exception:  # noqa: BLE001 — refused (rule `reject`)
+                refused += 1
                 continue
-            accepted += 1
-            largest *= 4.99
+            if reply.clipped:
+                clipped += 1
+            else:
+                taken += 1
+                largest *= 4.99
+        summary = f"{taken} taken as they were, {clipped} clipped, {refused} refused of 40"
         if largest > norm * 5 ** 2:
-            return f"{accepted} of 40 accepted; the bound walked up to {largest / norm:.3g}x an honest norm"
-        raise Refused(f"{accepted} of 40 accepted; largest accepted {largest / norm:.3g}x an honest norm")
+            return f"{summary}; the bound walked up to {largest / norm:.3g}x an honest norm"
+        raise Refused(f"{summary}; largest taken as it was {largest / norm:.3g}x an honest norm")
 
     return probe
 
@@ -370,8 +376,8 @@ def walking_up(shard: Shard) -> Callable[[], object]:
 # ---------------------------------------------------------------- the command line
 
 
-def cli_probes(workdir: Path) -> Iterator[tuple[str, list[str], dict]]:
-    """(probe, arguments to `diloco`, extra keyword arguments for subprocess.run)."""
+def cli_probes(workdir: Path) -> Iterator[tuple[str, list[str]]]:
+    """(probe, arguments to `diloco`)."""
     bad_config = workdir / "latin1.toml"
     bad_config.write_bytes(b"[train]\ntokens = 1000 # caf\xe9\n")
     a_file = workdir / "a-file"
@@ -386,20 +392,20 @@ def cli_probes(workdir: Path) -> Iterator[tuple[str, list[str], dict]]:
     (pickled / "checkpoints" / "learner-0.pt").write_bytes(
         b"\x80\x04cos\nsystem\nq\x00X\x02\x00\x00\x00idq\x01\x85q\x02Rq\x03.")
     sim = ["sim", "-q", "--out", str(workdir / "sim-out")]
-    yield "a config file that is not UTF-8", ["sim", str(bad_config), "-q"], {}
-    yield "train.tokens=1e30", [*sim, "--set", "train.tokens=1e30"], {}
-    yield "codec.block=2^40", [*sim, "--set", f"codec.block={2**40}"], {}
-    yield "outer.lr=inf", [*sim, "--set", "outer.lr=inf"], {}
-    yield "outer.outlier_factor=inf", [*sim, "--set", "outer.outlier_factor=inf"], {}
-    yield "learners.count=10^6", [*sim, "--set", "learners.count=1000000"], {}
-    yield "--metrics-port 70000", ["syncer", "--metrics-port", "70000"], {}
-    yield "--out a file", ["sim", "-q", "--out", str(a_file)], {}
-    yield "--out in a read-only place", ["sim", "-q", "--out", "/proc/diloco-out"], {}
-    yield "--resume with no saved state", ["syncer", "--out", str(empty), "--resume", "--bind", "127.0.0.1:0"], {}
+    yield "a config file that is not UTF-8", ["sim", str(bad_config), "-q"]
+    yield "train.tokens=1e30", [*sim, "--set", "train.tokens=1e30"]
+    yield "codec.block=2^40", [*sim, "--set", f"codec.block={2**40}"]
+    yield "outer.lr=inf", [*sim, "--set", "outer.lr=inf"]
+    yield "outer.outlier_factor=inf", [*sim, "--set", "outer.outlier_factor=inf"]
+    yield "learners.count=10^6", [*sim, "--set", "learners.count=1000000"]
+    yield "--metrics-port 70000", ["syncer", "--metrics-port", "70000"]
+    yield "--out a file", ["sim", "-q", "--out", str(a_file)]
+    yield "--out in a read-only place", ["sim", "-q", "--out", "/proc/diloco-out"]
+    yield "--resume with no saved state", ["syncer", "--out", str(empty), "--resume", "--bind", "127.0.0.1:0"]
     yield "--resume from a torn state file", ["syncer", "--out", str(torn), "--resume", "--bind",
-                                              "127.0.0.1:0"], {}
+                                              "127.0.0.1:0"]
     yield "a pickle as a learner checkpoint", ["learner", *TINY_SETS, "--no-sync", "--id", "0", "--out",
-                                              str(pickled)], {}
+                                              str(pickled)]
 
 
 def run_cli(arguments: list[str], timeout_s: float = 60) -> object:
@@ -441,6 +447,28 @@ def judge(kind: str, name: str, probe: Callable[[], object], shard: Shard | None
     return Outcome(kind, name, "accepted", str(returned)[:200] if isinstance(returned, str) else "taken")
 
 
+def probe_shard(workdir: Path, half_open: int = 32, idle: int = 1100) -> list[Outcome]:
+    """Every probe against one live shard (outsider, insider, resource), in order; the shard is stopped."""
+    outcomes = []
+    shard = Shard(workdir)
+    try:
+        outcomes.append(judge("resource", "Init declaring 256 GiB", init_too_large(shard), None))
+        for name, probe in outsider_probes(shard):
+            outcomes.append(judge("outsider", name, lambda probe=probe: call(probe), shard))
+        for who, security in (("no secret", None), ("a wrong secret", TransportSecurity(secret=b"guess"))):
+            outcomes.append(judge("outsider", f"{half_open} half-open calls with {who}",
+                                  half_open_calls(shard, half_open, security), shard))
+        for name, probe in insider_probes(shard):
+            outcomes.append(judge("insider", name, lambda probe=probe: call(probe), shard))
+        outcomes.append(judge("insider", "pushes walking the outlier bound up", walking_up(shard), None))
+        outcomes.append(judge("resource", f"{half_open} half-open calls as learner 0",
+                              half_open_calls(shard, half_open, learner_security(shard.run_secret, 0)), shard))
+        outcomes.append(judge("resource", f"{idle} idle connections", idle_connections(shard, idle), shard))
+    finally:
+        shard.stop()
+    return outcomes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "adversarial.json")
@@ -451,25 +479,8 @@ def main() -> None:
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="diloco-adversarial-") as tmp:
         workdir = Path(tmp)
-        shard = Shard(workdir)
-        try:
-            outcomes.append(judge("resource", "Init declaring 256 GiB", init_too_large(shard), None))
-            for name, probe in outsider_probes(shard):
-                outcomes.append(judge("outsider", name, lambda probe=probe: call(probe), shard))
-            for who, security in (("no secret", None), ("a wrong secret", TransportSecurity(secret=b"guess"))):
-                outcomes.append(judge("outsider", f"{args.half_open} half-open calls with {who}",
-                                      half_open_calls(shard, args.half_open, security), shard))
-            for name, probe in insider_probes(shard):
-                outcomes.append(judge("insider", name, lambda probe=probe: call(probe), shard))
-            outcomes.append(judge("insider", "pushes walking the outlier bound up", walking_up(shard), None))
-            outcomes.append(judge("resource", f"{args.half_open} half-open calls as learner 0",
-                                  half_open_calls(shard, args.half_open, learner_security(shard.run_secret, 0)),
-                                  shard))
-            outcomes.append(judge("resource", f"{args.idle_connections} idle connections",
-                                  idle_connections(shard, args.idle_connections), shard))
-        finally:
-            shard.stop()
-        for name, arguments, _ in cli_probes(workdir):
+        outcomes += probe_shard(workdir, args.half_open, args.idle_connections)
+        for name, arguments in cli_probes(workdir):
             outcomes.append(judge("cli", name, lambda arguments=arguments: run_cli(arguments), None))
     report(console, outcomes)
     args.json.parent.mkdir(parents=True, exist_ok=True)

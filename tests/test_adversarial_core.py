@@ -24,8 +24,10 @@ def hub(members=(0, 1), **kwargs) -> SyncerCore:
     return SyncerCore({"w": THETA.clone()}, FRAGMENT, members, optimizer=lambda: Nesterov(0.7, 0.9), **kwargs)
 
 
-def push(learner, seq, delta, *, base=0, tokens=100, steps=1, step=0):
-    return Push(learner, 0, base, seq, {"w": torch.tensor(delta, dtype=torch.float32)}, tokens, steps, step=step)
+def push(learner, seq, delta, *, base=0, tokens=100, steps=1, step=None):
+    """The learner's seq-th push, by default ending at inner step seq × steps (disjoint steps)."""
+    return Push(learner, 0, base, seq, {"w": torch.tensor(delta, dtype=torch.float32)}, tokens, steps,
+                step=seq * steps if step is None else step)
 
 
 def refused(call) -> str:
@@ -150,9 +152,23 @@ def test_a_sequence_number_jump_is_refused():
     core = hub()
     core.on_push(push(0, 1, HONEST), now=1.0)
     before = frozen(core)
-    assert "above the learner's last" in refused(lambda: core.on_push(push(0, 2**64 - 1, HONEST), now=2.0))
-    refused(lambda: core.on_push(push(0, 2 + MAX_SEQ_JUMP, HONEST), now=2.0))
+    assert "above the learner's last" in refused(lambda: core.on_push(push(0, 2**64 - 1, HONEST, step=2), now=2.0))
+    assert "above the learner's last" in refused(lambda: core.on_push(push(0, 2 + MAX_SEQ_JUMP, HONEST, step=2),
+                                                                      now=2.0))
     assert same(frozen(core), before)
+
+
+def test_a_push_replayed_under_a_new_number_is_refused_and_a_new_life_starts_afresh():
+    core = hub()
+    core.on_push(push(0, 1, HONEST, steps=4, step=4), now=1.0)
+    before = frozen(core)
+    assert "already covered" in refused(lambda: core.on_push(push(0, 2, HONEST, steps=4, step=4), now=2.0))
+    assert "already covered" in refused(lambda: core.on_push(push(0, 2, HONEST, steps=4, step=6), now=2.0))
+    assert same(frozen(core), before)
+    core.on_push(push(0, 2, HONEST, steps=4, step=8), now=2.0)  # the next steps: taken
+    core.rejoin_state(0, after_seq=2)  # restarted from a checkpoint at step 4: it trains steps 5..8 again
+    core.on_push(push(0, 3, HONEST, steps=4, step=8), now=3.0)
+    assert core.ledger[0].pushes == 3
 
 
 def test_declare_refuses_absurd_rates():

@@ -20,9 +20,11 @@ from diloco.core.rounds import ProtocolError
 from diloco.errors import DilocoError
 from diloco.runtime import journal as journal_module
 from diloco.runtime.checkpoints import read_checkpoint
-from diloco.runtime.journal import (RECORD_HEADER, Journal, JournalCorrupt, JournalWriteFailed, push_of,
-                                    push_payload)
+from diloco.runtime.journal import (RECORD_HEADER, Journal, JournalCorrupt, JournalHalted, JournalWriteFailed,
+                                    push_of, push_payload)
 from diloco.runtime.state_files import TRAILER, save_checked
+
+integration = pytest.mark.integration  # live shards over real gRPC, or diloco as a process
 
 # ---------------------------------------------------------------- the journal alone
 
@@ -78,6 +80,22 @@ def test_a_record_whose_fsync_fails_is_cut_back_off(tmp_path, monkeypatch):
         journal.append("TimerFired", b"refused")
     monkeypatch.undo()
     assert path.stat().st_size == size
+
+
+def test_a_journal_that_cannot_even_be_cut_back_stops_taking_records(tmp_path, monkeypatch):
+    journal = Journal(tmp_path / "j")
+    journal.append("TimerFired", b"first")
+
+    def stuck(fd: int, size: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(journal_module, "_write_all", failing_write)
+    monkeypatch.setattr(os, "ftruncate", stuck)
+    with pytest.raises(JournalHalted, match="takes no more events"):
+        journal.append("TimerFired", b"refused")
+    monkeypatch.undo()
+    with pytest.raises(JournalHalted):  # fail-stop: nothing is written, nothing answered
+        journal.append("TimerFired", b"next")
 
 
 def test_a_flipped_byte_in_the_middle_stops_the_resume_naming_file_and_offset(tmp_path):
@@ -164,6 +182,7 @@ class SeededShard:
         self.server.stop(0)
 
 
+@integration
 def test_a_push_refused_for_a_full_disk_is_not_taken_and_is_counted_once_after_a_restart(tmp_path, monkeypatch):
     """ENOSPC on the journal's write during a served Push: the learner sees an error; what was
     acknowledged survives a kill; the learner's resends after the restart are each counted once."""
@@ -198,6 +217,7 @@ def refused_push(seeded: SeededShard):
     return seeded.push_message(1, base_version=99)
 
 
+@integration
 def test_an_event_the_core_refuses_leaves_no_journal_record(tmp_path):
     seeded = SeededShard(tmp_path)
     try:
@@ -226,6 +246,7 @@ def journal_a_refused_push(seeded: SeededShard, then_more: bool) -> None:
             seeded.shard.store.record(TimerFired(), seeded.shard.clock.now())
 
 
+@integration
 def test_a_refused_last_record_on_replay_is_dropped(tmp_path, caplog):
     from diloco.runtime.syncer import ShardPlan, SyncerShard
 
@@ -241,6 +262,7 @@ def test_a_refused_last_record_on_replay_is_dropped(tmp_path, caplog):
         resumed.stop()
 
 
+@integration
 def test_a_refused_record_in_the_middle_of_a_replay_stops_the_resume(tmp_path):
     from diloco.runtime.syncer import ShardPlan, SyncerShard
 
@@ -251,6 +273,7 @@ def test_a_refused_record_in_the_middle_of_a_replay_stops_the_resume(tmp_path):
         SyncerShard(seeded.config, ShardPlan(0, 1, ("",)), state_dir=tmp_path, resume=True)
 
 
+@integration
 def test_a_torn_journal_tail_is_reported_and_what_was_acknowledged_is_kept(tmp_path, caplog):
     from diloco.runtime.syncer import ShardPlan, SyncerShard
 
@@ -293,6 +316,7 @@ def resume_error(state_dir: Path, config, shards: int = 1) -> str:
     return message
 
 
+@integration
 def test_a_flipped_byte_in_the_state_file_is_refused(saved_state):
     state_dir, config = saved_state
     path = state_dir / "shard-0.state.pt"
@@ -300,6 +324,7 @@ def test_a_flipped_byte_in_the_state_file_is_refused(saved_state):
     assert "is damaged" in resume_error(state_dir, config) and str(path) in resume_error(state_dir, config)
 
 
+@integration
 def test_a_cut_short_or_unchecked_state_file_is_refused(saved_state):
     state_dir, config = saved_state
     path = state_dir / "shard-0.state.pt"
@@ -310,12 +335,14 @@ def test_a_cut_short_or_unchecked_state_file_is_refused(saved_state):
     assert "state of shard 0" in resume_error(state_dir, config)
 
 
+@integration
 def test_a_state_file_holding_pickled_objects_is_refused_in_one_line(saved_state):
     state_dir, config = saved_state
     save_checked({"format": 2, "journal_seq": 0, "payload": Path("/etc/passwd")}, state_dir / "shard-0.state.pt")
     assert "refused to unpickle" in resume_error(state_dir, config)
 
 
+@integration
 def test_a_state_file_with_non_finite_theta_or_wrong_shapes_is_refused(saved_state):
     state_dir, config = saved_state
     path = state_dir / "shard-0.state.pt"
@@ -330,6 +357,7 @@ def test_a_state_file_with_non_finite_theta_or_wrong_shapes_is_refused(saved_sta
     assert "shape" in resume_error(state_dir, config)
 
 
+@integration
 def test_a_state_file_of_another_config_or_shard_count_is_refused(saved_state):
     state_dir, _ = saved_state
     other = tiny_config("learners.count=2", "outer.fragments=1", "outer.H=4")
@@ -339,6 +367,7 @@ def test_a_state_file_of_another_config_or_shard_count_is_refused(saved_state):
     assert "with shards 1, but this one has 2" in resume_error(state_dir, two_shards, shards=2)
 
 
+@integration
 def test_resume_with_nothing_to_resume_is_an_error_but_a_shard_never_seeded_starts_fresh(tmp_path):
     from diloco.runtime.syncer import ShardPlan, SyncerShard
 
@@ -368,11 +397,13 @@ def assert_one_line_error(done: subprocess.CompletedProcess, *words: str) -> Non
     assert len(errors) == 1 and all(w in errors[0] for w in words), done.stderr[-2000:]
 
 
+@integration
 def test_syncer_resume_without_state_says_so_in_one_line(tmp_path):
     done = diloco_cli("syncer", "--out", str(tmp_path), "--resume", "--bind", "127.0.0.1:0")
     assert_one_line_error(done, "--resume", "no saved state")
 
 
+@integration
 def test_syncer_resume_from_a_damaged_state_file_says_so_in_one_line(saved_state):
     state_dir, _ = saved_state
     out = state_dir.parent / "run"
@@ -394,6 +425,7 @@ def learner_checkpoint(out: Path, **changes) -> Path:
     return path
 
 
+@integration
 @pytest.mark.parametrize("damage, words", [
     ("flipped", ["learner-0.pt", "damaged"]),
     ("pickled", ["learner-0.pt", "refused to unpickle"]),

@@ -24,8 +24,9 @@ def hub(members=(0, 1, 2), **kwargs):
 
 
 def push(learner, seq, delta, *, base=0, tokens=100, steps=1, step_time=1.0, sent_at=None):
+    """The learner's seq-th push, ending at inner step seq × steps: its pushes cover disjoint steps."""
     return Push(learner, 0, base, seq, {"w": torch.tensor(delta)}, tokens, steps, step_time_s=step_time,
-                sent_at=sent_at)
+                sent_at=sent_at, step=seq * steps)
 
 
 # ---------------------------------------------------------------- syncer mechanisms
@@ -340,7 +341,7 @@ def test_an_outlier_push_is_refused_with_the_reason_and_changes_nothing():
     warm_up(syncer)
     before = (syncer.theta["w"].clone(), dict(syncer.fragments[0].pending), syncer.ledger[0].pushes)
     with pytest.raises(ProtocolError, match="refused as an outlier"):
-        syncer.on_push(push(0, 10, [100.0, 0.0], base=syncer.version(0)), now=5.0)
+        syncer.on_push(push(0, 10, [10.0, 0.0], base=syncer.version(0)), now=5.0)  # under Θ's own scale
     assert torch.equal(syncer.theta["w"], before[0]) and syncer.fragments[0].pending == before[1]
     assert syncer.ledger[0].pushes == before[2]
     syncer.on_push(push(0, 11, [2.0, 0.0], base=syncer.version(0)), now=6.0)  # an ordinary one still goes in
@@ -349,7 +350,8 @@ def test_an_outlier_push_is_refused_with_the_reason_and_changes_nothing():
 def test_an_outlier_push_is_clipped_to_the_bound():
     syncer = hub(quorum=3, outlier="clip", outlier_factor=5.0)
     warm_up(syncer)
-    syncer.on_push(push(0, 10, [0.0, 100.0], base=syncer.version(0)), now=5.0)
+    syncer.on_push(push(0, 10, [0.0, 10.0], base=syncer.version(0)), now=5.0)
+    assert syncer.ledger[0].clipped == 1
     torch.testing.assert_close(syncer.fragments[0].pending[0].deltas["w"], torch.tensor([0.0, 5.0]))
 
 

@@ -33,7 +33,8 @@ def core(members=(0, 1), detect_s=5.0, **kwargs):
 
 
 def beat(learner, tokens=0):
-    return HeartbeatArrived(learner, step=0, tokens=tokens)
+    """A heartbeat; tokens come with the step that trained them (the core refuses tokens without steps)."""
+    return HeartbeatArrived(learner, step=1 if tokens else 0, tokens=tokens)
 
 
 def timers(actions):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diloco.core.claims import MAX_SEQ_JUMP, step_problem, token_problem
+from diloco.core.claims import MAX_SEQ_JUMP, overlap_problem, step_problem, token_problem
 from diloco.core.messages import Progress, Push
 from diloco.core.rounds import ProtocolError
 
@@ -67,7 +67,9 @@ def check_push(core: SyncerCore, push: Push, now: float) -> None:
     if push.tokens > push.steps * tokens_per_step:
         raise ProtocolError(f"push of fragment {push.fragment} claims {push.tokens} tokens in {push.steps} steps, "
                             f"above {tokens_per_step} per step")
-    problem = step_problem(core.counters_of(push.learner, now), push.step, now)
+    counters = core.counters_of(push.learner, now)
+    problem = step_problem(counters, push.step, now) or \
+        overlap_problem(counters, push.fragment, push.step, push.steps)
     if problem:
         raise ProtocolError(f"push of fragment {push.fragment}: {problem}")
     if core.outlier != "off":

@@ -7,12 +7,13 @@
 - Tokens may rise by at most the steps risen × the learner's tokens per step (what it `declare`d at
   join, else DEFAULT_TOKENS_PER_STEP), and one claim may add at most MAX_CLAIM_SHARE of the shared
   budget: no single message can spend it.
-- A push's sequence number may be at most MAX_SEQ_JUMP above the learner's last one.
+- A push's sequence number may be at most MAX_SEQ_JUMP above the learner's last one, and the steps it
+  claims may not overlap those of the learner's earlier pushes of the fragment in this life.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 MIN_STEP_S = 1e-4
 """Shortest inner step believed before a learner's rate is measured."""
@@ -20,7 +21,7 @@ RATE_KNOWN_S = 1.0
 """Time a learner's step claims must span before its measured rate is used."""
 RATE_FACTOR = 4.0
 """How much faster than measured a learner may claim to step (a faster chip, a burst)."""
-RATE_SLACK_STEPS = 8
+RATE_SLACK_STEPS = 64
 """Steps a claim may add beyond what the rate allows (reports cross on the wire, clocks jitter)."""
 DEFAULT_TOKENS_PER_STEP = 1 << 24
 """Tokens per inner step of a learner that declared none: above any real batch × sequence × ranks."""
@@ -46,6 +47,9 @@ class Counters:
     life_step: int | None = None
     """The step of its latest report in this life (None: none yet), with the tokens it claimed then."""
     life_tokens: int = 0
+    covered: dict[int, int] = field(default_factory=dict)
+    """Per fragment, the highest inner step a push of this life covered: a push covers the steps since
+    the learner's previous push of the fragment, so two pushes never cover the same step."""
 
     def allowed_steps(self, now: float) -> float:
         """Most the step count may rise to by `now`."""
@@ -79,6 +83,16 @@ def token_problem(counters: Counters, step: int, tokens: int, tokens_per_step: i
         return f"tokens {tokens} rose by more than {tokens_per_step} per step risen since step {base_step}"
     if budget is not None and rise > max(tokens_per_step, int(MAX_CLAIM_SHARE * budget)):
         return f"tokens {tokens} add more than {MAX_CLAIM_SHARE:g} of the shared budget at once"
+    return None
+
+
+def overlap_problem(counters: Counters, fragment: int, step: int, steps: int) -> str | None:
+    """Why a push of `steps` steps ending at inner step `step` claims steps already pushed, or None
+    (a push replayed under a new number would count its tokens twice)."""
+    covered = counters.covered.get(fragment)
+    if covered is not None and step - steps < covered:
+        return (f"it claims steps {step - steps + 1} to {step}, but this life's pushes of the fragment "
+                f"already covered steps up to {covered}")
     return None
 
 

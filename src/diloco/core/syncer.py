@@ -255,7 +255,8 @@ class SyncerCore:
         if learner in self.tokens:  # a new life counts its tokens from zero; the earlier ones still count
             self.tokens_banked[learner] = self.tokens_banked.get(learner, 0) + self.tokens.pop(learner)
         if learner in self.counters:
-            self.counters[learner].life_step, self.counters[learner].life_tokens = None, 0
+            counters = self.counters[learner]
+            counters.life_step, counters.life_tokens, counters.covered = None, 0, {}
         if self.pacer is not None:
             self.pacer.forget(learner)
         return values, versions
@@ -403,6 +404,8 @@ class SyncerCore:
         entry.last_seq = push.seq
         entry.pushes += 1
         self._claim(push.learner, push.step, now)
+        covered = self.counters[push.learner].covered
+        covered[push.fragment] = max(covered.get(push.fragment, push.step), push.step)
         push = self._bounded(push)
         if push.step_time_s > 0:
             old = self.step_time.get(push.learner)

@@ -285,11 +285,17 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     shard = SyncerShard(config, ShardPlan(index, count, addresses), metrics,
                         state_dir=out / "syncer" if out else None, resume=args.resume)
     server, status = _serve_shard(shard, args, security, http)
+    halted = None
     while not stop.wait(METRICS_EVERY_S):
         shard.record_metrics()
         if args.exit_when_finished and shard.finished:
             break
+        if shard.store is not None and (halted := shard.store.halted) is not None:
+            break  # its journal can take nothing more: stop, and resume from disk once it is fixed
     shard.stop()
+    if halted is not None:
+        server.stop(grace=2).wait()
+        raise DilocoError(f"shard {index} stopped: {halted}; fix the disk, then restart it with --resume")
     if out:
         shard.save_state()
         with shard.lock:

@@ -52,8 +52,12 @@ class ShardStore:
             if journal_bytes:
                 raise DilocoError(f"{self.journal_path} holds {journal_bytes} bytes of journal without a saved state: "
                                   f"give another --out, or remove it to start a new run here")
-            self.journal_path.parent.mkdir(parents=True, exist_ok=True)
-            self.journal_path.touch()  # the mark that this shard started here: see the module's docstring
+            try:
+                self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+                self.journal_path.touch()  # the mark that this shard started here: see the module's docstring
+            except OSError as exc:
+                raise DilocoError(f"cannot keep the state of shard {index} in {state_dir} "
+                                  f"({exc.strerror or exc}): give another --out") from None
         elif not self.saved:
             if journal_bytes is None:
                 raise DilocoError(f"--resume: {state_dir} holds no saved state of shard {index} (no "

@@ -35,7 +35,7 @@ from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.clock import SYSTEM_CLOCK, Clock
-from diloco.runtime.journal import JournalCorrupt, JournalHalted, push_of, push_payload
+from diloco.runtime.journal import JournalCorrupt, JournalError, JournalHalted, push_of, push_payload
 from diloco.runtime.serving import serve
 from diloco.runtime.settings import check_shards, settings_of
 from diloco.runtime.shard_plan import ShardPlan, fragments_of, parse_shard
@@ -198,6 +198,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 self.push_errors += 1
             log.warning("refused %s from %s: %s", type(event).__name__, context.peer(), exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except JournalError as exc:  # not on disk, so not taken: the caller tries the same again later
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {self.plan.index} cannot journal: {exc}")
 
     def _wake(self, now: float) -> None:
         if self.core is not None and not self._stopping:
@@ -503,7 +505,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
         if not isinstance(theta, dict) or set(theta) != set(shapes):
             raise DilocoError(f"{where}: Θ holds other tensors than its layout names")
         for name, value in theta.items():
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point() or list(value.shape) != shapes[name]:
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
+                    or list(value.shape) != shapes[name]:
                 raise DilocoError(f"{where}: Θ tensor {name!r} is not a float tensor of shape {shapes[name]}")
             if not bool(torch.isfinite(value).all()):
                 raise DilocoError(f"{where}: Θ tensor {name!r} holds NaN or Inf: refusing to resume from it")
@@ -513,8 +516,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
                     raise DilocoError(f"{where}: what learner {learner} holds of {name!r} does not fit Θ")
 
     def _restore(self) -> None:
-        """Load the saved state (checked: `_check_identity`, `_check_theta`), replay the journal after it, and go on
-        journaling where it ended. A journaled event the core refuses on replay means the state is not
+        """Load the saved state (checked: `_check_identity`, `_check_theta`), replay the journal after it,
+        and go on journaling where it ended. A journaled event the core refuses on replay means the state is not
         the one it was journaled on (a one-line error), except the last record: a crash between
         writing it and taking it back (the core refused it live too) leaves exactly that, so it is
         dropped with a warning."""
