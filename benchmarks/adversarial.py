@@ -54,7 +54,7 @@ from diloco.v1 import diloco_pb2_grpc as pb_grpc
 SECRET = b"adversarial-benchmark-secret"
 HEALTHY_WITHIN_S = 1.0
 TINY = ["model.layers=1", "model.width=32", "model.heads=2", "train.seq_len=16", "train.batch_size=4",
-        "learners.count=2", "learners.speeds=[]", "outer.fragments=2", "outer.H=4", "train.tokens=100000000",
+        "learners.count=64", "learners.speeds=[]", "outer.fragments=2", "outer.H=4", "train.tokens=100000000",
         "train.eval_batches=2", "train.eval_points=2"]
 SERVICE = "/diloco.v1.Syncer/"
 TINY_SETS = [a for s in TINY for a in ("--set", s)]
@@ -240,6 +240,45 @@ def half_open_calls(shard: Shard, count: int, security: TransportSecurity | None
     return probe
 
 
+def streams_and_half_open(shard: Shard, streams: int, half_open: int) -> Callable[[], object]:
+    """`streams` learners' update streams held open (each a configured learner, with its own credential)
+    and `half_open` calls without the secret: an honest heartbeat must still be answered within 1 s."""
+
+    def probe() -> object:
+        release = threading.Event()
+        channels = [make_channel(shard.address, learner_security(shard.run_secret, m)) for m in range(streams)]
+        calls = [pb_grpc.SyncerStub(c).Updates(pb.UpdatesRequest(learner=m), timeout=60)
+                 for m, c in enumerate(channels)]
+        outsider = make_channel(shard.address, None)
+
+        def never() -> Iterator[bytes]:
+            release.wait()
+            return
+            yield b""  # noqa: unreachable — makes this a generator
+
+        refusals = [outsider.stream_unary(SERVICE + "Heartbeat", request_serializer=None,
+                                          response_deserializer=None).future(never(), timeout=30)
+                    for _ in range(half_open)]
+        try:
+            time.sleep(1.0)
+            started = time.monotonic()
+            problem = shard.healthy()
+            took = time.monotonic() - started
+            open_streams = sum(1 for c in calls if c.running())
+        finally:
+            release.set()
+            for c in [*calls, *refusals]:
+                c.cancel()
+            for c in [*channels, outsider]:
+                c.close()
+        if problem:
+            raise RuntimeError(problem)
+        raise Refused(f"{open_streams} update streams and {half_open} half-open calls open: an honest heartbeat "
+                      f"and a pull answered in {took * 1000:.0f} ms")
+
+    return probe
+
+
 def idle_connections(shard: Shard, count: int) -> Callable[[], object]:
     """`count` TCP connections that never speak; the shard must keep answering, and keep saving."""
 
@@ -309,19 +348,35 @@ def insider_probes(shard: Shard) -> Iterator[tuple[str, Callable[[], object]]]:
         *push_message(1, 0, shard.seq[1] + 1, {"w0": honest}, tokens=256, steps=4, step=shard.step[1] + 4))
     yield "Leave for every learner with the run secret", lambda: [
         run.Leave(pb.LeaveRequest(learner=m), timeout=5) for m in range(4)]
-    yield "the same push again, numbered one higher", lambda: replay(client, shard, honest)
 
 
-def replay(client: ShardClient, shard: Shard, deltas: torch.Tensor) -> object:
-    """An accepted push sent again as new (seq + 1) claiming the same inner steps: counted twice?"""
-    shard.seq[0] += 1
-    shard.step[0] += 4
-    client.heartbeat(0, tokens=shard.step[0] * 64, steps=shard.step[0])
-    header, tensors = push_message(0, 1, shard.seq[0], {"w1": deltas}, tokens=256, steps=4, step=shard.step[0])
-    client.push(header, tensors)
-    header.seq += 1
-    shard.seq[0] += 1
-    return client.push(header, tensors)
+def replay(shard: Shard) -> Callable[[], object]:
+    """An honest push, then the same sent again as new (seq + 1, the same inner steps): counted twice?"""
+
+    def probe() -> object:
+        client = ShardClient(shard.address, learner_security(shard.run_secret, 0))
+        shard.seq[0] += 1
+        shard.step[0] += 4
+        client.heartbeat(0, tokens=shard.step[0] * 64, steps=shard.step[0])
+        header, tensors = push_message(0, 1, shard.seq[0], {"w1": torch.randn(64) * 1e-3}, tokens=256, steps=4,
+                                       step=shard.step[0])
+        client.push(header, tensors)
+        before = shard.state()
+        header.seq += 1
+        try:
+            call(lambda: client.push(header, tensors))
+        except Refused:
+            shard.seq[0] += 1
+            if shard.state() != before:
+                return "refused, but the shard's state changed"
+            problem = shard.healthy()
+            if problem:
+                raise RuntimeError(problem) from None
+            raise
+        shard.seq[0] += 1
+        return "taken"
+
+    return probe
 
 
 def init_too_large(shard: Shard) -> Callable[[], object]:
@@ -460,9 +515,12 @@ def probe_shard(workdir: Path, half_open: int = 32, idle: int = 1100) -> list[Ou
                                   half_open_calls(shard, half_open, security), shard))
         for name, probe in insider_probes(shard):
             outcomes.append(judge("insider", name, lambda probe=probe: call(probe), shard))
+        outcomes.append(judge("insider", "the same push again, numbered one higher", replay(shard), None))
         outcomes.append(judge("insider", "pushes walking the outlier bound up", walking_up(shard), None))
         outcomes.append(judge("resource", f"{half_open} half-open calls as learner 0",
                               half_open_calls(shard, half_open, learner_security(shard.run_secret, 0)), shard))
+        outcomes.append(judge("resource", f"64 update streams and {half_open} half-open calls",
+                              streams_and_half_open(shard, 64, half_open), shard))
         outcomes.append(judge("resource", f"{idle} idle connections", idle_connections(shard, idle), shard))
     finally:
         shard.stop()

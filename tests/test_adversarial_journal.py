@@ -171,7 +171,7 @@ class SeededShard:
         names = [n for n in self.shard.core.theta]
         encoded = encode_fp32({n: torch.full_like(self.shard.core.theta[n], value * seq) for n in names})
         version = self.shard.core.version(0) if base_version is None else base_version
-        header = pb.PushHeader(learner=0, fragment=0, base_version=version, seq=seq, tokens=8, steps=1,
+        header = pb.PushHeader(learner=0, fragment=0, base_version=version, seq=seq, tokens=8, steps=1, step=seq,
                                step_time_s=0.1, tensors=[tensor_header(n, encoded[n]) for n in names])
         return header, encoded
 

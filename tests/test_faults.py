@@ -356,7 +356,8 @@ def test_a_shard_that_dies_right_after_a_merge_comes_back_with_it_and_answers_ag
     for seq in (learner.core.seq + 1, learner.core.seq + 2):
         encoded = encode_fp32({n: torch.full_like(learner.params[n], 0.01 * seq) for n in fragment.names})
         header = pb.PushHeader(learner=0, fragment=0, base_version=first.core.version(0), seq=seq, tokens=8,
-                               steps=1, step_time_s=0.1, tensors=[tensor_header(n, encoded[n]) for n in fragment.names])
+                               steps=1, step=learner.core.step + seq - learner.core.seq, step_time_s=0.1,
+                               tensors=[tensor_header(n, encoded[n]) for n in fragment.names])
         client.push(header, encoded)
     client.close()
     assert first.core.rounds_closed == 2  # K = 1, everyone in: each push merged at once
