@@ -148,6 +148,9 @@ def tiny_model():
 class SeededShard:
     """A shard with a state folder, served, its Θ seeded by a learner that only sends by hand."""
 
+    running: list[SeededShard] = []
+    """Not killed yet: a test that fails half-way leaves no server behind (`_no_shard_left`)."""
+
     def __init__(self, state_dir: Path, resume: bool = False, address: str | None = None) -> None:
         from diloco.runtime.learner import Learner
         from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
@@ -163,6 +166,7 @@ class SeededShard:
             self.learner = Learner(tiny_model(), syncer=self.address, learner=0)
             self.learner._halt.set()  # this learner only sends by hand here
         self.client = ShardClient(self.address)
+        SeededShard.running.append(self)
 
     def push_message(self, seq: int, value: float = 0.01, base_version: int | None = None):
         from diloco.transport.frames import encode_fp32, tensor_header
@@ -180,6 +184,15 @@ class SeededShard:
         self.client.close()
         self.shard.stop()
         self.server.stop(0)
+        if self in SeededShard.running:
+            SeededShard.running.remove(self)
+
+
+@pytest.fixture(autouse=True)
+def _no_shard_left():
+    yield
+    for shard in list(SeededShard.running):
+        shard.kill()
 
 
 @integration
