@@ -18,7 +18,6 @@ import os
 import pickle
 import struct
 from pathlib import Path
-from typing import Any
 
 import torch
 

@@ -40,6 +40,7 @@ from diloco.runtime.serving import serve
 from diloco.runtime.settings import check_shards, settings_of
 from diloco.runtime.shard_plan import ShardPlan, fragments_of, parse_shard
 from diloco.runtime.shard_report import shard_report, snapshot
+from diloco.runtime.shard_resume import check_identity, check_theta, shard_identity
 from diloco.runtime.shard_store import ShardStore, plain_update, update_of
 from diloco.runtime.shard_waker import Waker
 from diloco.strategies import build_strategy
@@ -448,7 +449,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 return
             try:
                 self.store.save({
-                    "identity": self._identity(),
+                    "identity": shard_identity(self.plan, self.owned, self.settings),
                     "core": self.core.state_dict(),
                     "layout": [torch.frombuffer(bytearray(f.SerializeToString()), dtype=torch.uint8)
                                for f in self.layout],
@@ -461,13 +462,6 @@ class SyncerShard(pb_grpc.SyncerServicer):
                                   f"({exc.strerror or exc}); the journal still holds every event since the last "
                                   f"save") from None
 
-    def _identity(self) -> dict:
-        """What a saved state must match to be resumed here: this shard, its fragments, the run's settings."""
-        settings = self.settings.SerializeToString(deterministic=True)
-        return {"shard": self.plan.index, "shards": self.plan.count, "fragments": list(self.owned),
-                "settings": torch.frombuffer(bytearray(settings), dtype=torch.uint8) if settings
-                else torch.empty(0, dtype=torch.uint8)}
-
     def _halt_journal(self, why: str) -> None:
         """Journal nothing more (the event just recorded is taken back first): fail-stop, one line."""
         try:
@@ -476,47 +470,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
             return  # halted already, and said so
         self.store.halt(why)
 
-    def _check_identity(self, state: dict, where: str) -> None:
-        """Refuse, in one line, a state saved by another shard, shard count or config."""
-        identity = state.get("identity")
-        if not isinstance(identity, dict):
-            raise DilocoError(f"{where} does not say which shard saved it: it cannot be resumed here")
-        mine = self._identity()
-        for key in ("shard", "shards", "fragments"):
-            if identity.get(key) != mine[key]:
-                raise DilocoError(f"{where} was saved by a shard with {key} {identity.get(key)!r}, but this one has "
-                                  f"{mine[key]!r}: resume with the --shard and config of the run that saved it")
-        saved_settings = pb.Settings()
-        try:
-            saved_settings.ParseFromString(bytes(identity["settings"].numpy()))
-        except Exception:  # noqa: BLE001 — anything unparsable is a foreign file
-            raise DilocoError(f"{where} holds settings that cannot be read: it cannot be resumed here") from None
-        differing = [f.name for f in pb.Settings.DESCRIPTOR.fields
-                     if getattr(saved_settings, f.name) != getattr(self.settings, f.name)]
-        if differing:
-            raise DilocoError(f"{where} was saved by a run with other settings ({', '.join(differing)} differ): "
-                              f"resume with the config of the run that saved it")
-
-    def _check_theta(self, state: dict, where: str) -> None:
-        """Refuse, in one line, a Θ that cannot be this shard's: tensors missing or of other shapes than
-        the layout says, values that are not finite, learners' copies that do not fit."""
-        theta = state["core"]["theta"]
-        shapes = {t.name: list(t.shape) for f in self.layout for t in f.tensors}
-        if not isinstance(theta, dict) or set(theta) != set(shapes):
-            raise DilocoError(f"{where}: Θ holds other tensors than its layout names")
-        for name, value in theta.items():
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
-                    or list(value.shape) != shapes[name]:
-                raise DilocoError(f"{where}: Θ tensor {name!r} is not a float tensor of shape {shapes[name]}")
-            if not bool(torch.isfinite(value).all()):
-                raise DilocoError(f"{where}: Θ tensor {name!r} holds NaN or Inf: refusing to resume from it")
-        for learner, held in state["core"]["held"].items():
-            for name, value in held.items():
-                if name not in shapes or not isinstance(value, torch.Tensor) or list(value.shape) != shapes[name]:
-                    raise DilocoError(f"{where}: what learner {learner} holds of {name!r} does not fit Θ")
-
     def _restore(self) -> None:
-        """Load the saved state (checked: `_check_identity`, `_check_theta`), replay the journal after it,
+        """Load the saved state (checked: `shard_resume.py`), replay the journal after it,
         and go on journaling where it ended. A journaled event the core refuses on replay means the state is not
         the one it was journaled on (a one-line error), except the last record: a crash between
         writing it and taking it back (the core refused it live too) leaves exactly that, so it is
@@ -526,10 +481,10 @@ class SyncerShard(pb_grpc.SyncerServicer):
             return
         where = f"the saved state of shard {self.plan.index} {self.store.state_path}"
         try:
-            self._check_identity(state, where)
+            check_identity(state, shard_identity(self.plan, self.owned, self.settings), where)
             self.layout = [pb.FragmentLayout.FromString(bytes(t.numpy())) for t in state["layout"]]
             fragments, embeddings = fragments_of(self.plan, self.owned, self.layout)
-            self._check_theta(state, where)
+            check_theta(state, self.layout, where)
             self.core = self._make_core(state["core"]["theta"], fragments, embeddings)
             self.core.load_state_dict(state["core"])
             self.joined, self.left = set(state["joined"]), set(state["left"])

@@ -284,12 +284,6 @@ def secure_server_port(server: grpc.Server, bind: str, security: TransportSecuri
 # ---------------------------------------------------------------- the client's end
 
 
-class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
-                                                           "wait_for_ready", "compression")),
-                   grpc.ClientCallDetails):
-    pass
-
-
 class ClientIdentity:
     """The credential a channel's calls carry; a learner that joined with the run secret switches to its
     own (`act_as`) once it has an id."""
