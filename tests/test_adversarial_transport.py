@@ -16,7 +16,7 @@ import torch
 
 from conftest import tiny_config, wait_for
 from diloco.errors import DilocoError
-from diloco.runtime import syncer as syncer_module
+from diloco.runtime import serving as serving_module
 from diloco.runtime.learner import Learner
 from diloco.runtime.shard_waker import Waker
 from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
@@ -296,8 +296,8 @@ def test_the_waker_survives_a_failed_save_and_a_failed_wake(caplog):
 
 @pytest.mark.integration  # a live shard over real gRPC
 def test_an_init_larger_than_the_host_can_hold_is_refused_from_its_header(served, monkeypatch):
-    assert syncer_module.init_limit_bytes() <= syncer_module.available_memory_bytes() // 2
-    monkeypatch.setattr(syncer_module, "available_memory_bytes", lambda: 64 << 20)  # a host with 64 MiB to spare
+    assert serving_module.init_limit_bytes() <= serving_module.available_memory_bytes() // 2
+    monkeypatch.setattr(serving_module, "available_memory_bytes", lambda: 64 << 20)  # a host with 64 MiB to spare
     shard, address = served()
     release = threading.Event()
 

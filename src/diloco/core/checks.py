@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diloco.core.outliers import outlier_bounds
 from diloco.core.claims import MAX_SEQ_JUMP, overlap_problem, step_problem, token_problem
 from diloco.core.messages import Progress, Push
 from diloco.core.rounds import ProtocolError
@@ -63,17 +64,17 @@ def check_push(core: SyncerCore, push: Push, now: float) -> None:
                             f"above the learner's last ({last_seq})")
     if push.seq <= entry.last_seq:
         return  # a retry of a push already taken: counted once, nothing more to check
-    tokens_per_step = core.tokens_per_step(push.learner)
+    tokens_per_step = core.claims.tokens_per_step(push.learner)
     if push.tokens > push.steps * tokens_per_step:
         raise ProtocolError(f"push of fragment {push.fragment} claims {push.tokens} tokens in {push.steps} steps, "
                             f"above {tokens_per_step} per step")
-    counters = core.counters_of(push.learner, now)
+    counters = core.claims.of(push.learner, now)
     problem = step_problem(counters, push.step, now) or \
         overlap_problem(counters, push.fragment, push.step, push.steps)
     if problem:
         raise ProtocolError(f"push of fragment {push.fragment}: {problem}")
     if core.outlier != "off":
-        norm, hard, soft = core.outlier_bounds(push)
+        norm, hard, soft = outlier_bounds(core, push)
         if norm > hard:
             raise ProtocolError(f"push of fragment {push.fragment} refused: its norm {norm:.4g} is above "
                                 f"{hard:.4g}, the most the fragment's own scale allows")
@@ -97,8 +98,8 @@ def check_progress(core: SyncerCore, report: Progress, now: float) -> None:
             not all(math.isfinite(d) and 0 <= d <= MAX_DUE_S for d in report.due_in_s):
         raise ProtocolError(f"progress of learner {report.learner} with an impossible schedule "
                             f"({len(report.due_in_s)} fragments, due in {list(report.due_in_s)[:4]} s)")
-    counters = core.counters_of(report.learner, now)
+    counters = core.claims.of(report.learner, now)
     problem = step_problem(counters, report.step, now) or \
-        token_problem(counters, report.step, report.tokens, core.tokens_per_step(report.learner), core.budget)
+        token_problem(counters, report.step, report.tokens, core.claims.tokens_per_step(report.learner), core.budget)
     if problem:
         raise ProtocolError(f"progress of learner {report.learner}: {problem}")

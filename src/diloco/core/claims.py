@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from diloco.core.rounds import ProtocolError
+
 MIN_STEP_S = 1e-4
 """Shortest inner step believed before a learner's rate is measured."""
 RATE_KNOWN_S = 1.0
@@ -104,3 +106,62 @@ def record(counters: Counters, step: int, now: float, tokens: int | None = None)
         counters.step, counters.at = step, now
     if tokens is not None:
         counters.life_step, counters.life_tokens = step, tokens
+
+
+class Claims:
+    """Every learner's declared tokens per step and latest accepted claims, and the core's sense of
+    time (the first and the latest `now` it was told): what the checks judge a new claim against."""
+
+    def __init__(self) -> None:
+        self.declared: dict[int, int] = {}
+        """Per learner, the tokens per inner step it declared at join."""
+        self.counters: dict[int, Counters] = {}
+        self.joined_at: dict[int, float] = {}
+        self.opened_at: float | None = None
+        """The first time the core was told: where the starters' rates are measured from."""
+        self.clock: float = 0.0
+        """The latest time the core was told: what checks made without a time use."""
+
+    def tick(self, now: float) -> None:
+        if self.opened_at is None:
+            self.opened_at = now
+        self.clock = max(self.clock, now)
+
+    def declare(self, learner: int, tokens_per_step: int) -> None:
+        if not 0 < tokens_per_step <= MAX_TOKENS_PER_STEP:
+            raise ProtocolError(f"learner {learner} declares {tokens_per_step} tokens per step, outside "
+                                f"1..{MAX_TOKENS_PER_STEP}")
+        self.declared[learner] = int(tokens_per_step)
+
+    def tokens_per_step(self, learner: int) -> int:
+        return self.declared.get(learner, DEFAULT_TOKENS_PER_STEP)
+
+    def of(self, learner: int, now: float) -> Counters:
+        """Its latest accepted claims (a fresh record, not kept, for one never heard from)."""
+        found = self.counters.get(learner)
+        if found is not None:
+            return found
+        since = self.joined_at.get(learner, self.opened_at if self.opened_at is not None else now)
+        return Counters(joined_at=since)
+
+    def accept(self, learner: int, step: int, now: float, tokens: int | None = None) -> Counters:
+        """Keep an accepted claim: the learner's rate and this life's tokens go on from it."""
+        counters = self.counters.setdefault(learner, self.of(learner, now))
+        record(counters, step, now, tokens)
+        return counters
+
+    def new_life(self, learner: int) -> None:
+        """A learner restarted: its tokens and pushed steps count afresh; its rate and steps go on."""
+        counters = self.counters.get(learner)
+        if counters is not None:
+            counters.life_step, counters.life_tokens, counters.covered = None, 0, {}
+
+    def state_dict(self) -> dict:
+        return {"declared": dict(self.declared), "counters": {m: c.plain() for m, c in self.counters.items()},
+                "joined_at": dict(self.joined_at), "opened_at": self.opened_at, "clock": self.clock}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.declared = dict(state.get("declared", {}))
+        self.counters = {m: Counters(**c) for m, c in state.get("counters", {}).items()}
+        self.joined_at = dict(state.get("joined_at", {}))
+        self.opened_at, self.clock = state.get("opened_at"), state.get("clock", 0.0)

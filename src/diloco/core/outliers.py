@@ -25,10 +25,17 @@ learner is told (`clipped`), logged, and takes the merged Θ with its next answe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
+
+from diloco.core.messages import Push
+
+if TYPE_CHECKING:
+    from diloco.core.syncer import SyncerCore
 
 THETA_RATIO = 10.0
 """Largest ‖Δ‖/‖Θ_p‖ a push may have (honest pushes: median 0.1, at most 1.8, measured)."""
@@ -90,3 +97,24 @@ class NormHistory:
     def load_state_dict(self, state: dict) -> None:
         self.sizes = {p: {m: deque(s, maxlen=WINDOW) for m, s in by.items()} for p, by in state["sizes"].items()}
         self.reference = dict(state["reference"])
+
+
+def outlier_bounds(core: SyncerCore, push: Push) -> tuple[float, float, float | None]:
+    """The push's norm, the most any push may have (refused above), and the most the history allows
+    (clipped or refused above; None before there is any history)."""
+    norm = push_norm(push.deltas)
+    theta_norm = push_norm({n: core.theta[n] for n in core.fragments[push.fragment].fragment.names})
+    return norm, core.norms.hard_bound(theta_norm), core.norms.soft_bound(push.fragment, push.steps,
+                                                                         core.outlier_factor)
+
+
+def bounded(core: SyncerCore, push: Push) -> Push:
+    """Clip an outlier (rule `clip`); a push accepted as it was votes in the outlier history."""
+    if core.outlier == "off":
+        return push
+    norm, _, bound = outlier_bounds(core, push)
+    if bound is not None and norm > bound:  # only `clip` gets here: `reject` refused it in `check`
+        core.ledger[push.learner].clipped += 1
+        return dataclasses.replace(push, deltas={n: d * (bound / norm) for n, d in push.deltas.items()})
+    core.norms.accept(push.fragment, push.learner, norm, push.steps)
+    return push

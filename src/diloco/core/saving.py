@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diloco.core.claims import Counters
 from diloco.core.rounds import LedgerEntry, ProtocolError, RoundRecord
 
 if TYPE_CHECKING:
@@ -29,9 +28,7 @@ def saved_state(core: SyncerCore) -> dict:
         "pacer": core.pacer.state_dict() if core.pacer else {},
         "liveness": core.liveness.state_dict(), "lost": sorted(core.lost), "over": core.over,
         "initial_theta": {n: t.clone() for n, t in core.initial_theta.items()},
-        "norms": core.norms.state_dict(), "declared": dict(core.declared),
-        "counters": {m: c.plain() for m, c in core.counters.items()}, "joined_at": dict(core.joined_at),
-        "opened_at": core.opened_at, "clock": core.clock,
+        "norms": core.norms.state_dict(), **core.claims.state_dict(),
     }
 
 
@@ -58,8 +55,5 @@ def load_saved_state(core: SyncerCore, state: dict) -> None:
     core.initial_theta = {n: t.clone() for n, t in state.get("initial_theta", {}).items()} or core.initial_theta
     if "norms" in state:  # saved before the outlier history was kept per learner: it starts afresh
         core.norms.load_state_dict(state["norms"])
-    core.declared = dict(state.get("declared", {}))
-    core.counters = {m: Counters(**c) for m, c in state.get("counters", {}).items()}
-    core.joined_at = dict(state.get("joined_at", {}))
-    core.opened_at, core.clock = state.get("opened_at"), state.get("clock", 0.0)
+    core.claims.load_state_dict(state)
     core._wake_at = None

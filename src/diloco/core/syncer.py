@@ -41,9 +41,6 @@ take one kind of event each, for tests that drive a round by hand.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
 from typing import Callable, Iterable
 
 import torch
@@ -52,17 +49,17 @@ from diloco.codecs import Codec, get_codec
 from diloco.core.closing import close_round
 from diloco.core.saving import load_saved_state, saved_state
 from diloco.core.checks import check_progress, check_push
-from diloco.core.claims import (DEFAULT_TOKENS_PER_STEP, MAX_SEQ_JUMP, MAX_TOKENS_PER_STEP, Counters,
-                                record as record_claim)
+from diloco.core.claims import MAX_SEQ_JUMP, Claims
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
                                 SyncerEvent, SyncerResumed, TimerFired, sender)
 from diloco.core.liveness import Liveness
 from diloco.core.messages import Progress, Push
-from diloco.core.outliers import NormHistory, push_norm
+from diloco.core.outliers import NormHistory, bounded
 from diloco.core.pacing import Pacer
 from diloco.core.rounds import (Action, Contribution, FragmentState, LearnerDead, LedgerEntry, OuterOptimizer,
-                                ProtocolError, Publish, RoundRecord, RoundRefused, RunOver, SendState, Stop, Timer,
+                                ProtocolError, Publish, RoundRecord, RunOver, SendState, Stop, Timer,
                                 mean_cosine, token_weight)
+from diloco.core.transaction import atomic
 from diloco.fragments import Fragment
 from diloco.outer.merge import MergeRule
 
@@ -71,27 +68,6 @@ __all__ = ["SyncerCore", "ProtocolError", "Publish", "Timer", "Stop", "LearnerDe
 
 EMA = 0.3
 """Weight of the newest sample in the running estimates of ξ_step and ξ_sync."""
-
-
-def _atomic(method: Callable) -> Callable:
-    """A round that would make Θ non-finite refuses the whole call: everything is restored as it was
-    before it (the push or report that triggered it included) and RoundRefused (a ProtocolError) is
-    raised. Nested calls share the outermost one's snapshot."""
-
-    @functools.wraps(method)
-    def atomic(self: SyncerCore, *args, **kwargs):
-        if self._in_transaction:
-            return method(self, *args, **kwargs)
-        saved = self._snapshot()
-        self._in_transaction = True
-        try:
-            return method(self, *args, **kwargs)
-        except RoundRefused:
-            self._restore(saved)
-            raise
-        finally:
-            self._in_transaction = False
-    return atomic
 
 
 class SyncerCore:
@@ -145,15 +121,8 @@ class SyncerCore:
         self.stopped = False
         """The shared budget is spent: the run is ending."""
         self.liveness = Liveness(detect_s=detect_s)
-        self.declared: dict[int, int] = {}
-        """Per learner, the tokens per inner step it declared at join (`declare`)."""
-        self.counters: dict[int, Counters] = {}
-        """Per learner, its latest accepted step and token claims (`claims.py`)."""
-        self.joined_at: dict[int, float] = {}
-        self.opened_at: float | None = None
-        """The first time the core was told: where the starters' rates are measured from."""
-        self.clock: float = 0.0
-        """The latest time the core was told: what checks made without a time use."""
+        self.claims = Claims()
+        """Declared rates and accepted claims: what a learner's next counters are judged against."""
         self._in_transaction = False
         self.lost: set[int] = set()
         """Learners found dead by silence (not announced): they count again when they speak."""
@@ -189,46 +158,7 @@ class SyncerCore:
     def declare(self, learner: int, tokens_per_step: int) -> None:
         """What a learner trains per inner step (batch × sequence × ranks), declared at join: its
         token claims are bounded by it."""
-        if not 0 < tokens_per_step <= MAX_TOKENS_PER_STEP:
-            raise ProtocolError(f"learner {learner} declares {tokens_per_step} tokens per step, outside "
-                                f"1..{MAX_TOKENS_PER_STEP}")
-        self.declared[learner] = int(tokens_per_step)
-
-    def tokens_per_step(self, learner: int) -> int:
-        return self.declared.get(learner, DEFAULT_TOKENS_PER_STEP)
-
-    def counters_of(self, learner: int, now: float) -> Counters:
-        """Its latest accepted claims (a fresh record, not kept, for one never heard from)."""
-        found = self.counters.get(learner)
-        if found is not None:
-            return found
-        since = self.joined_at.get(learner, self.opened_at if self.opened_at is not None else now)
-        return Counters(joined_at=since)
-
-    def _claim(self, learner: int, step: int, now: float, tokens: int | None = None) -> None:
-        """Keep an accepted claim: the learner's rate and this life's tokens go on from it."""
-        counters = self.counters.setdefault(learner, self.counters_of(learner, now))
-        record_claim(counters, step, now, tokens)
-
-    def _tick(self, now: float) -> None:
-        if self.opened_at is None:
-            self.opened_at = now
-        self.clock = max(self.clock, now)
-
-    def _snapshot(self) -> dict:
-        """Everything but the tensors, copied (the core replaces tensors, never changes them in place)."""
-        keep = [self.rounds, *self.theta.values(), *self.initial_theta.values(), self.down_codec,
-                *(t for h in self.held.values() for t in h.values()),
-                *(s.optimizer for s in self.fragments.values()), *(s.fragment for s in self.fragments.values()),
-                *(t for s in self.fragments.values() for c in s.pending.values() for t in c.deltas.values())]
-        saved = copy.deepcopy(self.__dict__, {id(o): o for o in keep})
-        saved["_rounds_closed"] = len(self.rounds)
-        return saved
-
-    def _restore(self, saved: dict) -> None:
-        closed = saved.pop("_rounds_closed")
-        self.__dict__.update(saved)
-        del self.rounds[closed:]
+        self.claims.declare(learner, tokens_per_step)
 
     def rejoin_state(self, learner: int, after_seq: int, fragments: Iterable[int] | None = None
                      ) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
@@ -254,9 +184,7 @@ class SyncerCore:
         self.ledger.setdefault(learner, LedgerEntry())
         if learner in self.tokens:  # a new life counts its tokens from zero; the earlier ones still count
             self.tokens_banked[learner] = self.tokens_banked.get(learner, 0) + self.tokens.pop(learner)
-        if learner in self.counters:
-            counters = self.counters[learner]
-            counters.life_step, counters.life_tokens, counters.covered = None, 0, {}
+        self.claims.new_life(learner)
         if self.pacer is not None:
             self.pacer.forget(learner)
         return values, versions
@@ -277,15 +205,15 @@ class SyncerCore:
         """A learner counts for rounds again; it took its state from `rejoin_state` first."""
         if not self.holds_state(learner):
             raise ProtocolError(f"learner {learner} joins without having taken the current state")
-        self._tick(now)
-        self.joined_at.setdefault(learner, now)
+        self.claims.tick(now)
+        self.claims.joined_at.setdefault(learner, now)
         self.alive.add(learner)
         self.finished.discard(learner)
         self.lost.discard(learner)
         self.over = False
         self.liveness.hear(learner, now)
 
-    @_atomic
+    @atomic
     def leave(self, learner: int, now: float, finished: bool = False) -> list[Action]:
         """A learner left or was found dead: rounds stop waiting for it (its pushes already in stay).
         One that `finished` its share of the run still counts in the rounds' shares: the fleet's
@@ -302,14 +230,14 @@ class SyncerCore:
 
     # ------------------------------------------------------------ the one entry for drivers
 
-    @_atomic
+    @atomic
     def handle(self, event: SyncerEvent, now: float) -> list[Action]:
         """Take one event (raising ProtocolError, with nothing changed, for one to refuse); return what
         the driver is to do. Besides the event's own effect: whoever it came from is heard from (and
         alive again if it was found dead), and a Timer asks for the next liveness check."""
         learner = sender(event)
         actions = self._dispatch[type(event)](self, event, now)
-        self._tick(now)
+        self.claims.tick(now)
         self.liveness.start(now)
         if learner is not None and learner in self.ledger and not isinstance(event, LearnerLeft):
             self.liveness.hear(learner, now, heartbeat=isinstance(event, HeartbeatArrived))
@@ -372,30 +300,30 @@ class SyncerCore:
 
     # ------------------------------------------------------------ events
 
-    @_atomic
+    @atomic
     def on_progress(self, report: Progress, now: float) -> list[Action]:
         """Where a learner stands: its tokens count for the shared budget, and its schedule for the rounds
         waiting for it."""
         self.check_progress(report, now)
-        self._tick(now)
+        self.claims.tick(now)
         if self.pacer is not None:
             self.pacer.on_progress(report, now)
         return self._count_tokens(report.learner, report.step, report.tokens, now) + self._evaluate_all(now)
 
     def _count_tokens(self, learner: int, step: int, tokens: int, now: float) -> list[Action]:
         """A learner's tokens in this life, as it reported them: Stop once the shared budget is spent."""
-        self._claim(learner, step, now, tokens)
+        self.claims.accept(learner, step, now, tokens)
         self.tokens[learner] = tokens
         if self.budget_spent and not self.stopped:
             self.stopped = True
             return [Stop()]
         return []
 
-    @_atomic
+    @atomic
     def on_push(self, push: Push, now: float) -> list[Action]:
         """Take one push; return what to publish and when to call back."""
         self.check(push, now)
-        self._tick(now)
+        self.claims.tick(now)
         entry = self.ledger[push.learner]
         if push.seq <= entry.last_seq:
             entry.duplicates += 1  # a retry of a push already taken: counted once
@@ -403,10 +331,9 @@ class SyncerCore:
         state = self.fragments[push.fragment]
         entry.last_seq = push.seq
         entry.pushes += 1
-        self._claim(push.learner, push.step, now)
-        covered = self.counters[push.learner].covered
+        covered = self.claims.accept(push.learner, push.step, now).covered
         covered[push.fragment] = max(covered.get(push.fragment, push.step), push.step)
-        push = self._bounded(push)
+        push = bounded(self, push)
         if push.step_time_s > 0:
             old = self.step_time.get(push.learner)
             self.step_time[push.learner] = push.step_time_s if old is None else old + EMA * (push.step_time_s - old)
@@ -424,31 +351,12 @@ class SyncerCore:
             held.add(push, now)
         return self._evaluate(state, now)
 
-    def outlier_bounds(self, push: Push) -> tuple[float, float, float | None]:
-        """The push's norm, the most any push may have (refused above), and the most the history
-        allows (clipped or refused above; None before there is any history)."""
-        norm = push_norm(push.deltas)
-        theta_norm = push_norm({n: self.theta[n] for n in self.fragments[push.fragment].fragment.names})
-        return (norm, self.norms.hard_bound(theta_norm),
-                self.norms.soft_bound(push.fragment, push.steps, self.outlier_factor))
-
-    def _bounded(self, push: Push) -> Push:
-        """Clip an outlier (rule `clip`); a push accepted as it was votes in the outlier history."""
-        if self.outlier == "off":
-            return push
-        norm, _, bound = self.outlier_bounds(push)
-        if bound is not None and norm > bound:  # only `clip` gets here: `reject` refused it in `check`
-            self.ledger[push.learner].clipped += 1
-            return dataclasses.replace(push, deltas={n: d * (bound / norm) for n, d in push.deltas.items()})
-        self.norms.accept(push.fragment, push.learner, norm, push.steps)
-        return push
-
-    @_atomic
+    @atomic
     def on_timer(self, now: float) -> list[Action]:
-        self._tick(now)
+        self.claims.tick(now)
         return self._evaluate_all(now)
 
-    @_atomic
+    @atomic
     def flush(self, now: float) -> list[Action]:
         """Close every round that holds anything, whatever the quorum: the run is over."""
         return [close_round(self, s, now, final=self._ending(s)) for s in self.fragments.values() if s.pending]
@@ -519,8 +427,8 @@ class SyncerCore:
     def check(self, push: Push, now: float | None = None) -> None:
         """Raise ProtocolError for a push this syncer must refuse; nothing changes either way. Without
         `now`, the latest time the core was told (a claim allowed then is allowed later too)."""
-        check_push(self, push, self.clock if now is None else now)
+        check_push(self, push, self.claims.clock if now is None else now)
 
     def check_progress(self, report: Progress, now: float | None = None) -> None:
         """Raise ProtocolError for a progress report this syncer must refuse; nothing changes either way."""
-        check_progress(self, report, self.clock if now is None else now)
+        check_progress(self, report, self.claims.clock if now is None else now)

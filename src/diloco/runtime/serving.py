@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import resource
 import socket
 from concurrent import futures
@@ -65,6 +66,31 @@ def raise_open_file_limit() -> int:
             log.warning("could not raise the open-file limit from %d: %s", soft, exc)
     return soft
 
+
+INIT_LIMIT_BYTES = 1 << 38
+"""The largest Θ a shard accepts to be seeded with (256 GiB of fp32), whatever the host."""
+
+
+def available_memory_bytes() -> int:
+    """Memory this host can still give (MemAvailable; without /proc, the free physical pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return INIT_LIMIT_BYTES
+
+
+def init_limit_bytes() -> int:
+    """The largest Θ this shard can be seeded with now: the message and its decoded copy are held at
+    once, so half of what the host can give (at most INIT_LIMIT_BYTES). Declared sizes above it are
+    refused from the header, before any data is read."""
+    return min(INIT_LIMIT_BYTES, available_memory_bytes() // 2)
 
 def serve(shard: SyncerShard, bind: str, workers: int | None = None,
           security: TransportSecurity | None = None, limits: CallLimits | None = None) -> tuple[grpc.Server, int]:

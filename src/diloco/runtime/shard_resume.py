@@ -1,13 +1,27 @@
-"""What a saved shard state must be before a shard resumes from it: saved by this shard of this run,
-with a Θ that fits the layout and is finite. Each refusal is one line naming the file."""
+"""A shard resuming from disk: its saved state, checked (saved by this shard of this run, with a Θ that
+fits the layout and is finite; each refusal is one line naming the file), then its journal replayed
+through the core."""
 
 from __future__ import annotations
 
+import logging
+import queue
+from typing import TYPE_CHECKING
+
 import torch
 
+from diloco.core.events import SyncerResumed
+from diloco.core.rounds import ProtocolError
 from diloco.errors import DilocoError
-from diloco.runtime.shard_plan import ShardPlan
+from diloco.runtime.journal import JournalCorrupt
+from diloco.runtime.shard_plan import ShardPlan, fragments_of
+from diloco.runtime.shard_store import update_of
 from diloco.v1 import diloco_pb2 as pb
+
+if TYPE_CHECKING:
+    from diloco.runtime.syncer import SyncerShard
+
+log = logging.getLogger("diloco.syncer")
 
 
 def shard_identity(plan: ShardPlan, owned: list[int], settings: pb.Settings) -> dict:
@@ -55,3 +69,68 @@ def check_theta(state: dict, layout: list[pb.FragmentLayout], where: str) -> Non
         for name, value in held.items():
             if name not in shapes or not isinstance(value, torch.Tensor) or list(value.shape) != shapes[name]:
                 raise DilocoError(f"{where}: what learner {learner} holds of {name!r} does not fit Θ")
+
+
+def resume(shard: SyncerShard) -> None:
+    """Load the saved state (checked: `shard_resume.py`), replay the journal after it,
+    and go on journaling where it ended. A journaled event the core refuses on replay means the state is not
+    the one it was journaled on (a one-line error), except the last record: a crash between
+    writing it and taking it back (the core refused it live too) leaves exactly that, so it is
+    dropped with a warning."""
+    state = shard.store.load()
+    if state is None:
+        return
+    where = f"the saved state of shard {shard.plan.index} {shard.store.state_path}"
+    try:
+        check_identity(state, shard_identity(shard.plan, shard.owned, shard.settings), where)
+        shard.layout = [pb.FragmentLayout.FromString(bytes(t.numpy())) for t in state["layout"]]
+        fragments, embeddings = fragments_of(shard.plan, shard.owned, shard.layout)
+        check_theta(state, shard.layout, where)
+        shard.core = shard._make_core(state["core"]["theta"], fragments, embeddings)
+        shard.core.load_state_dict(state["core"])
+        shard.joined, shard.left = set(state["joined"]), set(state["left"])
+        shard.finished = bool(state["finished"])
+        shard.last_updates = {m: {p: update_of(plain) for p, plain in by_fragment.items()}
+                             for m, by_fragment in state["last_updates"].items()}
+    except DilocoError as exc:
+        shard.core = None
+        if str(exc).startswith(where):
+            raise
+        raise DilocoError(f"{where} cannot be resumed here: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 — missing keys, wrong types: not a state this version saved
+        shard.core = None
+        raise DilocoError(f"{where} does not hold a state this shard can take ({type(exc).__name__}: {exc}): "
+                          f"restore a good copy, or start the run afresh in another --out") from None
+    last_seq, replayed = state["journal_seq"], 0
+    journaled = shard.store.journaled_after(last_seq)
+    shard._replaying = True
+    try:
+        for index, (record, event, now) in enumerate(journaled):
+            try:
+                shard.apply(event, now)
+            except ProtocolError as exc:
+                if index < len(journaled) - 1:
+                    raise JournalCorrupt(f"journal {shard.store.journal_path}: record {record.seq} at byte "
+                                         f"{record.offset} ({record.kind}) is refused on replay ({exc}) though "
+                                         f"it was taken once: the saved state is not the one it was journaled "
+                                         f"on") from None
+                log.warning("journal %s: its last record (%d, %s) is refused on replay (%s): the shard died "
+                            "before taking it back; dropped", shard.store.journal_path, record.seq, record.kind, exc)
+                shard.store.drop_from(record)
+                break
+            last_seq = record.seq
+            replayed += 1
+    finally:
+        shard._replaying = False
+    shard.store.open(last_seq)
+    shard.outboxes = {}  # only the latest answer per fragment goes out again, not every replayed one
+    for m, by_fragment in shard.last_updates.items():
+        if m not in shard.left:
+            outbox = shard.outboxes[m] = queue.Queue()
+            for update in by_fragment.values():
+                outbox.put(update)
+    # Nobody could reach a shard that was down: every learner gets its usual allowance from now.
+    shard.apply(SyncerResumed(), shard.clock.now())
+    shard.save_state()
+    log.info("shard %d resumed: %d rounds, versions %s, %d journaled events replayed", shard.plan.index,
+             shard.core.rounds_closed, {p: s.version for p, s in shard.core.fragments.items()}, replayed)

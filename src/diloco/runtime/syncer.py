@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 
 from diloco.config import Config
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
-                                SyncerEvent, SyncerResumed, TimerFired)
+                                SyncerEvent, TimerFired)
 from diloco.core.messages import Progress, Update
 from diloco.errors import DilocoError
 from diloco.core.syncer import (Action, LearnerDead, ProtocolError, Publish, RunOver, SendState, SyncerCore,
@@ -35,13 +34,13 @@ from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.clock import SYSTEM_CLOCK, Clock
-from diloco.runtime.journal import JournalCorrupt, JournalError, JournalHalted, push_of, push_payload
+from diloco.runtime.journal import JournalError, JournalHalted, push_of, push_payload
+from diloco.runtime import serving, shard_resume
 from diloco.runtime.serving import serve
 from diloco.runtime.settings import check_shards, settings_of
 from diloco.runtime.shard_plan import ShardPlan, fragments_of, parse_shard
 from diloco.runtime.shard_report import shard_report, snapshot
-from diloco.runtime.shard_resume import check_identity, check_theta, shard_identity
-from diloco.runtime.shard_store import ShardStore, plain_update, update_of
+from diloco.runtime.shard_store import ShardStore, plain_update
 from diloco.runtime.shard_waker import Waker
 from diloco.strategies import build_strategy
 from diloco.transport.frames import FrameError, decode, encode_fp32, message_frames, read_message, tensor_header
@@ -61,32 +60,6 @@ MAX_LEARNER_ID = 2**32 - 1
 MAX_TOKENS = 2**64 - 1
 SAVE_EVERY_S = 10.0
 """How often a shard with a state folder saves its whole state (and empties its journal)."""
-INIT_LIMIT_BYTES = 1 << 38
-"""The largest Θ a shard accepts to be seeded with (256 GiB of fp32), whatever the host."""
-
-
-def available_memory_bytes() -> int:
-    """Memory this host can still give (MemAvailable; without /proc, the free physical pages)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return INIT_LIMIT_BYTES
-
-
-def init_limit_bytes() -> int:
-    """The largest Θ this shard can be seeded with now: the message and its decoded copy are held at
-    once, so half of what the host can give (at most INIT_LIMIT_BYTES). Declared sizes above it are
-    refused from the header, before any data is read."""
-    return min(INIT_LIMIT_BYTES, available_memory_bytes() // 2)
-
-
 class SyncerShard(pb_grpc.SyncerServicer):
     def __init__(self, config: Config, plan: ShardPlan, metrics: MetricsLog | None = None,
                  state_dir: Path | None = None, resume: bool = False, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -124,7 +97,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.store = ShardStore(state_dir, plan.index, resume, clock) if state_dir is not None else None
         if self.store is not None:
             with self.lock:
-                self._restore()
+                shard_resume.resume(self)
 
     @property
     def lost(self) -> set[int]:
@@ -272,7 +245,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         if self.core is not None:
             return pb.InitReply(accepted=False)  # seeded already: not worth reading
         try:
-            message = read_message(iter(request_iterator), "state", limit=init_limit_bytes())
+            message = read_message(iter(request_iterator), "state", limit=serving.init_limit_bytes())
             if not context.is_active():
                 raise FrameError("the stream broke")
             if message is None:
@@ -449,7 +422,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 return
             try:
                 self.store.save({
-                    "identity": shard_identity(self.plan, self.owned, self.settings),
+                    "identity": shard_resume.shard_identity(self.plan, self.owned, self.settings),
                     "core": self.core.state_dict(),
                     "layout": [torch.frombuffer(bytearray(f.SerializeToString()), dtype=torch.uint8)
                                for f in self.layout],
@@ -469,67 +442,3 @@ class SyncerShard(pb_grpc.SyncerServicer):
         except JournalHalted:
             return  # halted already, and said so
         self.store.halt(why)
-
-    def _restore(self) -> None:
-        """Load the saved state (checked: `shard_resume.py`), replay the journal after it,
-        and go on journaling where it ended. A journaled event the core refuses on replay means the state is not
-        the one it was journaled on (a one-line error), except the last record: a crash between
-        writing it and taking it back (the core refused it live too) leaves exactly that, so it is
-        dropped with a warning."""
-        state = self.store.load()
-        if state is None:
-            return
-        where = f"the saved state of shard {self.plan.index} {self.store.state_path}"
-        try:
-            check_identity(state, shard_identity(self.plan, self.owned, self.settings), where)
-            self.layout = [pb.FragmentLayout.FromString(bytes(t.numpy())) for t in state["layout"]]
-            fragments, embeddings = fragments_of(self.plan, self.owned, self.layout)
-            check_theta(state, self.layout, where)
-            self.core = self._make_core(state["core"]["theta"], fragments, embeddings)
-            self.core.load_state_dict(state["core"])
-            self.joined, self.left = set(state["joined"]), set(state["left"])
-            self.finished = bool(state["finished"])
-            self.last_updates = {m: {p: update_of(plain) for p, plain in by_fragment.items()}
-                                 for m, by_fragment in state["last_updates"].items()}
-        except DilocoError as exc:
-            self.core = None
-            if str(exc).startswith(where):
-                raise
-            raise DilocoError(f"{where} cannot be resumed here: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 — missing keys, wrong types: not a state this version saved
-            self.core = None
-            raise DilocoError(f"{where} does not hold a state this shard can take ({type(exc).__name__}: {exc}): "
-                              f"restore a good copy, or start the run afresh in another --out") from None
-        last_seq, replayed = state["journal_seq"], 0
-        journaled = self.store.journaled_after(last_seq)
-        self._replaying = True
-        try:
-            for index, (record, event, now) in enumerate(journaled):
-                try:
-                    self.apply(event, now)
-                except ProtocolError as exc:
-                    if index < len(journaled) - 1:
-                        raise JournalCorrupt(f"journal {self.store.journal_path}: record {record.seq} at byte "
-                                             f"{record.offset} ({record.kind}) is refused on replay ({exc}) though "
-                                             f"it was taken once: the saved state is not the one it was journaled "
-                                             f"on") from None
-                    log.warning("journal %s: its last record (%d, %s) is refused on replay (%s): the shard died "
-                                "before taking it back; dropped", self.store.journal_path, record.seq, record.kind, exc)
-                    self.store.drop_from(record)
-                    break
-                last_seq = record.seq
-                replayed += 1
-        finally:
-            self._replaying = False
-        self.store.open(last_seq)
-        self.outboxes = {}  # only the latest answer per fragment goes out again, not every replayed one
-        for m, by_fragment in self.last_updates.items():
-            if m not in self.left:
-                outbox = self.outboxes[m] = queue.Queue()
-                for update in by_fragment.values():
-                    outbox.put(update)
-        # Nobody could reach a shard that was down: every learner gets its usual allowance from now.
-        self.apply(SyncerResumed(), self.clock.now())
-        self.save_state()
-        log.info("shard %d resumed: %d rounds, versions %s, %d journaled events replayed", self.plan.index,
-                 self.core.rounds_closed, {p: s.version for p, s in self.core.fragments.items()}, replayed)
