@@ -162,11 +162,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
     def _take(self, event: SyncerEvent, context: grpc.ServicerContext, push_frames: bytes = b"") -> list[Action]:
         """`apply` for a caller: a refusal (the event itself, or the round it would close) is answered
         INVALID_ARGUMENT with its one line, and logged; the shard is as it was."""
-        now = self.clock.now()
         try:
-            if isinstance(event, PushArrived):  # the common refusals, before a write to the journal
-                self.core.check(event.push, now)
-            return self.apply(event, now, push_frames)
+            return self.apply(event, self.clock.now(), push_frames)  # a refused event is taken off the journal
         except ProtocolError as exc:
             if isinstance(event, PushArrived):
                 self.push_errors += 1
