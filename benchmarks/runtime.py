@@ -52,33 +52,8 @@ PARENT_ENV = "DILOCO_PARENT_PID"
 LEARNER_ENV = {"OMP_NUM_THREADS": "1"}
 """As the launcher starts its learners: one thread each, several share this machine's cores."""
 
-TCP_SINK = r"""
-import ctypes, signal, socket, struct, sys
-ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: go when the benchmark goes
-server = socket.create_server(("127.0.0.1", 0))
-print(server.getsockname()[1], flush=True)
-conn, _ = server.accept()
-conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-buf = memoryview(bytearray(1 << 20))
-
-def exactly(n):
-    head = bytearray()
-    while len(head) < n:
-        chunk = conn.recv(n - len(head))
-        if not chunk:
-            return None
-        head += chunk
-    return bytes(head)
-
-while (head := exactly(8)) is not None:
-    left = struct.unpack("!Q", head)[0]
-    while left:
-        got = conn.recv_into(buf[:min(left, len(buf))])
-        if not got:
-            sys.exit(1)
-        left -= got
-    conn.sendall(b"\x01")
-"""
+TCP_SINK = str(Path(__file__).with_name("tcp_sink.py"))
+"""The plain TCP sink, a script of its own (`benchmarks/scale.py` runs it too)."""
 
 
 # ---------------------------------------------------------------- child processes
@@ -281,7 +256,7 @@ class TcpPath:
         import struct
 
         log = work / "tcp-sink.log"
-        self.proc = procs.start([sys.executable, "-c", TCP_SINK], log, stdout_pipe=True)
+        self.proc = procs.start([sys.executable, TCP_SINK], log, stdout_pipe=True)
         line = self.proc.stdout.readline()
         if not line.strip():
             self.proc.wait(timeout=10)

@@ -199,12 +199,14 @@ def test_a_non_finite_round_changes_nothing(monkeypatch):
     assert any(isinstance(a, Publish) for a in actions) and core.version(0) == 1
 
 
-def test_held_is_not_allocated_for_learners_that_never_joined():
+def test_a_thousand_members_cost_no_tensor_memory():
     core = SyncerCore({"w": THETA.clone()}, FRAGMENT, range(1000), optimizer=lambda: Nesterov(0.7, 0.9),
                       merge_rule="weighted", quorum=1)
-    assert core.held == {}
+    before = core.memory()
     core.on_push(push(3, 1, HONEST), now=1.0)
-    assert set(core.held) == {3}
+    after = core.memory()
+    assert before["theta_bytes"] == after["theta_bytes"] == THETA.numel() * 4
+    assert after["downlink_bytes"] == 0  # a lossless downlink keeps nothing per learner, nor per version
 
 
 def test_a_resumed_syncer_decides_identically():

@@ -28,10 +28,11 @@ def test_anchors_equal_what_the_syncer_believes_bit_for_bit(down):
             if core is None or learner.finished:
                 continue
             for p, version in enumerate(core.anchor_versions):
-                if version == sim.syncer.held_versions[learner.index][p]:
+                held = sim.syncer.held_values(learner.index, p)
+                if version == sim.syncer.held_versions[learner.index][p] and held is not None:
                     nonlocal checked
                     for name, value in core.anchors[p].items():
-                        assert torch.equal(value, sim.syncer.held[learner.index][name]), (learner.index, p, name)
+                        assert torch.equal(value, held[name]), (learner.index, p, name)
                     checked += 1
 
     sim._on_update = check_after_each_merge
@@ -43,9 +44,9 @@ def test_anchors_equal_what_the_syncer_believes_bit_for_bit(down):
 def test_lossy_downlink_sends_differences_that_track_theta():
     sim = Simulation(tiny_config(*HETERO, "codec.down=int8"))
     sim.run()
-    for m, held in sim.syncer.held.items():
-        for name, value in held.items():
-            assert torch.allclose(value, sim.syncer.theta[name], atol=0.05), (m, name)
+    for p in sim.syncer.fragments:
+        for name, value in sim.syncer.fragments[p].downlink.published.items():
+            assert torch.allclose(value, sim.syncer.theta[name], atol=0.05), (p, name)
 
 
 def test_bytes_follow_the_codec_exactly():

@@ -192,7 +192,7 @@ def core_state(shard: SyncerShard, skip: tuple[int, ...] = MEMBERS) -> dict:
                               "optimizer": optimizer_state(s.optimizer)} for p, s in core.fragments.items()},
             "rounds": core.rounds,
             "ledger": {m: vars(e) for m, e in core.ledger.items() if m not in skip},
-            "held": {m: h for m, h in core.held.items() if m not in skip},
+            "sums": {p: s.sums.plain() for p, s in core.fragments.items()},
             "held_versions": {m: v for m, v in core.held_versions.items() if m not in skip},
             "session_start": {m: v for m, v in core.session_start.items() if m not in skip},
             "alive": core.alive,

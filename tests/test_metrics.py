@@ -58,9 +58,9 @@ def test_round_cosine_is_one_for_identical_learners_and_the_norm_is_the_step():
     from diloco.core.syncer import mean_cosine
 
     import torch
-    same = {"w": torch.tensor([1.0, 2.0])}
+    same = torch.tensor([1.0, 2.0])
     assert mean_cosine([same, same, same]) == pytest.approx(1.0)
-    assert mean_cosine([same, {"w": torch.tensor([-1.0, -2.0])}]) == pytest.approx(-1.0)
+    assert mean_cosine([same, torch.tensor([-1.0, -2.0])]) == pytest.approx(-1.0)
     assert mean_cosine([same]) is None
 
 

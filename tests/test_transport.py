@@ -161,9 +161,10 @@ def test_updates_reach_the_learner_and_anchors_match_what_the_syncer_holds(shard
     for m, learner in enumerate(learners):
         assert learner.merges > 0
         for p, fragment in enumerate(learner.fragments):
-            if learner.core.anchor_versions[p] == syncer.core.held_versions[m][p]:
+            held = syncer.core.held_values(m, p)
+            if learner.core.anchor_versions[p] == syncer.core.held_versions[m][p] and held is not None:
                 for name in fragment.names:
-                    assert torch.equal(learner.core.anchors[p][name], syncer.core.held[m][name])
+                    assert torch.equal(learner.core.anchors[p][name], held[name])
     reports = [learner.close() for learner in learners]
     assert syncer.finished
     ledger = syncer.core.ledger

@@ -18,6 +18,7 @@ from diloco.console import learners_table, progress_bars, results_table, show_ou
 from diloco.errors import DilocoError
 from diloco.goodput.command import add_arguments as add_goodput_arguments
 from diloco.outputs import output_folder, write_output, writing
+from diloco.plan.command import add_arguments as add_plan_arguments
 from diloco.report.command import add_arguments as add_report_arguments
 from diloco.transport.token_command import add_arguments as add_token_arguments
 from diloco.runtime.commands import (add_chaos_arguments, add_config_arguments, add_learner_arguments,
@@ -70,6 +71,12 @@ def cmd_goodput(args: argparse.Namespace, console: Console) -> int:
     return run(args)
 
 
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from diloco.plan.command import run
+
+    return run(args)
+
+
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
     from diloco.report.command import run
 
@@ -108,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("report", "plots of a run folder, or a table and plots comparing several", add_report_arguments,
          cmd_report),
         ("goodput", "goodput of a job of many chips under failures, by policy", add_goodput_arguments, cmd_goodput),
+        ("plan", "capacity plan of a deployment: bytes, links, shards; what H, τ or codec fits", add_plan_arguments,
+         cmd_plan),
     ]
     for name, help_text, add_arguments, handler in commands:
         command = sub.add_parser(name, help=help_text)

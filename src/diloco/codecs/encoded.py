@@ -29,9 +29,9 @@ class Encoded:
     shape: tuple[int, ...]
     block: int
     """Elements per scale in the block-scaled codecs; 0 for codecs without scales."""
-    payload: bytes = field(repr=False)
-    """The element codes, packed."""
-    scales: bytes = field(default=b"", repr=False)
+    payload: bytes | memoryview = field(repr=False)
+    """The element codes, packed (a read-only view of a received message's buffer, or bytes)."""
+    scales: bytes | memoryview = field(default=b"", repr=False)
     """One scale per block, fp32 little-endian."""
 
     def wire_bytes(self) -> int:
@@ -42,7 +42,7 @@ class Encoded:
         """The element count the shape implies, after checking every field's type."""
         if not isinstance(self.codec, str):
             raise DilocoError(f"encoded tensor has codec {self.codec!r}, not a name")
-        if not isinstance(self.payload, bytes) or not isinstance(self.scales, bytes):
+        if not (_raw_bytes(self.payload) and _raw_bytes(self.scales)):
             raise DilocoError("encoded tensor payload and scales must be bytes")
         if not isinstance(self.block, int) or isinstance(self.block, bool) or not 0 <= self.block <= MAX_BLOCK:
             raise DilocoError(f"encoded tensor has block size {self.block!r}, not an integer in 0..{MAX_BLOCK}")
@@ -50,3 +50,9 @@ class Encoded:
                 or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in self.shape)):
             raise DilocoError(f"encoded tensor has shape {self.shape!r}, not up to {MAX_NDIM} non-negative integers")
         return math.prod(self.shape)
+
+
+def _raw_bytes(blob: object) -> bool:
+    """bytes, or a read-only view of plain bytes (a message's buffer): nothing else is read as data."""
+    return isinstance(blob, bytes) or (isinstance(blob, memoryview) and blob.readonly and blob.format == "B"
+                                       and blob.ndim == 1 and blob.c_contiguous)

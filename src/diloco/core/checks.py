@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import torch
-
+from diloco.core.closing import all_finite
 from diloco.core.outliers import outlier_bounds
 from diloco.core.claims import MAX_SEQ_JUMP, overlap_problem, step_problem, token_problem
 from diloco.core.messages import Progress, Push
@@ -55,7 +54,7 @@ def check_push(core: SyncerCore, push: Push, now: float) -> None:
             raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} has shape "
                                 f"{tuple(delta.shape)}, expected {tuple(core.theta[name].shape)}")
     for name, delta in push.deltas.items():
-        if not bool(torch.isfinite(delta).all()):
+        if not all_finite([delta]):
             raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} holds a value that is not finite")
     entry = core.ledger[push.learner]
     last_seq = max(entry.last_seq, core.session_start.get(push.learner, 0))

@@ -1,9 +1,11 @@
-"""Closing a round: the merge, the outer step (or the final consolidation), the record, the answers.
+"""A push joining its round, and closing a round: the merge, the outer step (or the final consolidation),
+the record, the answers.
 
-The syncer core (`syncer.py`) decides when a round closes; this is what closing it does.
-
-A contribution weighs at most WEIGHT_CAP × the typical weight (the lower median of this round's weights
-and the other learners' last known ones): one learner claiming a huge batch cannot own a merge. The
+The syncer core (`syncer.py`) decides when a round closes; this is what taking a push into its round and
+closing it do. A push is folded into its round's running sums as it arrives (`outer.merge.MergeSums`), so
+its weight is fixed then: its token weight, at most WEIGHT_CAP × the typical weight (the lower median of
+its own, the weights already in the round and the other learners' last known ones: one learner claiming
+a huge batch cannot own a merge), divided by 1 + its staleness under the `inverse` rule. The
 new values of the fragment and of its outer optimizer are computed on copies and checked finite before
 anything is committed; if they are not, RoundRefused is raised and nothing has changed (the core undoes
 the whole call that closed the round, `syncer._atomic`).
@@ -11,16 +13,15 @@ the whole call that closed the round, `syncer._atomic`).
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from diloco.core.messages import Update
-from diloco.core.rounds import (Contribution, FragmentState, Publish, RoundRecord, RoundRefused, mean_cosine,
-                                token_weight)
-from diloco.outer.merge import merge_fragment
+from diloco.core.accumulate import Contribution, trip_of
+from diloco.core.messages import Push, Update
+from diloco.core.rounds import FragmentState, Publish, RoundRecord, RoundRefused, mean_cosine, token_weight
+from diloco.outer.merge import tensor_norm
 
 if TYPE_CHECKING:
     from diloco.core.syncer import SyncerCore
@@ -31,72 +32,124 @@ WEIGHT_CAP = 16.0
 4.2× the typical (learners at different speeds push different token counts): 16 leaves 4× margin."""
 
 
-def capped_weights(core: SyncerCore, contributions: list[Contribution]) -> list[float]:
-    """Each contribution's token weight, at most WEIGHT_CAP × the lower median of this round's weights
-    and the absent learners' last known ones (one learner cannot raise it: with two, it is the smaller)."""
-    weights = [token_weight(c.tokens, c.steps) for c in contributions]
-    present = {c.learner for c in contributions}
-    pool = sorted(weights + [w for m, w in core.last_weight.items() if m not in present])
-    typical = pool[(len(pool) - 1) // 2]
-    return [min(w, WEIGHT_CAP * typical) for w in weights]
+def judged_weight(core: SyncerCore, state: FragmentState, contribution: Contribution, raw: float,
+                  arriving: tuple[float, ...] = ()) -> float:
+    """A contribution's weight in the merge: its token weight `raw`, capped against the typical weight
+    of the others in the round (`arriving`: one not in yet) and of the learners absent from it, lowered by
+    staleness if asked."""
+    others = [c.weight for m, c in state.pending.items() if m != contribution.learner]
+    others += [w for m, w in core.last_weight.items() if m not in state.pending]
+    pool = sorted([raw, *arriving, *others])
+    weight = min(raw, WEIGHT_CAP * pool[(len(pool) - 1) // 2])
+    if core.stale_weight == "inverse":
+        weight /= 1 + state.version - contribution.base_version
+    return weight
 
 
-def _participation_share(core: SyncerCore, contributions: list[Contribution], weights: list[float]) -> float:
+def join_round(core: SyncerCore, state: FragmentState, push: Push, now: float) -> None:
+    """Fold a push into its fragment's open round: its sums, and its learner's counters there.
+
+    A first push with nothing to judge its weight against (the round is empty and no other learner's
+    weight is known yet: the run's first rounds) is kept whole until something is, so that a huge
+    claim cannot weigh uncapped: at most one fragment's copy, whatever the number of learners."""
+    held = state.pending.get(push.learner)
+    if held is not None:
+        if state.unjudged is not None:  # more of the push kept whole
+            state.unjudged = {n: state.unjudged[n] + d for n, d in push.deltas.items()}
+        else:
+            state.sums.fold(push.deltas, held.weight, radial=held.norms, weighted=_keeps_weighted(core),
+                            plain=core.merge_rule == "mean", new=False)
+        held.add(push, now, state.sampler.sample(push.deltas))
+        return
+    raw = token_weight(push.tokens, push.steps) or 1.0  # weightless pushes still average, as equals
+    norms = {n: tensor_norm(d) for n, d in push.deltas.items()
+             if core.merge_rule == "rda" and n not in core.embeddings}
+    contribution = Contribution(push.learner, push.base_version, push.tokens, push.steps, push.seq, raw, norms,
+                                state.sampler.sample(push.deltas), now, push.final, trip_of(push, now))
+    if not state.pending and not any(m != push.learner for m in core.last_weight):
+        state.pending[push.learner] = contribution
+        state.unjudged = dict(push.deltas)
+        return
+    judge_unjudged(core, state, extra=raw)
+    contribution.weight = judged_weight(core, state, contribution, raw)
+    state.pending[push.learner] = contribution
+    _fold(core, state, push.deltas, contribution)
+
+
+def judge_unjudged(core: SyncerCore, state: FragmentState, extra: float | None = None) -> None:
+    """Weigh and fold the push kept whole, now that there is something to judge it against (`extra`,
+    the raw weight of the push arriving) or the round closes."""
+    if state.unjudged is None:
+        return
+    (first,) = state.pending.values()
+    first.weight = judged_weight(core, state, first, first.weight, () if extra is None else (extra,))
+    _fold(core, state, state.unjudged, first)
+    state.unjudged = None
+
+
+def _fold(core: SyncerCore, state: FragmentState, deltas: dict[str, torch.Tensor], contribution: Contribution
+          ) -> None:
+    state.sums.fold(deltas, contribution.weight, radial=contribution.norms, weighted=_keeps_weighted(core),
+                    plain=core.merge_rule == "mean")
+
+
+def _keeps_weighted(core: SyncerCore) -> bool:
+    """Σ w·Δ is the merge of every rule but the plain mean, and the final consolidation's."""
+    return core.merge_rule != "mean" or core.consolidate
+
+
+def _participation_share(core: SyncerCore, contributions: list[Contribution]) -> float:
     """The round's weight over the weight of every learner alive (absent ones at their last known)."""
     if not core.participation:
         return 1.0
     present = {c.learner for c in contributions}
-    known = list({**core.last_weight, **{c.learner: w for c, w in zip(contributions, weights)}}.values())
+    known = list({**core.last_weight, **{c.learner: c.weight for c in contributions}}.values())
     typical = sum(known) / len(known)
     absent = sum(core.last_weight.get(m, typical) for m in (core.alive | core.finished) - present)
-    return sum(weights) / (sum(weights) + absent)
+    weight = sum(c.weight for c in contributions)
+    return weight / (weight + absent)
 
 
-def _all_finite(tensors: dict[str, torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors.values() if isinstance(t, torch.Tensor))
+def all_finite(tensors) -> bool:
+    """Every element finite: NaN or ±Inf shows in a tensor's extremes, found in one pass without a mask."""
+    for t in tensors:
+        if t.numel():
+            low, high = torch.aminmax(t.reshape(-1))
+            if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+                return False
+    return True
 
 
-def _optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:
-    """The tensors of an outer optimizer's state_dict, flattened (Nesterov's or Delayed Nesterov's)."""
-    found = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            found.update({f"{key}.{k}": v for k, v in _optimizer_tensors(value).items()})
-        elif isinstance(value, torch.Tensor):
-            found[key] = value
-    return found
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    distance = float(torch.dist(a, b))
+    return distance if math.isfinite(distance) else float(torch.dist(a.double(), b.double()))
+
 
 def close_round(core: SyncerCore, state: FragmentState, now: float, final: bool = False) -> Publish:
     """Merge the round, take the outer step (or consolidate), record it, answer its participants."""
+    judge_unjudged(core, state)
     contributions = [state.pending[m] for m in sorted(state.pending)]
     staleness = tuple(state.version - c.base_version for c in contributions)
-    weights = capped_weights(core, contributions)
-    if sum(weights) <= 0:
-        weights = [1.0] * len(contributions)
-    if core.stale_weight == "inverse":
-        weights = [w / (1 + behind) for w, behind in zip(weights, staleness)]
-    names = state.fragment.names
-    deltas = [c.deltas for c in contributions]
-    share = _participation_share(core, contributions, weights)
+    names = list(state.fragment.names)
+    share = _participation_share(core, contributions)
     after = {n: core.theta[n].clone() for n in names}
     optimizer = state.optimizer
     if final and core.consolidate:  # Θ becomes the weighted mean of the learners' models
-        merged = merge_fragment(deltas, weights, "weighted", core.embeddings)
+        merged = {n: state.sums.weighted_mean(n) for n in names}
         for n in names:
             after[n].sub_(merged[n])
     else:
-        merged = merge_fragment(deltas, weights, core.merge_rule, core.embeddings)
-        optimizer = copy.deepcopy(state.optimizer)
+        merged = state.sums.merged(names, core.merge_rule, core.embeddings)
+        optimizer = state.optimizer.fork()
         optimizer.step(after, merged, share)
-    if not (_all_finite(after) and _all_finite(_optimizer_tensors(optimizer.state_dict()))):
+    if not (all_finite(after.values()) and all_finite(optimizer.tensors())):
         raise RoundRefused(f"round {state.version + 1} of fragment {state.fragment.index} would make Θ or the "
                            f"outer optimizer's state non-finite: refused, nothing changed")
-    update_norm = math.sqrt(sum(float(torch.linalg.vector_norm(after[n].double() - core.theta[n].double())) ** 2
-                                for n in names))
+    update_norm = math.sqrt(sum(_distance(after[n], core.theta[n]) ** 2 for n in names))
     core.theta.update(after)
     state.optimizer = optimizer
-    for c, w in zip(contributions, weights):
-        core.last_weight[c.learner] = w
+    for c in contributions:
+        core.last_weight[c.learner] = c.weight
     for c, behind in zip(contributions, staleness):
         entry = core.ledger[c.learner]
         (entry.stale if behind else entry.merged)[state.fragment.index] += c.tokens
@@ -106,14 +159,26 @@ def close_round(core: SyncerCore, state: FragmentState, now: float, final: bool 
     core.rounds.append(RoundRecord(
         state.fragment.index, state.version + 1, opened, now, tuple(c.learner for c in contributions),
         sum(1 for b in staleness if b), now - quorum_at, time_to_quorum_s=quorum_at - opened,
-        update_norm=update_norm, cosine=mean_cosine(deltas), tokens=sum(c.tokens for c in contributions),
-        staleness=staleness, final=final))
+        update_norm=update_norm, cosine=mean_cosine([c.sample for c in contributions]),
+        tokens=sum(c.tokens for c in contributions), staleness=staleness, final=final))
     next_push = _pace(core, state, contributions, now)
     state.version += 1
     state.reset()
-    updates = {c.learner: _answer(core, c.learner, state, c.last_seq, next_push.get(c.learner))
-               for c in contributions if c.last_seq > core.session_start.get(c.learner, 0)}
+    state.downlink.publish(state.version, core.theta)
+    answered = [c for c in contributions if c.last_seq > core.session_start.get(c.learner, 0)]
+    held = {c.learner: core.held_versions.get(c.learner, {}).get(state.fragment.index, 0) for c in answered}
+    answers = state.downlink.answers(held, state.version, core.theta)
+    updates = {}
+    for c in answered:
+        answer = answers[c.learner]
+        core.held_versions.setdefault(c.learner, {})[state.fragment.index] = state.version
+        updates[c.learner] = Update(state.fragment.index, state.version, answer.values, ack_seq=c.last_seq,
+                                    payload_bytes=answer.payload_bytes, wire=answer.wire,
+                                    relative=answer.relative, next_push_at=next_push.get(c.learner))
+    alive_held = [core.held_versions.get(m, {}).get(state.fragment.index, 0) for m in core.alive]
+    state.downlink.forget_before(min(alive_held, default=state.version))
     return Publish(state.fragment.index, state.version, updates)
+
 
 def _pace(core: SyncerCore, state: FragmentState, contributions: list[Contribution], now: float
           ) -> dict[int, float | None]:
@@ -132,24 +197,3 @@ def _pace(core: SyncerCore, state: FragmentState, contributions: list[Contributi
         target += period
     state.target = target
     return {c.learner: core.pacer.ask(c.learner, target, c.trip) for c in contributions if not c.final}
-
-def _answer(core: SyncerCore, learner: int, state: FragmentState, ack_seq: int, next_push_at: float | None = None
-            ) -> Update:
-    """The new version for one learner: the encoded difference to what it holds. What it will hold
-    next is computed here, once, and recorded, so both ends agree bit for bit."""
-    held = core.held.setdefault(learner, {})
-    values, wire = {}, {}
-    relative = core.down_codec.name != "fp32"
-    for name in state.fragment.names:
-        if relative:  # a starter not answered yet holds Θ's first version
-            anchor = held.get(name, core.initial_theta.get(name))
-            wire[name] = core.down_codec.encode(core.theta[name] - anchor)
-            held[name] = anchor + core.down_codec.decode(wire[name], device=anchor.device)
-        else:  # lossless: send and hold Θ itself, free of the rounding of a difference
-            wire[name] = core.down_codec.encode(core.theta[name])
-            held[name] = core.theta[name].clone()
-        values[name] = held[name]
-    core.held_versions.setdefault(learner, {})[state.fragment.index] = state.version
-    nbytes = sum(e.wire_bytes() for e in wire.values())
-    return Update(state.fragment.index, state.version, values, ack_seq=ack_seq, payload_bytes=nbytes,
-                  wire=wire, relative=relative, next_push_at=next_push_at)

@@ -79,8 +79,9 @@ class Update:
     """The recipient's newest push that this version includes: an answer to an older push is stale."""
     payload_bytes: int = 0
     """Bytes of the encoded tensors (the difference to what the recipient held), headers included."""
-    wire: dict[str, Encoded] = field(default_factory=dict, repr=False)
-    """The tensors as they travel: `values` encoded, or their difference to the recipient's anchors."""
+    wire: tuple[dict[str, Encoded], ...] = field(default=(), repr=False)
+    """The tensors as they travel, as messages in order: `values` encoded, or the differences that bring
+    the recipient's anchors to them, one per version (`core/downlink.py`)."""
     relative: bool = False
     next_push_at: float | None = None
     """When the recipient should push this fragment next, on its own clock (at the end of the step
@@ -88,4 +89,5 @@ class Update:
     the learner on its own schedule."""
 
     def wire_bytes(self) -> int:
-        return MESSAGE_HEADER_BYTES + self.payload_bytes
+        """Its messages' headers (one per difference sent) and tensors."""
+        return MESSAGE_HEADER_BYTES * max(1, len(self.wire)) + self.payload_bytes

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from diloco.core.messages import Push
+from diloco.outer.merge import tensor_norm
 
 if TYPE_CHECKING:
     from diloco.core.syncer import SyncerCore
@@ -48,8 +49,9 @@ GROWTH = 1.25
 
 
 def push_norm(deltas: dict[str, torch.Tensor]) -> float:
-    """‖Δ‖ over a fragment's tensors, in float64 (no overflow for any finite float32)."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2 for d in deltas.values()))
+    """‖Δ‖ over a fragment's tensors: each tensor's in float32 (float64 where that overflows), summed in
+    float64, so no finite float32 input overflows it."""
+    return math.sqrt(sum(tensor_norm(d) ** 2 for d in deltas.values()))
 
 
 def _lower_median(values: list[float]) -> float:
@@ -64,6 +66,24 @@ class NormHistory:
         self.sizes: dict[int, dict[int, deque[float]]] = {p: {} for p in fragments}
         self.reference: dict[int, float | None] = dict.fromkeys(fragments)
         """Per fragment, the reference size the latest accepted push was measured against."""
+        self._theta_norm: dict[int, tuple[int, float]] = {}
+        self._push_norm: tuple[tuple[int, int, int, int], float] | None = None
+        """Measured once each: ‖Θ_p‖ per fragment version, and the latest push's (checked, then taken;
+        known by its identity, not held: the core's snapshots copy this object)."""
+
+    def of_push(self, push: Push) -> float:
+        key = (id(push.deltas), push.learner, push.fragment, push.seq)
+        if self._push_norm is None or self._push_norm[0] != key:
+            self._push_norm = (key, push_norm(push.deltas))
+        return self._push_norm[1]
+
+    def of_theta(self, core: SyncerCore, fragment: int) -> float:
+        version = core.fragments[fragment].version
+        cached = self._theta_norm.get(fragment)
+        if cached is None or cached[0] != version:  # Θ_p changes only with its version
+            names = core.fragments[fragment].fragment.names
+            cached = self._theta_norm[fragment] = (version, push_norm({n: core.theta[n] for n in names}))
+        return cached[1]
 
     def current_reference(self, fragment: int) -> float | None:
         """Lower median of the learners' votes, grown at most GROWTH× since the last accepted push."""
@@ -102,8 +122,8 @@ class NormHistory:
 def outlier_bounds(core: SyncerCore, push: Push) -> tuple[float, float, float | None]:
     """The push's norm, the most any push may have (refused above), and the most the history allows
     (clipped or refused above; None before there is any history)."""
-    norm = push_norm(push.deltas)
-    theta_norm = push_norm({n: core.theta[n] for n in core.fragments[push.fragment].fragment.names})
+    norm = core.norms.of_push(push)
+    theta_norm = core.norms.of_theta(core, push.fragment)
     return norm, core.norms.hard_bound(theta_norm), core.norms.soft_bound(push.fragment, push.steps,
                                                                          core.outlier_factor)
 

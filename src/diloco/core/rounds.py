@@ -11,8 +11,11 @@ from typing import Protocol
 
 import torch
 
-from diloco.core.messages import Push, Update
+from diloco.core.accumulate import Contribution, Sampler
+from diloco.core.downlink import Downlink
+from diloco.core.messages import Update
 from diloco.fragments import Fragment
+from diloco.outer.merge import MergeSums
 
 
 class ProtocolError(Exception):
@@ -26,6 +29,10 @@ class RoundRefused(ProtocolError):
 
 class OuterOptimizer(Protocol):
     def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0) -> None: ...
+
+    def fork(self) -> OuterOptimizer: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
 
     def state_dict(self) -> dict: ...
 
@@ -148,18 +155,16 @@ class RoundRecord:
     """The run's last round of this fragment (the consolidation when it is on)."""
 
 
-def mean_cosine(deltas: list[dict[str, torch.Tensor]]) -> float | None:
-    """Mean pairwise cosine similarity of whole-fragment outer gradients: how far learners agree."""
-    if len(deltas) < 2:
+def mean_cosine(samples: list[torch.Tensor]) -> float | None:
+    """Mean pairwise cosine similarity of the participants' outer gradients (on the fragment's fixed
+    sample of coordinates, `accumulate.Sampler`): how far learners agree. None with one participant."""
+    if len(samples) < 2:
         return None
-    names = list(deltas[0])
-    gram = torch.zeros(len(deltas), len(deltas), dtype=torch.float64)
-    for name in names:
-        flat = torch.stack([d[name].reshape(-1) for d in deltas]).to(torch.float64)
-        gram += flat @ flat.T
+    flat = torch.stack([s.reshape(-1).to(torch.float64) for s in samples])
+    gram = flat @ flat.T
     norms = gram.diagonal().sqrt().clamp_min(1e-30)
     cosines = gram / norms[:, None] / norms[None, :]
-    pairs = [float(cosines[i, j]) for i in range(len(deltas)) for j in range(i + 1, len(deltas))]
+    pairs = [float(cosines[i, j]) for i in range(len(samples)) for j in range(i + 1, len(samples))]
     return sum(pairs) / len(pairs)
 
 
@@ -172,52 +177,18 @@ def token_weight(tokens: int, steps: int) -> float:
 
 
 @dataclass
-class Contribution:
-    """One learner's pushes in the open round of a fragment, added up."""
-
-    learner: int
-    base_version: int
-    deltas: dict[str, torch.Tensor]
-    tokens: int
-    steps: int
-    last_seq: int
-    arrived: float = 0.0
-    """When its latest push here arrived."""
-    final: bool = False
-    trip: float | None = None
-    """Its latest push's arrival (our clock) less its sending (the learner's clock)."""
-
-    @classmethod
-    def of(cls, push: Push, now: float) -> Contribution:
-        return cls(push.learner, push.base_version, dict(push.deltas), push.tokens, push.steps, push.seq,
-                   now, push.final, _trip(push, now))
-
-    def add(self, push: Push, now: float) -> None:
-        self.last_seq = max(self.last_seq, push.seq)
-        for name, delta in push.deltas.items():
-            self.deltas[name] = self.deltas[name] + delta
-        self.base_version = min(self.base_version, push.base_version)
-        self.tokens += push.tokens
-        self.steps += push.steps
-        self.arrived, self.trip = now, _trip(push, now)
-        self.final = self.final or push.final
-
-    def plain(self) -> dict:
-        return {"base_version": self.base_version, "deltas": dict(self.deltas), "tokens": self.tokens,
-                "steps": self.steps, "last_seq": self.last_seq, "arrived": self.arrived, "final": self.final,
-                "trip": self.trip}
-
-
-def _trip(push: Push, now: float) -> float | None:
-    return None if push.sent_at is None else now - push.sent_at
-
-
-@dataclass
 class FragmentState:
     fragment: Fragment
     optimizer: OuterOptimizer
+    downlink: Downlink
+    sampler: Sampler
     version: int = 0
     pending: dict[int, Contribution] = field(default_factory=dict)
+    """Per learner in the open round, its counters and weight; its pushes are folded into `sums`."""
+    sums: MergeSums = field(default_factory=MergeSums)
+    unjudged: dict[str, torch.Tensor] | None = None
+    """The round's only push so far, kept whole while there is no weight to judge its own against
+    (`closing.join_round`)."""
     first_arrival: float | None = None
     quorum_at: float | None = None
     deadline: float | None = None
@@ -226,16 +197,21 @@ class FragmentState:
 
     def reset(self) -> None:
         """The open round closed: the next one starts empty."""
-        self.pending, self.first_arrival, self.quorum_at, self.deadline = {}, None, None, None
+        self.pending, self.sums, self.unjudged = {}, MergeSums(), None
+        self.first_arrival, self.quorum_at, self.deadline = None, None, None
 
     def plain(self) -> dict:
         return {"version": self.version, "optimizer": self.optimizer.state_dict(),
                 "first_arrival": self.first_arrival, "quorum_at": self.quorum_at, "deadline": self.deadline,
-                "target": self.target, "pending": {m: c.plain() for m, c in self.pending.items()}}
+                "target": self.target, "pending": {m: c.plain() for m, c in self.pending.items()},
+                "sums": self.sums.plain(), "unjudged": self.unjudged, "downlink": self.downlink.plain()}
 
     def load(self, plain: dict) -> None:
         self.version = plain["version"]
         self.optimizer.load_state_dict(plain["optimizer"])
         self.first_arrival, self.quorum_at = plain["first_arrival"], plain["quorum_at"]
         self.deadline, self.target = plain["deadline"], plain["target"]
-        self.pending = {m: Contribution(m, **c) for m, c in plain["pending"].items()}
+        self.pending = {m: Contribution(**c) for m, c in plain["pending"].items()}
+        self.sums = MergeSums.of(plain["sums"])
+        self.unjudged = plain["unjudged"]
+        self.downlink.load(plain["downlink"])

@@ -46,7 +46,9 @@ from typing import Callable, Iterable
 import torch
 
 from diloco.codecs import Codec, get_codec
-from diloco.core.closing import close_round
+from diloco.core.accumulate import Sampler
+from diloco.core.closing import close_round, join_round
+from diloco.core.downlink import Downlink
 from diloco.core.saving import load_saved_state, saved_state
 from diloco.core.checks import check_progress, check_push
 from diloco.core.claims import MAX_SEQ_JUMP, Claims
@@ -56,7 +58,7 @@ from diloco.core.liveness import Liveness
 from diloco.core.messages import Progress, Push
 from diloco.core.outliers import NormHistory, bounded
 from diloco.core.pacing import Pacer
-from diloco.core.rounds import (Action, Contribution, FragmentState, LearnerDead, LedgerEntry, OuterOptimizer,
+from diloco.core.rounds import (Action, FragmentState, LearnerDead, LedgerEntry, OuterOptimizer,
                                 ProtocolError, Publish, RoundRecord, RunOver, SendState, Stop, Timer,
                                 mean_cosine, token_weight)
 from diloco.core.transaction import atomic
@@ -82,7 +84,10 @@ class SyncerCore:
         fastest learner's steps per sync of a fragment). `budget`: the shared token budget, if any.
         `detect_s`: the silence after which a learner counts as dead (`liveness.py`)."""
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
-        self.fragments = {f.index: FragmentState(f, optimizer()) for f in fragments}
+        self.down_codec = down_codec or get_codec("fp32")
+        self.fragments = {f.index: FragmentState(f, optimizer(), Downlink(self.down_codec, f.names, self.theta),
+                                                 Sampler({n: self.theta[n].numel() for n in f.names}))
+                          for f in fragments}
         """By global fragment index: a shard of a sharded syncer holds some fragments only."""
         self.alive = set(members)
         self.finished: set[int] = set()
@@ -97,17 +102,10 @@ class SyncerCore:
         """Per fragment and learner, the sizes of the latest pushes accepted as they were (`outliers.py`)."""
         self.last_weight: dict[int, float] = {}
         self.ledger = {m: LedgerEntry() for m in self.alive}
-        self.down_codec = down_codec or get_codec("fp32")
-        self.starters = frozenset(self.alive)
-        """The learners that hold Θ's first version without having taken it (they start from it)."""
-        self.held: dict[int, dict[str, torch.Tensor]] = {}
-        """Per learner, the values it holds as anchors, bit for bit: the downlink sends differences to them.
-        Filled as it takes state or answers (a tensor missing is the first version's): no copy of Θ per
-        learner configured, only per learner answered."""
-        self.initial_theta = self._copy_theta() if self.down_codec.name != "fp32" else {}
-        """Θ's first version, which the starters hold until answered; kept only where answers are
-        differences (with fp32 they carry Θ itself)."""
         self.held_versions: dict[int, dict[int, int]] = {m: dict.fromkeys(self.fragments, 0) for m in self.alive}
+        """Per learner, the version of each fragment it holds: the starters hold the first, the others
+        what they took (`rejoin_state`) or were answered. What it holds is kept once per version, not per
+        learner (`downlink.py`)."""
         self.session_start: dict[int, int] = {m: 0 for m in self.alive}
         """Per learner, the last sequence number of its previous life: answers to those pushes are not sent."""
         self.step_time: dict[int, float] = {}
@@ -148,12 +146,30 @@ class SyncerCore:
     def budget_spent(self) -> bool:
         return self.budget is not None and self.tokens_reported() >= self.budget
 
-    def _copy_theta(self) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in self.theta.items()}
-
     def holds_state(self, learner: int) -> bool:
         """It took Θ (`rejoin_state`) or started from its first version."""
-        return learner in self.held or learner in self.starters
+        return learner in self.held_versions
+
+    def held_values(self, learner: int, fragment: int) -> dict[str, torch.Tensor] | None:
+        """What `learner` holds of `fragment`, bit for bit, while that is the current version (older
+        versions are not kept: the next answer brings it up to date, `downlink.py`); else None."""
+        state = self.fragments[fragment]
+        if self.held_versions.get(learner, {}).get(fragment) != state.version:
+            return None
+        return state.downlink.values(self.theta)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of tensors the core holds, by what they are for: none of it grows with the learners."""
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        out = {"theta_bytes": nbytes(self.theta.values()),
+               "optimizer_bytes": sum(nbytes(s.optimizer.tensors()) for s in self.fragments.values()),
+               "accumulating_bytes": sum(s.sums.nbytes() + nbytes(s.sampler.indices.values())
+                                         + nbytes(c.sample for c in s.pending.values())
+                                         + nbytes((s.unjudged or {}).values()) for s in self.fragments.values()),
+               "downlink_bytes": sum(s.downlink.nbytes() for s in self.fragments.values())}
+        out["total_bytes"] = sum(out.values())
+        return out
 
     def declare(self, learner: int, tokens_per_step: int) -> None:
         """What a learner trains per inner step (batch × sequence × ranks), declared at join: its
@@ -174,10 +190,7 @@ class SyncerCore:
         if not 0 <= after_seq <= last_seq + MAX_SEQ_JUMP:
             raise ProtocolError(f"learner {learner} rejoins after push {after_seq}, more than {MAX_SEQ_JUMP} "
                                 f"above its last ({last_seq})")
-        names = [n for p in chosen for n in self.fragments[p].fragment.names]
-        held = self.held.setdefault(learner, {})
-        values = {n: self.theta[n].clone() for n in names}
-        held.update({n: v.clone() for n, v in values.items()})
+        values = {n: v for p in chosen for n, v in self.fragments[p].downlink.values(self.theta).items()}
         versions = {p: self.fragments[p].version for p in chosen}
         self.held_versions.setdefault(learner, {}).update(versions)
         self.session_start[learner] = after_seq
@@ -344,11 +357,7 @@ class SyncerCore:
             self.pacer.on_push(push.learner, push.fragment)
         if state.first_arrival is None:
             state.first_arrival = now
-        held = state.pending.get(push.learner)
-        if held is None:
-            state.pending[push.learner] = Contribution.of(push, now)
-        else:
-            held.add(push, now)
+        join_round(self, state, push, now)
         return self._evaluate(state, now)
 
     @atomic

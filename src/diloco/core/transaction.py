@@ -1,8 +1,9 @@
 """All or nothing for the syncer core: a call that ends in RoundRefused (a round whose result would not
 be finite) leaves the core exactly as it was before the call, the event that triggered it included.
 
-The core never changes a tensor in place (a round computes new ones and swaps them in), so a snapshot
-copies everything but tensors, optimizers and fragments, and the rounds list is cut back to its length.
+The core never changes a tensor in place (a round computes new ones and swaps them in; a push replaces
+its round's sums), so a snapshot copies everything but tensors, encoded differences, optimizers and
+fragments, and the rounds list is cut back to its length.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def atomic(method: Callable) -> Callable:
 
 
 def snapshot(core: SyncerCore) -> dict:
-    keep = [core.rounds, *core.theta.values(), *core.initial_theta.values(), core.down_codec,
-            *(t for h in core.held.values() for t in h.values()),
-            *(s.optimizer for s in core.fragments.values()), *(s.fragment for s in core.fragments.values()),
-            *(t for s in core.fragments.values() for c in s.pending.values() for t in c.deltas.values())]
+    keep = [core.rounds, *core.theta.values(), core.down_codec]
+    for s in core.fragments.values():
+        keep += [s.optimizer, s.fragment, s.sampler, *s.sums.tensors(), *s.downlink.tensors(),
+                 *(c.sample for c in s.pending.values()),
+                 *(s.unjudged or {}).values()]
     saved = copy.deepcopy(core.__dict__, {id(o): o for o in keep})
     saved["_rounds_closed"] = len(core.rounds)
     return saved

@@ -16,6 +16,8 @@ s = 1 for every arrival is plain Nesterov.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 _FULL = 1.0 - 1e-9
@@ -45,18 +47,28 @@ class DelayedNesterov:
             g = deltas[name].to(torch.float32)
             total = self.sums.get(name)
             if total is None:
-                total = self.sums[name] = torch.zeros_like(theta, dtype=torch.float32)
+                total = torch.zeros_like(theta, dtype=torch.float32)
                 self.buffers[name] = torch.zeros_like(theta, dtype=torch.float32)
-            total.add_(g, alpha=s)
+            total = self.sums[name] = torch.add(total, g, alpha=s)  # new tensors, never in place: see `fork`
             if not full_round:
                 theta.sub_(g, alpha=self.lr * s)
                 continue
-            b = self.buffers[name]
-            b.mul_(self.momentum).add_(total)
+            b = self.buffers[name] = (self.buffers[name] * self.momentum).add_(total)
             theta.sub_(b.mul(self.momentum).add_(g, alpha=s), alpha=self.lr)
-            total.zero_()
+            self.sums[name] = torch.zeros_like(total)
         if full_round:
             self.accumulated = 0.0
+
+    def fork(self) -> DelayedNesterov:
+        """A copy sharing this one's tensors: steps replace them, never change them in place, so this
+        one stays as it was until the copy is taken instead (the syncer commits a round that way)."""
+        twin = copy.copy(self)
+        twin.sums, twin.buffers = dict(self.sums), dict(self.buffers)
+        return twin
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Its state as it is (not copies): for finiteness checks and memory accounting."""
+        return [*self.sums.values(), *self.buffers.values()]
 
     def state_dict(self) -> dict:
         return {"accumulated": self.accumulated, "sums": {n: t.clone() for n, t in self.sums.items()},

@@ -8,6 +8,9 @@
   take the weighted mean instead: their deltas are not near-orthogonal. When the directions cancel
   out, the weighted mean is used too, since no direction is left to scale.
 
+The merge is folded as pushes arrive (`MergeSums`): the syncer keeps these sums for a round, not the
+pushes, so its memory does not grow with the number of learners. The list forms below fold a list.
+
 The arithmetic cannot overflow for finite inputs: a norm that overflows float32 is taken in float64, and weights are float64
 (Python floats) that must sum to a finite total (the syncer caps each at a multiple of the typical one).
 """
@@ -15,57 +18,124 @@ The arithmetic cannot overflow for finite inputs: a norm that overflows float32 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import torch
 
 MergeRule = Literal["mean", "weighted", "rda"]
 MERGE_RULES: tuple[str, ...] = ("mean", "weighted", "rda")
-_CANCEL_TOLERANCE = 1e-6
+CANCEL_TOLERANCE = 1e-6
 """Below this fraction of the summed weights, the directions are taken to have cancelled out."""
 
 
-def _norm(tensor: torch.Tensor) -> float:
+def tensor_norm(tensor: torch.Tensor) -> float:
     """‖tensor‖: in float32 as DiLoCo runs always took it (bit for bit), in float64 where that overflows."""
     norm = float(torch.linalg.vector_norm(tensor.to(torch.float32)))
     return norm if math.isfinite(norm) else float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
 
 
-def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    total = float(sum(weights))
-    out = torch.zeros_like(deltas[0], dtype=torch.float32)
-    for delta, w in zip(deltas, weights):
-        out.add_(delta.to(torch.float32), alpha=w / total)
-    return out
+@dataclass
+class MergeSums:
+    """Running sums of one round's outer gradients, per tensor: Σ w·Δ (weighted mean), Σ Δ (plain mean,
+    kept only where asked), Σ w·Δ/‖Δ‖ and Σ w·‖Δ‖ (radial-directional). Each sum is replaced, never
+    changed in place, so a caller's earlier reference stays as it was (the syncer's transactions)."""
+
+    weighted: dict[str, torch.Tensor] = field(default_factory=dict)
+    plain_sum: dict[str, torch.Tensor] = field(default_factory=dict)
+    directions: dict[str, torch.Tensor] = field(default_factory=dict)
+    radius: dict[str, float] = field(default_factory=dict)
+    weight: float = 0.0
+    """Σ w over the contributions."""
+    count: int = 0
+    """Contributions, for the plain mean."""
+
+    def fold(self, deltas: dict[str, torch.Tensor], weight: float, *, radial: dict[str, float],
+             weighted: bool = True, plain: bool = False, new: bool = True) -> None:
+        """Add one outer gradient with `weight`. `radial` names the tensors averaged radially, each with
+        the norm that scales its direction (its own, or for a learner's later push, its first one's);
+        `new`: a contribution of its own, not more of one already in."""
+        for name, delta in deltas.items():
+            delta = delta.to(torch.float32)
+            if weighted:
+                self.weighted[name] = _plus(self.weighted.get(name), delta, weight)
+            if plain:
+                self.plain_sum[name] = _plus(self.plain_sum.get(name), delta, 1.0)
+            if name in radial:
+                self.radius[name] = self.radius.get(name, 0.0) + weight * tensor_norm(delta)
+                if radial[name] > 0:
+                    self.directions[name] = _plus(self.directions.get(name), delta, weight / radial[name])
+        if new:
+            self.weight += weight
+            self.count += 1
+
+    def mean(self, name: str) -> torch.Tensor:
+        return self.plain_sum[name] / self.count
+
+    def weighted_mean(self, name: str) -> torch.Tensor:
+        return self.weighted[name] / self.weight
+
+    def radial_directional(self, name: str) -> torch.Tensor:
+        """The weighted mean norm along the weighted mean direction; the weighted mean where the
+        directions cancel out."""
+        direction = self.directions.get(name)
+        length = tensor_norm(direction) if direction is not None else 0.0
+        if length <= CANCEL_TOLERANCE * self.weight:
+            return self.weighted_mean(name)
+        return direction * (self.radius[name] / self.weight / length)
+
+    def merged(self, names: Sequence[str], rule: MergeRule, embeddings: set[str] | frozenset[str] = frozenset()
+               ) -> dict[str, torch.Tensor]:
+        if rule == "mean":
+            return {name: self.mean(name) for name in names}
+        return {name: self.radial_directional(name) if rule == "rda" and name not in embeddings
+                else self.weighted_mean(name) for name in names}
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.weighted.values(), *self.plain_sum.values(), *self.directions.values()]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def plain(self) -> dict:
+        return {"weighted": dict(self.weighted), "plain_sum": dict(self.plain_sum),
+                "directions": dict(self.directions), "radius": dict(self.radius), "weight": self.weight,
+                "count": self.count}
+
+    @classmethod
+    def of(cls, plain: dict) -> MergeSums:
+        return cls(dict(plain["weighted"]), dict(plain["plain_sum"]), dict(plain["directions"]),
+                   dict(plain["radius"]), float(plain["weight"]), int(plain["count"]))
 
 
-def radial_directional(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    total = float(sum(weights))
-    direction = torch.zeros_like(deltas[0], dtype=torch.float32)
-    radius = 0.0
-    for delta, w in zip(deltas, weights):
-        norm = _norm(delta)
-        radius += w * norm / total
-        if norm > 0:
-            direction.add_(delta.to(torch.float32), alpha=w / norm)
-    length = _norm(direction)
-    if length <= _CANCEL_TOLERANCE * total:
-        return weighted_mean(deltas, weights)
-    return direction.mul_(radius / length)
+def _plus(total: torch.Tensor | None, delta: torch.Tensor, alpha: float) -> torch.Tensor:
+    """total + alpha·delta, as a new tensor."""
+    if total is None:
+        return delta * alpha
+    return torch.add(total, delta, alpha=alpha)
+
+
+def _check(count: int, weights: Sequence[float]) -> None:
+    if not count:
+        raise ValueError("nothing to merge")
+    if count != len(weights) or any(w < 0 for w in weights) or not 0 < sum(weights) < math.inf:
+        raise ValueError(f"merge needs one non-negative weight per push with a positive sum, got {list(weights)}")
 
 
 def merge_fragment(deltas: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], rule: MergeRule,
                    embeddings: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Merge each tensor of a fragment over the learners that pushed it."""
-    if not deltas:
-        raise ValueError("nothing to merge")
-    if len(deltas) != len(weights) or any(w < 0 for w in weights) or not 0 < sum(weights) < math.inf:
-        raise ValueError(f"merge needs one non-negative weight per push with a positive sum, got {list(weights)}")
-    if rule == "mean":
-        weights = [1.0] * len(deltas)
-    merged = {}
-    for name in deltas[0]:
-        tensors = [d[name] for d in deltas]
-        use_rda = rule == "rda" and name not in embeddings
-        merged[name] = radial_directional(tensors, weights) if use_rda else weighted_mean(tensors, weights)
-    return merged
+    """Merge each tensor of a fragment over the learners that pushed it, all at once."""
+    _check(len(deltas), weights)
+    sums = MergeSums()
+    for delta, w in zip(deltas, weights):
+        radial = {n: tensor_norm(t) for n, t in delta.items() if rule == "rda" and n not in embeddings}
+        sums.fold(delta, w, radial=radial, weighted=rule != "mean", plain=rule == "mean")
+    return sums.merged(list(deltas[0]), rule, embeddings)
+
+
+def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    return merge_fragment([{"t": d} for d in deltas], weights, "weighted")["t"]
+
+
+def radial_directional(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    return merge_fragment([{"t": d} for d in deltas], weights, "rda")["t"]

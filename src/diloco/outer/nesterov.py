@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -25,9 +27,20 @@ class Nesterov:
             delta = deltas[name].to(torch.float32) * share
             buf = self.buffers.get(name)
             if buf is None:
-                buf = self.buffers[name] = torch.zeros_like(theta, dtype=torch.float32)
-            buf.mul_(self.momentum).add_(delta)
+                buf = torch.zeros_like(theta, dtype=torch.float32)
+            buf = self.buffers[name] = (buf * self.momentum).add_(delta)  # a new buffer: see `fork`
             theta.sub_(delta.add(buf, alpha=self.momentum), alpha=self.lr)
+
+    def fork(self) -> Nesterov:
+        """A copy sharing this one's tensors: steps replace them, never change them in place, so this
+        one stays as it was until the copy is taken instead (the syncer commits a round that way)."""
+        twin = copy.copy(self)
+        twin.buffers = dict(self.buffers)
+        return twin
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Its state as it is (not copies): for finiteness checks and memory accounting."""
+        return list(self.buffers.values())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: buf.clone() for name, buf in self.buffers.items()}

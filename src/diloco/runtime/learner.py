@@ -357,11 +357,17 @@ class Learner:
         A stream that ends or breaks is opened again (a learner without updates would train on alone);
         one the shard refuses is this learner's error."""
         while not self._halt.is_set():
+            partial: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
+            """Per fragment, an answer's differences applied so far (and their bytes), until its last."""
             try:
                 for header, tensors in shard.client.updates(self.id):
-                    nbytes = MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in tensors.values())
-                    arrival = self.down.send(nbytes)
-                    self._inbox.put(arrival, self._decode_update(header, tensors, nbytes))  # (update, event)
+                    base, nbytes = partial.pop(header.fragment, (None, 0))
+                    nbytes += MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in tensors.values())
+                    update, ready = self._decode_update(header, tensors, nbytes, base)
+                    if header.continued:
+                        partial[header.fragment] = (update.values, nbytes)
+                        continue
+                    self._inbox.put(self.down.send(nbytes), (update, ready))
                 reason = "the update stream ended"
             except (SyncerUnavailable, ValueError) as exc:
                 reason = str(exc)
@@ -369,12 +375,13 @@ class Learner:
                 return
             log.warning("learner %d: %s (shard %d); reconnecting", self.id, reason, shard.index)
 
-    def _decode_update(self, header: pb.UpdateHeader, tensors: dict[str, Encoded], nbytes: int
-                       ) -> tuple[Update, torch.cuda.Event | None]:
-        """A relative update is a difference to the anchor, which cannot change meanwhile: the fragment
-        has a push in flight, and its anchor moves only when this answer is merged."""
+    def _decode_update(self, header: pb.UpdateHeader, tensors: dict[str, Encoded], nbytes: int,
+                       base: dict[str, torch.Tensor] | None = None) -> tuple[Update, torch.cuda.Event | None]:
+        """A relative update is a difference to the anchor (or to `base`, the answer's differences
+        before it, applied in order as the syncer did), which cannot change meanwhile: the fragment has a
+        push in flight, and its anchor moves only when this answer is merged."""
         p = header.fragment
-        anchors = self.core.anchors[p]
+        anchors = self.core.anchors[p] if base is None else base
         relative = {t.name: t.relative for t in header.tensors}
         values = {}
         with self.staging.side():

@@ -23,6 +23,7 @@ def shard_report(shard: SyncerShard) -> dict:
         return out
     out["tokens_reported"] = {m: core.tokens_reported(m) for m in core.tokens.keys() | core.tokens_banked.keys()}
     out["fragment_numel"] = {p: s.fragment.numel for p, s in core.fragments.items()}
+    out["memory"] = core.memory()
     out["versions"] = {p: s.version for p, s in core.fragments.items()}
     out["ledger"] = {m: {"pushes": e.pushes, "duplicates": e.duplicates, "last_seq": e.last_seq,
                          "steps_merged": e.steps_merged, "merged": dict(e.merged), "stale": dict(e.stale)}

@@ -55,7 +55,7 @@ def check_identity(state: dict, mine: dict, where: str) -> None:
 
 def check_theta(state: dict, layout: list[pb.FragmentLayout], where: str) -> None:
     """Refuse a Θ that cannot be this shard's: tensors missing or of other shapes than the layout says,
-    values that are not finite, learners' copies that do not fit."""
+    values that are not finite, what the learners hold not fitting it."""
     theta = state["core"]["theta"]
     shapes = {t.name: list(t.shape) for f in layout for t in f.tensors}
     if not isinstance(theta, dict) or set(theta) != set(shapes):
@@ -65,10 +65,10 @@ def check_theta(state: dict, layout: list[pb.FragmentLayout], where: str) -> Non
             raise DilocoError(f"{where}: Θ tensor {name!r} is not a float tensor of shape {shapes[name]}")
         if not bool(torch.isfinite(value).all()):
             raise DilocoError(f"{where}: Θ tensor {name!r} holds NaN or Inf: refusing to resume from it")
-    for learner, held in state["core"]["held"].items():
-        for name, value in held.items():
+    for p, fragment in state["core"]["fragments"].items():
+        for name, value in fragment["downlink"]["published"].items():
             if name not in shapes or not isinstance(value, torch.Tensor) or list(value.shape) != shapes[name]:
-                raise DilocoError(f"{where}: what learner {learner} holds of {name!r} does not fit Θ")
+                raise DilocoError(f"{where}: what the learners hold of {name!r} (fragment {p}) does not fit Θ")
 
 
 def resume(shard: SyncerShard) -> None:

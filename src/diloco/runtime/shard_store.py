@@ -18,9 +18,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 
-from diloco.codecs import Encoded
+from diloco.core.downlink import encoded_of, plain_encoded
 from diloco.core.events import SyncerEvent
 from diloco.core.messages import Update
 from diloco.errors import DilocoError
@@ -173,23 +172,15 @@ class ShardStore:
         return None if self.saved_at is None else self.clock.now() - self.saved_at
 
 
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
 def plain_update(update: Update) -> dict:
-    """An answer as tensors and plain data, to save."""
+    """An answer as it travels, as tensors and plain data, to save."""
     return {"fragment": update.fragment, "version": update.version, "ack_seq": update.ack_seq,
             "payload_bytes": update.payload_bytes, "relative": update.relative, "next_push_at": update.next_push_at,
-            "values": dict(update.values),
-            "wire": {n: {"codec": e.codec, "shape": list(e.shape), "block": e.block,
-                         "payload": _bytes_tensor(e.payload), "scales": _bytes_tensor(e.scales)}
-                     for n, e in update.wire.items()}}
+            "wire": [{n: plain_encoded(e) for n, e in message.items()} for message in update.wire]}
 
 
 def update_of(plain: dict) -> Update:
-    wire = {n: Encoded(w["codec"], tuple(w["shape"]), w["block"], bytes(w["payload"].numpy()),
-                       bytes(w["scales"].numpy())) for n, w in plain["wire"].items()}
-    return Update(plain["fragment"], plain["version"], dict(plain["values"]), ack_seq=plain["ack_seq"],
+    wire = tuple({n: encoded_of(e) for n, e in message.items()} for message in plain["wire"])
+    return Update(plain["fragment"], plain["version"], {}, ack_seq=plain["ack_seq"],
                   payload_bytes=plain["payload_bytes"], wire=wire, relative=plain["relative"],
                   next_push_at=plain["next_push_at"])

@@ -14,6 +14,7 @@ merges what is still open and the shard is finished.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -89,8 +90,9 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.metrics = metrics or MetricsLog([])
         self.round_meter = RoundMeter(self.metrics, plan.index, origin=self.metrics.origin)
         self.last_updates: dict[int, dict[int, Update]] = {}
-        """Per learner and fragment, the latest answer sent: sent again after a restart (a learner drops
-        an answer it already has)."""
+        """Per learner and fragment, the latest answer not yet handed to the learner's stream: sent again
+        after a restart (a learner drops an answer it already has). Kept as it travels (no Θ in it), and
+        dropped once handed over, so answers waiting for slow learners are all the shard keeps of them."""
         self._replaying = False
         self._stopping = False
         self.waker = Waker(threading.Condition(self.lock), self._wake, self._save_if_seeded, SAVE_EVERY_S, clock)
@@ -136,6 +138,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         for action in actions:
             if isinstance(action, Publish):
                 for learner, update in action.updates.items():
+                    update = dataclasses.replace(update, values={})  # the wire is what goes out: no Θ kept
                     self.last_updates.setdefault(learner, {})[update.fragment] = update
                     if learner not in self.left:
                         self.outboxes.setdefault(learner, queue.Queue()).put(update)
@@ -348,10 +351,14 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 update = outbox.get(timeout=OUTBOX_POLL_S)
             except queue.Empty:
                 continue
-            header = pb.UpdateHeader(fragment=update.fragment, version=update.version, ack_seq=update.ack_seq,
-                                     tensors=[tensor_header(n, e, update.relative) for n, e in update.wire.items()],
-                                     next_push_at=update.next_push_at)
-            yield from message_frames(pb.Frame(update=header), update.wire)
+            for index, message in enumerate(update.wire):
+                header = pb.UpdateHeader(fragment=update.fragment, version=update.version, ack_seq=update.ack_seq,
+                                         tensors=[tensor_header(n, e, update.relative) for n, e in message.items()],
+                                         next_push_at=update.next_push_at, continued=index < len(update.wire) - 1)
+                yield from message_frames(pb.Frame(update=header), message)
+            with self.lock:  # handed over: it need not go out again after a restart, nor stay in memory
+                if self.last_updates.get(learner, {}).get(update.fragment) is update:
+                    del self.last_updates[learner][update.fragment]
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         """A learner is alive (a heartbeat, on its timer) or says where it stands (a progress report, after

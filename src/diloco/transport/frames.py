@@ -97,18 +97,20 @@ def read_message(frames: Iterator[pb.Frame], kind: str, limit: int) -> tuple[obj
     total = sum(sizes)
     if total > limit:
         raise FrameError(f"message declares {total} bytes of tensors, more than the {limit} allowed")
-    data = bytearray()
-    while len(data) < total:
+    data = bytearray(total)  # the declared size, checked above: filled in place, never regrown
+    view, filled = memoryview(data), 0
+    while filled < total:
         frame = next(frames, None)
         if frame is None:
-            raise FrameError(f"stream ended after {len(data)} of {total} bytes: the message is truncated")
+            raise FrameError(f"stream ended after {filled} of {total} bytes: the message is truncated")
         if frame.WhichOneof("body") != "data":
             raise FrameError(f"expected data, got a {frame.WhichOneof('body') or 'empty'} frame mid-message")
-        if len(data) + len(frame.data) > total:
+        if filled + len(frame.data) > total:
             raise FrameError(f"message carries more than the {total} bytes its header declares")
-        data += frame.data
+        view[filled:filled + len(frame.data)] = frame.data
+        filled += len(frame.data)
     tensors, offset = {}, 0
-    blob = bytes(data)
+    blob = view.toreadonly()  # each tensor's bytes are a view of the one buffer: no copy per tensor
     for t in header.tensors:
         end = offset + t.payload_bytes
         tensors[t.name] = Encoded(t.codec, tuple(int(d) for d in t.shape), t.block, blob[offset:end],

@@ -51,18 +51,20 @@ class PushHeader(_message.Message):
     def __init__(self, learner: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("fragment", "version", "ack_seq", "tensors", "next_push_at")
+    __slots__ = ("fragment", "version", "ack_seq", "tensors", "next_push_at", "continued")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PUSH_AT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     ack_seq: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     next_push_at: float
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., ack_seq: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., next_push_at: _Optional[float] = ...) -> None: ...
+    continued: bool
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., ack_seq: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., next_push_at: _Optional[float] = ..., continued: _Optional[bool] = ...) -> None: ...
 
 class FragmentVersion(_message.Message):
     __slots__ = ("fragment", "version")

@@ -1,0 +1,83 @@
+"""What a fragment's open round keeps per learner: a few numbers and a sample, not its pushes.
+
+The syncer's memory must not grow with the number of learners, so a push is folded into its round's
+running sums when it arrives and then dropped (`outer.merge.MergeSums`: Σ w·Δ for the weighted mean and
+the final consolidation, Σ Δ for the plain mean, Σ w·Δ/‖Δ‖ and Σ w·‖Δ‖ for radial-directional averaging).
+Per learner, a round keeps its counters, its weight and a fixed sample of its Δ (at most SAMPLE
+coordinates), from which the round's cosine diagnostic is taken.
+
+A push's weight is therefore fixed when it arrives (`closing.arrival_weight`). A learner's second push in
+the same round (only its final push can be one: a learner has one push of a fragment in flight) extends
+its contribution: it is added with the weight, and for the direction the norm, of the learner's first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from diloco.core.messages import Push
+
+SAMPLE = 4096
+"""Coordinates per fragment kept of each contribution for the cosine: all of them in smaller fragments."""
+
+
+@dataclass
+class Contribution:
+    """One learner's pushes in the open round of a fragment: its counters, weight and sample."""
+
+    learner: int
+    base_version: int
+    tokens: int
+    steps: int
+    last_seq: int
+    weight: float
+    """Its token weight (capped, divided by staleness where that rule is on), fixed at its first push."""
+    norms: dict[str, float]
+    """‖Δ‖ per tensor of its first push: the scale of its direction in radial-directional averaging."""
+    sample: torch.Tensor
+    arrived: float = 0.0
+    """When its latest push here arrived."""
+    final: bool = False
+    trip: float | None = None
+    """Its latest push's arrival (our clock) less its sending (the learner's clock)."""
+
+    def add(self, push: Push, now: float, sample: torch.Tensor) -> None:
+        self.last_seq = max(self.last_seq, push.seq)
+        self.base_version = min(self.base_version, push.base_version)
+        self.tokens += push.tokens
+        self.steps += push.steps
+        self.sample = self.sample + sample
+        self.arrived, self.trip = now, trip_of(push, now)
+        self.final = self.final or push.final
+
+    def plain(self) -> dict:
+        return {"learner": self.learner, "base_version": self.base_version, "tokens": self.tokens,
+                "steps": self.steps, "last_seq": self.last_seq, "weight": self.weight, "norms": dict(self.norms),
+                "sample": self.sample, "arrived": self.arrived, "final": self.final, "trip": self.trip}
+
+
+def trip_of(push: Push, now: float) -> float | None:
+    return None if push.sent_at is None else now - push.sent_at
+
+
+class Sampler:
+    """The fixed coordinates of a fragment that stand for it in the cosine: evenly spaced over the
+    fragment's tensors in order, every coordinate when there are at most SAMPLE."""
+
+    def __init__(self, numels: dict[str, int]) -> None:
+        total = sum(numels.values())
+        stride = max(1, math.ceil(total / SAMPLE))
+        self.indices: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, numel in numels.items():
+            first = (-offset) % stride
+            if first < numel:
+                self.indices[name] = torch.arange(first, numel, stride)
+            offset += numel
+
+    def sample(self, deltas: dict[str, torch.Tensor]) -> torch.Tensor:
+        parts = [deltas[name].reshape(-1)[index].to(torch.float64) for name, index in self.indices.items()]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)

@@ -1,0 +1,116 @@
+"""`diloco plan`: argparse wiring (the lead's cli.py calls `add_arguments` and `run`).
+
+The deployment comes from the same config file and `--set` overrides as `diloco sim`, with flags for the
+keys a plan usually changes (each maps onto its config key, so the config's rules check it); `--params`
+skips building the model and assumes a layout instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from rich.console import Console
+
+from diloco.errors import DilocoError
+from diloco.plan import units
+
+DIRECT_FLAGS = (
+    ("--strategy", "NAME", "ddp, diloco, streaming, async, async-dn or decoupled (config: strategy)"),
+    ("--params", "N", "parameter count, e.g. 12B: plan without building the model (assumes a layout)"),
+    ("--learners", "N", "N equal learners (config: learners.count)"),
+    ("--fragments", "P", "fragments (config: outer.fragments)"),
+    ("--H", "STEPS", "inner steps between syncs of a fragment (config: outer.H)"),
+    ("--tau", "STEPS", "overlap τ in inner steps (config: outer.tau)"),
+    ("--step-time", "TIME", "one inner step, e.g. 1.5s or 800ms (config: learners.step_time_s)"),
+    ("--step-tokens", "N", "tokens per inner step per learner, for totals (default: batch × seq_len)"),
+    ("--tokens", "N", "the run's token budget, e.g. 1T, for totals (config: train.tokens)"),
+    ("--codec", "NAME", "uplink codec: fp32, bf16, int8, int4, fp4 (config: codec.up)"),
+    ("--down-codec", "NAME", "downlink codec (config: codec.down)"),
+    ("--bandwidth", "RATE", "each learner's link per direction, e.g. 5Gbit or 2.5 (Gbit/s)"),
+    ("--latency", "TIME", "one-way latency, e.g. 40ms or 40 (ms)"),
+    ("--regions", "NAME=RATE[@TIME],...", "regions and their WAN links, e.g. us=2,eu=5@80ms; learners are "
+                                           "spread over them in turn and share their region's link"),
+    ("--shards", "N", "syncer shards to show (default: as many as --shard-memory needs, else 1)"),
+    ("--shard-memory", "SIZE", "memory of one shard, e.g. 64GiB: how many shards the fragments need"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TOML config, as for `diloco sim`; the built-in default when omitted")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    for flag, metavar, help_text in DIRECT_FLAGS:
+        parser.add_argument(flag, metavar=metavar, help=help_text, dest=flag.lstrip("-").replace("-", "_"))
+    parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the deployment, plan it, print it (unless --quiet), write --json; DilocoError for bad input."""
+    from diloco.config import load_config
+    from diloco.outputs import write_output
+    from diloco.plan.build import build_deployment, exact_totals
+    from diloco.plan.model import plan
+    from diloco.plan.search import advise
+    from diloco.plan.tables import print_plan
+
+    check_json_path(args.json)
+    config = load_config(args.config, [*(args.set or []), *config_overrides(args)])
+    deployment = build_deployment(config, args)
+    result = plan(deployment)
+    exact = exact_totals(config, deployment, args)
+    if exact is not None:
+        result = replace(result, totals=exact)
+    advice = advise(deployment)
+    if not args.quiet:
+        print_plan(Console(), result, advice, deployment.shard_memory_bytes)
+    if args.json:
+        data = {**result.to_dict(), "advice": {**asdict(advice), "lines": list(advice.lines)}}
+        write_output(Path(args.json), json.dumps(_finite(data), indent=2) + "\n")
+        if args.quiet:
+            print(args.json)
+    return 0
+
+
+def _finite(value: object) -> object:
+    """JSON has no infinity: an unbounded wait or round trip is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def config_overrides(args: argparse.Namespace) -> list[str]:
+    """The direct flags as `--set` overrides, each value checked first in the flag's own terms."""
+    out: list[str] = []
+    if args.strategy is not None:
+        out.append(f"strategy={json.dumps(args.strategy)}")
+    if args.learners is not None:
+        out += [f"learners.count={units.integer('--learners', args.learners)}", "learners.speeds=[]"]
+    for flag, key, minimum in (("fragments", "outer.fragments", 1), ("H", "outer.H", 1), ("tau", "outer.tau", 0)):
+        value = getattr(args, flag)
+        if value is not None:
+            out.append(f"{key}={units.integer('--' + flag, value, minimum)}")
+    if args.step_time is not None:
+        out.append(f"learners.step_time_s={units.seconds('--step-time', args.step_time)!r}")
+    if args.tokens is not None:
+        out.append(f"train.tokens={units.count('--tokens', args.tokens)}")
+    for flag, key in (("codec", "codec.up"), ("down_codec", "codec.down")):
+        value = getattr(args, flag)
+        if value is not None:
+            out.append(f"{key}={json.dumps(value)}")
+    if args.bandwidth is not None:
+        out.append(f"link.bandwidth_mbit={units.bandwidth_bps('--bandwidth', args.bandwidth) / 1e6!r}")
+    if args.latency is not None:
+        out.append(f"link.latency_ms={units.seconds('--latency', args.latency, 'ms', allow_zero=True) * 1e3!r}")
+    return out
+
+
+def check_json_path(path: str | None) -> None:
+    if path is not None and Path(path).is_dir():
+        raise DilocoError(f"--json {path} is a folder, not a file")

@@ -1,0 +1,112 @@
+"""The plan: what each learner, link and shard carries, and whether every link keeps up.
+
+Rates are the steady state of a sync period (H steps of the sync grid, the slowest learner's steps for
+synchronous strategies, the fastest's otherwise). Per learner and period, up: one push per fragment and
+one progress report per own step; down: one answer per fragment. Message sizes come from `wire.py`, the
+links' timing from `links.py`, the shards' memory from `memory.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from diloco.plan.deployment import Deployment, traffic
+from diloco.plan.links import LinkState, Site, Traffic, steady_state
+from diloco.plan.memory import shard_memory, shards_needed
+from diloco.plan.reports import Plan, RegionReport, ShardReport, SiteReport
+from diloco.plan.totals import estimate_totals
+from diloco.plan.wire import all_reduce_share
+
+
+def site_reports(d: Deployment) -> list[SiteReport]:
+    """Per site: bytes per period and per second, and the link's steady state against the τ budget."""
+    if d.exchange == "gradients":
+        return _all_reduce_reports(d)
+    t = traffic(d)
+    sites = d.sites()
+    states = steady_state(sites, t, d.grid_step_s, [d.own_step_s(s) for s in sites])
+    return [_site_report(d, t, site, state) for site, state in zip(sites, states)]
+
+
+def _site_report(d: Deployment, t: Traffic, site: Site, state: LinkState) -> SiteReport:
+    period, own_step = d.period_s, d.own_step_s(site)
+    up = sum(t.push) + round(t.progress * period / own_step)
+    down = sum(t.update)
+    budget = d.tau * own_step
+    worst = max(range(len(state.round_trip_s)), key=lambda p: state.round_trip_s[p])
+    rt = state.round_trip_s[worst]
+    if state.saturated:
+        keeps_up, why = False, f"needs {max(state.up_utilisation, state.down_utilisation):.0%} of the link"
+    elif math.isinf(rt):
+        keeps_up, why = False, "another learner's link is saturated"
+    elif d.tau == 0:
+        keeps_up, why = False, "τ = 0: every sync waits for its round trip"
+    elif rt > budget:
+        keeps_up, why = False, f"fragment {worst}'s round trip > τ steps"
+    else:
+        keeps_up, why = True, ""
+    stall = sum(max(0.0, r - budget) for r in state.round_trip_s) if d.waits and not keeps_up else 0.0
+    return SiteReport(site.name, site.learners, site.speed, site.bandwidth_bps, site.latency_s, up, down,
+                      up / period, down / period, max(t.push), max(t.update), rt, worst, budget,
+                      state.up_utilisation, state.down_utilisation, keeps_up, why, stall, site.region)
+
+
+def _all_reduce_reports(d: Deployment) -> list[SiteReport]:
+    """Data-parallel: every step, a ring all-reduce over the slowest link; nothing overlaps it."""
+    sites = d.sites()
+    grad_bytes = 4 * d.layout.parameters
+    share = all_reduce_share(grad_bytes, d.learners)
+    bandwidth = min(s.bandwidth_bps for s in sites)
+    latency = max(s.latency_s for s in sites)
+    comm = 2 * (d.learners - 1) * (latency + grad_bytes / d.learners * 8 / bandwidth) if d.learners >= 2 else 0.0
+    step = d.grid_step_s
+    reports = []
+    for s in sites:
+        keeps_up = comm == 0
+        why = "" if keeps_up else "data-parallel: every step waits for its all-reduce"
+        utilisation = share * 8 / s.bandwidth_bps / (step + comm)
+        reports.append(SiteReport(s.name, s.learners, s.speed, s.bandwidth_bps, s.latency_s, share, share,
+                                  share / (step + comm), share / (step + comm), share, share, comm, 0, 0.0,
+                                  utilisation, utilisation, keeps_up, why, comm, s.region))
+    return reports
+
+
+def region_reports(d: Deployment, sites: list[SiteReport]) -> list[RegionReport]:
+    reports = []
+    for r in d.regions:
+        mine = [s for s in sites if s.region == r.name]
+        if not mine:
+            continue
+        up = sum(s.learners * s.up_per_s * 8 for s in mine)
+        down = sum(s.learners * s.down_per_s * 8 for s in mine)
+        reports.append(RegionReport(r.name, sum(s.learners for s in mine), r.bandwidth_bps, up, down,
+                                    all(s.keeps_up for s in mine)))
+    return reports
+
+
+def shard_reports(d: Deployment, sites: list[SiteReport], shards: int) -> list[ShardReport]:
+    """Each shard's memory, and the bytes per second its fragments bring in and send out."""
+    t = traffic(d)
+    learners = sum(s.learners for s in sites)
+    fragments = d.layout.fragments
+    reports = []
+    for mem in shard_memory([f.numel for f in fragments], [f.embedding for f in fragments], shards,
+                            d.syncer_state()):
+        pushes = sum(t.push[p] for p in mem.fragments) * learners
+        answers = sum(t.update[p] for p in mem.fragments) * learners
+        reports.append(ShardReport(mem, pushes / d.period_s, answers / d.period_s))
+    return reports
+
+
+def plan(d: Deployment) -> Plan:
+    sites = site_reports(d)
+    numels = tuple(f.numel for f in d.layout.fragments)
+    needed, shards = None, []
+    if d.exchange == "outer":
+        if d.shard_memory_bytes is not None:
+            needed = shards_needed(list(numels), [f.embedding for f in d.layout.fragments], d.syncer_state(),
+                                   d.shard_memory_bytes)
+        count = d.shards or needed or 1
+        shards = shard_reports(d, sites, min(count, len(numels)))
+    totals = estimate_totals(d, sites) if d.tokens else None
+    return Plan(d, d.period_s, numels, tuple(sites), tuple(region_reports(d, sites)), tuple(shards), needed, totals)

@@ -1,0 +1,100 @@
+"""What a plan says: per learner site, per region, per shard, over the run. Plain data."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from diloco.plan.deployment import Deployment
+from diloco.plan.memory import ShardMemory
+
+
+@dataclass(frozen=True)
+class SiteReport:
+    """One learner of a site: what it moves, and whether its link keeps up."""
+
+    name: str
+    learners: int
+    speed: float
+    bandwidth_bps: float
+    latency_s: float
+    up_per_period: int
+    down_per_period: int
+    up_per_s: float
+    down_per_s: float
+    peak_up: int
+    peak_down: int
+    round_trip_s: float
+    """The longest round trip of a fragment (data-parallel: one step's all-reduce)."""
+    worst_fragment: int
+    budget_s: float
+    """τ of its steps: the time a fragment's round trip may take without anyone waiting."""
+    up_utilisation: float
+    down_utilisation: float
+    keeps_up: bool
+    why: str
+    stall_s: float
+    """Estimated wait per sync period when it does not keep up and learners wait for answers."""
+    region: str | None = None
+
+
+@dataclass(frozen=True)
+class RegionReport:
+    name: str
+    learners: int
+    bandwidth_bps: float
+    needed_up_bps: float
+    needed_down_bps: float
+    keeps_up: bool
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    memory: ShardMemory
+    in_per_s: float
+    out_per_s: float
+
+
+@dataclass(frozen=True)
+class Totals:
+    steps: int
+    """Inner steps per learner (of a learner at speed 1 when speeds differ)."""
+    time_s: float
+    bytes_up: int
+    bytes_down: int
+    exact: bool
+    note: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `diloco plan` prints (and writes as JSON)."""
+
+    deployment: Deployment
+    period_s: float
+    fragment_numels: tuple[int, ...]
+    sites: tuple[SiteReport, ...]
+    regions: tuple[RegionReport, ...] = ()
+    shards: tuple[ShardReport, ...] = ()
+    shards_needed: int | None = None
+    totals: Totals | None = None
+
+    @property
+    def keeps_up(self) -> bool:
+        return all(s.keeps_up for s in self.sites) and all(r.keeps_up for r in self.regions)
+
+    def to_dict(self) -> dict:
+        d = self.deployment
+        return {
+            "deployment": {"strategy": d.strategy, "learners": d.learners, "speeds": list(d.speeds),
+                           "parameters": d.layout.parameters, "layout": d.layout.source, "exact": d.layout.exact,
+                           "fragments": len(d.layout.fragments), "H": d.H, "tau": d.tau, "step_time_s": d.step_time_s,
+                           "codec_up": d.codec_up, "codec_down": d.codec_down, "block": d.block,
+                           "optimizer": d.optimizer, "merge_rule": d.merge_rule,
+                           "consolidate": d.consolidate, "bandwidth_bps": d.bandwidth_bps, "latency_s": d.latency_s,
+                           "regions": [asdict(r) for r in d.regions], "tokens_per_step": d.tokens_per_step,
+                           "tokens": d.tokens},
+            "period_s": self.period_s, "fragment_numels": list(self.fragment_numels), "keeps_up": self.keeps_up,
+            "learners": [asdict(s) for s in self.sites], "regions": [asdict(r) for r in self.regions],
+            "shards": [{**asdict(s.memory), "peak_bytes": s.memory.peak_bytes, "in_per_s": s.in_per_s,
+                        "out_per_s": s.out_per_s} for s in self.shards],
+            "shards_needed": self.shards_needed, "totals": asdict(self.totals) if self.totals else None}

@@ -1,0 +1,109 @@
+"""What would make the deployment keep up: each knob moved alone, the others as given.
+
+- the smallest H that keeps up with the given codec (a longer period carries the same bytes in more
+  time, and spaces the fragments' pushes further apart);
+- the least compression that keeps up at the given H: the first of fp32, bf16, int8, int4, fp4 (fewer
+  bytes each) that fits, used both ways;
+- the smallest τ (a fragment's round trip does not depend on τ: τ only sets the time it may take);
+- the fewest fragments (smaller messages, each one's round trip shorter), for the strategies that stagger
+  fragments.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from diloco.plan.deployment import Deployment
+from diloco.plan.model import site_reports
+
+H_MAX = 1_000_000
+FRAGMENTS_MAX = 1024
+CODECS_BY_SIZE = ("fp32", "bf16", "int8", "int4", "fp4")
+"""Registered codecs from the most bytes to the fewest (int4 and fp4 take the same)."""
+
+
+@dataclass(frozen=True)
+class Advice:
+    smallest_H: int | None
+    least_codec: str | None
+    smallest_tau: int | None
+    fewest_fragments: int | None
+    lines: tuple[str, ...]
+
+
+def keeps_up(d: Deployment) -> bool:
+    return all(s.keeps_up for s in site_reports(d))
+
+
+def smallest_H(d: Deployment) -> int | None:
+    """Binary search between the smallest H allowed and the first power of two that keeps up."""
+    low = max(d.tau + 1, len(d.layout.fragments) if d.staggered else 1)
+    if keeps_up(replace(d, H=low)):
+        return low
+    high = low
+    while not keeps_up(replace(d, H=high)):
+        if high >= H_MAX:
+            return None
+        high = min(H_MAX, high * 2)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if keeps_up(replace(d, H=mid)) else (mid, high)
+    return high
+
+
+def least_codec(d: Deployment) -> str | None:
+    for codec in CODECS_BY_SIZE:
+        if keeps_up(replace(d, codec_up=codec, codec_down=codec)):
+            return codec
+    return None
+
+
+def smallest_tau(d: Deployment) -> int | None:
+    """τ steps of every site must cover its longest round trip (which does not depend on τ)."""
+    probe = replace(d, tau=1)
+    reports = site_reports(probe)
+    if any(math.isinf(s.round_trip_s) for s in reports):
+        return None
+    tau = max(1, *(math.ceil(s.round_trip_s / s.budget_s) for s in reports))  # budget_s: one step at τ = 1
+    return tau if tau < d.H and keeps_up(replace(d, tau=tau)) else None
+
+
+def fewest_fragments(d: Deployment) -> int | None:
+    top = min(d.H, d.layout.tensor_count if d.layout.exact else FRAGMENTS_MAX, FRAGMENTS_MAX)
+    for count in range(1, top + 1):
+        if keeps_up(replace(d, layout=d.layout.with_fragments(count))):
+            return count
+    return None
+
+
+def _bare_round_trip(d: Deployment) -> str:
+    """Why no H helps: a fragment's round trip with nothing queued ahead of it (as at a huge H)."""
+    worst = max(site_reports(replace(d, H=H_MAX)), key=lambda s: s.round_trip_s / s.budget_s)
+    if worst.round_trip_s <= worst.budget_s:
+        return ""
+    return (f" (at any H, a fragment's round trip from {worst.name} takes {worst.round_trip_s:.3g} s, "
+            f"τ steps {worst.budget_s:.3g} s)")
+
+
+def advise(d: Deployment) -> Advice:
+    """Each knob's value that keeps up, and what to say about it."""
+    if d.exchange == "gradients":
+        return Advice(None, None, None, None, ("data-parallel syncs every step and overlaps nothing: a DiLoCo "
+                                               "strategy with τ > 0 is what can hide the link",))
+    if d.tau == 0:
+        return Advice(None, None, None, None, (f"τ = 0 ({d.strategy}): every sync waits for its round trip; no H "
+                                               "or codec hides it. Streaming or decoupled with τ > 0 can",))
+    h, codec, tau = smallest_H(d), least_codec(d), smallest_tau(d)
+    fragments = fewest_fragments(d) if d.staggered else None
+    lines = [f"smallest H that keeps up with {d.codec_up} up / {d.codec_down} down: "
+             + (f"{h:,}" if h else f"none up to {H_MAX:,}{_bare_round_trip(d)}"),
+             f"least compression that keeps up at H = {d.H:,}: " + (f"{codec} both ways" if codec else "none"),
+             f"smallest τ that keeps up at H = {d.H:,}: "
+             + (f"{tau} step{'s' if tau > 1 else ''}" if tau else f"none below H = {d.H:,}")]
+    if d.staggered:
+        lines.append(f"fewest fragments that keep up at H = {d.H:,}: " + (str(fragments) if fragments else "none"))
+    if not any((h, codec, tau, fragments)):
+        lines.append("nothing fits by moving one knob: more bandwidth, a longer step (larger batches) or "
+                     "moving several knobs at once")
+    return Advice(h, codec, tau, fragments, tuple(lines))

@@ -1,0 +1,64 @@
+"""benchmarks/scale.py stays runnable: its layout, its window accounting and its targets, and one tiny run
+end to end (a real shard, one synthetic learner, the socket baseline) that writes the JSON the lead's
+checks read."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import scale  # noqa: E402  (the benchmark itself)
+
+
+def test_layout_splits_params_into_fragments_and_bounded_tensors():
+    layout = scale.model_layout(10_000_003, 4, 1_000_000)
+    assert len(layout) == 4
+    assert sum(t.numel for f in layout for t in f) == 10_000_003
+    assert all(t.numel <= 1_000_000 for f in layout for t in f)
+    assert len({t.name for f in layout for t in f}) == sum(len(f) for f in layout)
+    assert scale.shard_fragments(5, 2) == [[0, 2, 4], [1, 3]]
+
+
+def test_a_push_counts_by_its_overlap_with_the_window():
+    assert scale.overlap(0.0, 2.0, 1.0, 5.0) == pytest.approx(0.5)
+    assert scale.overlap(2.0, 3.0, 1.0, 5.0) == 1.0
+    assert scale.overlap(5.5, 6.0, 1.0, 5.0) == 0.0
+    assert scale.count("20M") == 20_000_000 and scale.count("1B") == 10**9 and scale.count("1e6") == 10**6
+
+
+def test_targets_compare_runs_that_differ_only_in_learners():
+    def run(learners, rss, push, pull, ratio):
+        return {"params": 10**8, "shards": 1, "codec": "int4", "down_codec": "int4", "fragments": 4,
+                "learners": learners, "status": "ok", "rss_bytes": rss, "push_mb_s": push, "pull_mb_s": pull,
+                "push_vs_socket": ratio}
+
+    rows = scale.targets([run(1, 100, 10.0, 10.0, 0.6), run(8, 110, 40.0, 20.0, 0.9), run(16, 130, 50.0, 25.0, 0.9)])
+    by = {r["measure"]: r for r in rows}
+    assert by["syncer RSS, 16 learners / 1 learner"]["value"] == pytest.approx(1.3)
+    assert by["syncer RSS, 16 learners / 1 learner"]["met"] is False
+    assert by["push MB/s of one shard (1 learner) / plain socket"]["met"] is True
+    assert by["a shard's push MB/s, 8 learners / 1 learner"]["met"] is True
+    assert by["a shard's pull MB/s, 8 learners / 1 learner"]["met"] is False
+
+
+@pytest.mark.integration
+def test_a_tiny_run_end_to_end(tmp_path):
+    out = tmp_path / "scale.json"
+    code = scale.main(["--params", "1M", "--learners", "1", "--shards", "1", "--seconds", "1", "--warmup", "0.5",
+                       "--socket-seconds", "0.5", "--min-free-gib", "0.5", "--json", str(out)])
+    assert code == 0
+    runs = json.loads(out.read_text())
+    assert len(runs) == 1
+    run = runs[0]
+    assert run["status"] == "ok", run["reason"]
+    assert not run["problems"], run["problems"]
+    for key in ("params", "learners", "shards", "rss_bytes", "push_mb_s", "pull_mb_s", "socket_mb_s"):
+        assert run[key], key
+    assert (run["params"], run["learners"], run["shards"]) == (1_000_000, 1, 1)
+    shard = run["per_shard"][0]
+    assert shard["pushes"] > 0 and shard["answers"] > 0 and shard["refused"] == 0
+    assert shard["latency_median_s"] > 0 and shard["rounds_per_s"] > 0
