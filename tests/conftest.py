@@ -61,3 +61,14 @@ def free_port_for_torchrun() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def retire_update_stream(shard, learner: int) -> None:
+    """End a halted learner's update stream on the shard's side, so that answers stay queued as notices
+    (nothing takes them): what a test sends is then all the shard journals."""
+    from diloco.runtime.syncer import OUTBOX_POLL_S
+
+    wait_for(lambda: learner in shard.streams, 10, f"learner {learner}'s update stream")
+    with shard.lock:
+        shard.streams[learner] += 1  # a newer stream id retires the open one
+    time.sleep(2 * OUTBOX_POLL_S)

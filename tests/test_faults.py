@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_config, wait_for
+from conftest import retire_update_stream, tiny_config, wait_for
 from diloco.runtime.learner import Learner
 from diloco.runtime.loop import run_learner
 from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
@@ -350,7 +350,8 @@ def test_a_shard_that_dies_right_after_a_merge_comes_back_with_it_and_answers_ag
     address = f"127.0.0.1:{port}"
     first.plan = ShardPlan(0, 1, (address,))
     learner = Learner(tiny_model(), syncer=address, learner=0)
-    learner._halt.set()  # this learner only sends by hand here
+    learner._halt.set()  # this learner only sends by hand here, and takes no answers:
+    retire_update_stream(first, 0)  # the answers stay queued when the shard dies
     fragment = learner.fragments[0]
     client = ShardClient(address)
     for seq in (learner.core.seq + 1, learner.core.seq + 2):

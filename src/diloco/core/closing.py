@@ -165,18 +165,12 @@ def close_round(core: SyncerCore, state: FragmentState, now: float, final: bool 
     state.version += 1
     state.reset()
     state.downlink.publish(state.version, core.theta)
-    answered = [c for c in contributions if c.last_seq > core.session_start.get(c.learner, 0)]
-    held = {c.learner: core.held_versions.get(c.learner, {}).get(state.fragment.index, 0) for c in answered}
-    answers = state.downlink.answers(held, state.version, core.theta)
-    updates = {}
-    for c in answered:
-        answer = answers[c.learner]
-        core.held_versions.setdefault(c.learner, {})[state.fragment.index] = state.version
-        updates[c.learner] = Update(state.fragment.index, state.version, answer.values, ack_seq=c.last_seq,
-                                    payload_bytes=answer.payload_bytes, wire=answer.wire,
-                                    relative=answer.relative, next_push_at=next_push.get(c.learner))
-    alive_held = [core.held_versions.get(m, {}).get(state.fragment.index, 0) for m in core.alive]
-    state.downlink.forget_before(min(alive_held, default=state.version))
+    answered = {c.learner: c.last_seq for c in contributions if c.last_seq > core.session_start.get(c.learner, 0)}
+    if core.answers_when_taken:
+        updates = {m: Update(state.fragment.index, state.version, {}, ack_seq=ack, next_push_at=next_push.get(m))
+                   for m, ack in answered.items()}
+    else:
+        updates = answer(core, state, answered, next_push)
     return Publish(state.fragment.index, state.version, updates)
 
 
@@ -197,3 +191,21 @@ def _pace(core: SyncerCore, state: FragmentState, contributions: list[Contributi
         target += period
     state.target = target
     return {c.learner: core.pacer.ask(c.learner, target, c.trip) for c in contributions if not c.final}
+
+
+def answer(core: SyncerCore, state: FragmentState, acks: dict[int, int], next_push: dict[int, float | None]
+           ) -> dict[int, Update]:
+    """Each learner's answer (by learner: the seq it acknowledges): the fragment's current version, from
+    the one it holds; what it holds from now on is recorded, so both ends agree bit for bit."""
+    p = state.fragment.index
+    held = {m: core.held_versions.get(m, {}).get(p, 0) for m in acks}
+    answers = state.downlink.answers(held, state.version, core.theta)
+    updates = {}
+    for m, ack in acks.items():
+        a = answers[m]
+        core.held_versions.setdefault(m, {})[p] = state.version
+        updates[m] = Update(p, state.version, a.values, ack_seq=ack, payload_bytes=a.payload_bytes, wire=a.wire,
+                            relative=a.relative, next_push_at=next_push.get(m))
+    alive_held = [core.held_versions.get(m, {}).get(p, 0) for m in core.alive]
+    state.downlink.forget_before(min(alive_held, default=state.version))
+    return updates

@@ -19,7 +19,9 @@ A learner that (re)starts takes the values of the current version whole: Θ, or 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -29,6 +31,10 @@ CHAIN_SHARE = 0.5
 """Encoded differences kept per fragment, in fp32 copies of it: answers further behind go whole."""
 
 FP32 = get_codec("fp32")
+
+
+class Message(dict):
+    """One message's encoded tensors, by name (a dict that can be referenced weakly)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,10 @@ class Downlink:
         self.lossless = codec.name == "fp32"
         self.published = {} if self.lossless else {n: theta[n].clone() for n in names}
         self.steps: list[Step] = []
+        self._whole: Callable[[], Message | None] = lambda: None
+        self._whole_version = -1
+        """The current version encoded whole, shared by every answer that still holds it: it lasts only
+        as long as one of them does (answers taken at about the same time share it)."""
         self.fp32_bytes = sum(FP32.wire_bytes(theta[n].numel()) for n in names)
 
     def values(self, theta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,7 +95,7 @@ class Downlink:
         """Bring each learner from the version it holds (`held`, by learner) to the current `version`.
         Whatever is sent whole is encoded once for all of them."""
         values = self.values(theta)
-        whole: dict[str, Encoded] | None = None
+        whole = self._whole() if self._whole_version == version else None
         out = {}
         for learner, version_held in held.items():
             steps = [s for s in self.steps if s.version > version_held]
@@ -94,7 +104,8 @@ class Downlink:
                 out[learner] = Answer(values, tuple(s.wire for s in steps), relative=True)
                 continue
             if whole is None:
-                whole = {n: FP32.encode(values[n]) for n in self.names}
+                whole = Message({n: FP32.encode(values[n]) for n in self.names})
+                self._whole, self._whole_version = weakref.ref(whole), version
             out[learner] = Answer(values, (whole,), relative=False)
         return out
 

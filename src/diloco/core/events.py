@@ -62,17 +62,32 @@ class LearnerRejoined:
 
 
 @dataclass(frozen=True)
+class AnswerTaken:
+    """The driver is ready to send `learner` its answer for `fragment` (the real syncer: that learner's
+    update stream is free). The learner gets the fragment's current version, from the one it holds: an
+    answer is made when it can leave, not when its round closed, so answers waiting on slow streams
+    hold nothing (`SyncerCore.answers_when_taken`)."""
+
+    learner: int
+    fragment: int
+    ack_seq: int
+    next_push_at: float | None = None
+
+
+@dataclass(frozen=True)
 class SyncerResumed:
     """The syncer restarted from its saved state: every learner gets a fresh allowance of silence,
     since none could reach it while it was down."""
 
 
 SyncerEvent = Union[PushArrived, ProgressArrived, HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
-                    SyncerResumed]
+                    AnswerTaken, SyncerResumed]
 
 
 def sender(event: SyncerEvent) -> int | None:
-    """The learner an event came from, if any."""
+    """The learner an event came from, if any (an answer taken comes from the driver)."""
+    if isinstance(event, AnswerTaken):
+        return None
     if isinstance(event, PushArrived):
         return event.push.learner
     if isinstance(event, ProgressArrived):

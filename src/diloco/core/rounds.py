@@ -44,7 +44,9 @@ class OuterOptimizer(Protocol):
 
 @dataclass(frozen=True)
 class Publish:
-    """A new version of a fragment, as each participant of its round is to receive it."""
+    """A new version of a fragment, as each participant of its round is to receive it: the answer
+    itself, or with `answers_when_taken` a notice (no values, no wire) the driver turns into the answer
+    when it can send it (`events.AnswerTaken`)."""
 
     fragment: int
     version: int
@@ -53,6 +55,14 @@ class Publish:
     @property
     def recipients(self) -> tuple[int, ...]:
         return tuple(self.updates)
+
+
+@dataclass(frozen=True)
+class SendUpdate:
+    """An answer made when taken (`events.AnswerTaken`): send it to `learner` now."""
+
+    learner: int
+    update: Update
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,7 @@ class RunOver:
     """Every learner has left and what was still open is merged: the syncer has nothing more to do."""
 
 
-Action = Publish | Timer | Stop | LearnerDead | SendState | RunOver
+Action = Publish | SendUpdate | Timer | Stop | LearnerDead | SendState | RunOver
 
 
 # ---------------------------------------------------------------- records

@@ -47,25 +47,25 @@ import torch
 
 from diloco.codecs import Codec, get_codec
 from diloco.core.accumulate import Sampler
-from diloco.core.closing import close_round, join_round
+from diloco.core.closing import answer, close_round, join_round
 from diloco.core.downlink import Downlink
 from diloco.core.saving import load_saved_state, saved_state
 from diloco.core.checks import check_progress, check_push
 from diloco.core.claims import MAX_SEQ_JUMP, Claims
-from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
-                                SyncerEvent, SyncerResumed, TimerFired, sender)
+from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
+                                PushArrived, SyncerEvent, SyncerResumed, TimerFired, sender)
 from diloco.core.liveness import Liveness
 from diloco.core.messages import Progress, Push
 from diloco.core.outliers import NormHistory, bounded
 from diloco.core.pacing import Pacer
 from diloco.core.rounds import (Action, FragmentState, LearnerDead, LedgerEntry, OuterOptimizer,
-                                ProtocolError, Publish, RoundRecord, RunOver, SendState, Stop, Timer,
+                                ProtocolError, Publish, RoundRecord, RunOver, SendState, SendUpdate, Stop, Timer,
                                 mean_cosine, token_weight)
 from diloco.core.transaction import atomic
 from diloco.fragments import Fragment
 from diloco.outer.merge import MergeRule
 
-__all__ = ["SyncerCore", "ProtocolError", "Publish", "Timer", "Stop", "LearnerDead", "SendState", "RunOver", "Action",
+__all__ = ["SyncerCore", "ProtocolError", "Publish", "SendUpdate", "Timer", "Stop", "LearnerDead", "SendState", "RunOver", "Action",
            "RoundRecord", "LedgerEntry", "token_weight", "mean_cosine"]
 
 EMA = 0.3
@@ -128,6 +128,9 @@ class SyncerCore:
         """Every learner has left and the last rounds are merged."""
         self._wake_at: float | None = None
         """The liveness check the driver was asked to wake the core for."""
+        self.answers_when_taken = False
+        """Publish notices, and make each answer when the driver takes it (`events.AnswerTaken`): the real
+        syncer, whose answers wait on streams. The simulator takes answers as rounds close."""
 
     @property
     def rounds_closed(self) -> int:
@@ -302,6 +305,13 @@ class SyncerCore:
         self.join(event.learner, now)
         return [SendState(event.learner, values, versions), *self._evaluate_all(now)]
 
+    def _on_answer_taken(self, event: AnswerTaken, now: float) -> list[Action]:
+        if event.fragment not in self.fragments or not self.holds_state(event.learner):
+            raise ProtocolError(f"no answer of fragment {event.fragment} can go to learner {event.learner}")
+        state = self.fragments[event.fragment]
+        (update,) = answer(self, state, {event.learner: event.ack_seq}, {event.learner: event.next_push_at}).values()
+        return [SendUpdate(event.learner, update)]
+
     def _on_resumed(self, event: SyncerResumed, now: float) -> list[Action]:
         self.liveness.refresh(now)
         self._wake_at = None
@@ -309,7 +319,7 @@ class SyncerCore:
 
     _dispatch = {PushArrived: _on_push_event, ProgressArrived: _on_progress_event, HeartbeatArrived: _on_heartbeat,
                  TimerFired: _on_timer_event, LearnerLeft: _on_leave, LearnerRejoined: _on_rejoin,
-                 SyncerResumed: _on_resumed}
+                 AnswerTaken: _on_answer_taken, SyncerResumed: _on_resumed}
 
     # ------------------------------------------------------------ events
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.codecs import Encoded
-from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
-                                SyncerEvent, SyncerResumed, TimerFired)
+from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
+                                PushArrived, SyncerEvent, SyncerResumed, TimerFired)
 from diloco.core.messages import Progress, Push
 from diloco.errors import DilocoError
 from diloco.transport.frames import decode, message_frames, read_message
@@ -244,7 +244,7 @@ def _next_header(view: memoryview, start: int) -> int | None:
 
 NOW = struct.Struct("<d")
 PLAIN_EVENTS = {cls.__name__: cls for cls in (HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
-                                              SyncerResumed)}
+                                              AnswerTaken, SyncerResumed)}
 QUIET_EVENTS = (ProgressArrived, HeartbeatArrived)
 """Events that need not be on disk before they are answered: the next event that is (every event that
 decides something) makes them durable too, being later in the same file."""

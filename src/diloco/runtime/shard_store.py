@@ -19,7 +19,6 @@ import logging
 from pathlib import Path
 
 
-from diloco.core.downlink import encoded_of, plain_encoded
 from diloco.core.events import SyncerEvent
 from diloco.core.messages import Update
 from diloco.errors import DilocoError
@@ -172,15 +171,12 @@ class ShardStore:
         return None if self.saved_at is None else self.clock.now() - self.saved_at
 
 
-def plain_update(update: Update) -> dict:
-    """An answer as it travels, as tensors and plain data, to save."""
-    return {"fragment": update.fragment, "version": update.version, "ack_seq": update.ack_seq,
-            "payload_bytes": update.payload_bytes, "relative": update.relative, "next_push_at": update.next_push_at,
-            "wire": [{n: plain_encoded(e) for n, e in message.items()} for message in update.wire]}
+def plain_update(notice: Update) -> dict:
+    """The notice of an answer not yet sent, as plain data, to save."""
+    return {"fragment": notice.fragment, "version": notice.version, "ack_seq": notice.ack_seq,
+            "next_push_at": notice.next_push_at}
 
 
 def update_of(plain: dict) -> Update:
-    wire = tuple({n: encoded_of(e) for n, e in message.items()} for message in plain["wire"])
     return Update(plain["fragment"], plain["version"], {}, ack_seq=plain["ack_seq"],
-                  payload_bytes=plain["payload_bytes"], wire=wire, relative=plain["relative"],
                   next_push_at=plain["next_push_at"])

@@ -25,12 +25,13 @@ import grpc
 import torch
 
 from diloco.config import Config
-from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
-                                SyncerEvent, TimerFired)
+from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
+                                PushArrived, SyncerEvent, TimerFired)
 from diloco.core.messages import Progress, Update
+from diloco.core.messages import Push as PushMessage
 from diloco.errors import DilocoError
-from diloco.core.syncer import (Action, LearnerDead, ProtocolError, Publish, RunOver, SendState, SyncerCore,
-                                Timer)
+from diloco.core.syncer import (Action, LearnerDead, ProtocolError, Publish, RunOver, SendState, SendUpdate,
+                                SyncerCore, Timer)
 from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
@@ -61,6 +62,10 @@ MAX_LEARNER_ID = 2**32 - 1
 MAX_TOKENS = 2**64 - 1
 SAVE_EVERY_S = 10.0
 """How often a shard with a state folder saves its whole state (and empties its journal)."""
+DECODING_PUSHES = 2
+"""Pushes decoded to fp32 at once (one merging, one decoding next): a shard's memory for pushes in
+flight is then two fragments in fp32 plus the others as they came, whatever the number of learners."""
+
 class SyncerShard(pb_grpc.SyncerServicer):
     def __init__(self, config: Config, plan: ShardPlan, metrics: MetricsLog | None = None,
                  state_dir: Path | None = None, resume: bool = False, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -85,14 +90,15 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.declared: dict[int, int] = {}
         """Per learner, the tokens one of its inner steps trains, as it declared when it joined."""
         self.push_errors = 0
+        self.decoding = threading.BoundedSemaphore(DECODING_PUSHES)
+        """Pushes decoded at once: the others wait in their compressed form."""
         self.finished = False
         self.started = clock.now()
         self.metrics = metrics or MetricsLog([])
         self.round_meter = RoundMeter(self.metrics, plan.index, origin=self.metrics.origin)
         self.last_updates: dict[int, dict[int, Update]] = {}
-        """Per learner and fragment, the latest answer not yet handed to the learner's stream: sent again
-        after a restart (a learner drops an answer it already has). Kept as it travels (no Θ in it), and
-        dropped once handed over, so answers waiting for slow learners are all the shard keeps of them."""
+        """Per learner and fragment, the notice of an answer not yet taken by the learner's stream (no
+        values: the answer is made when taken, `core.events.AnswerTaken`); queued again after a restart."""
         self._replaying = False
         self._stopping = False
         self.waker = Waker(threading.Condition(self.lock), self._wake, self._save_if_seeded, SAVE_EVERY_S, clock)
@@ -136,12 +142,14 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 self._halt_journal(f"the core failed on {type(event).__name__} ({type(exc).__name__}: {exc})")
             raise
         for action in actions:
-            if isinstance(action, Publish):
-                for learner, update in action.updates.items():
-                    update = dataclasses.replace(update, values={})  # the wire is what goes out: no Θ kept
-                    self.last_updates.setdefault(learner, {})[update.fragment] = update
+            if isinstance(action, Publish):  # notices: each answer is made when its stream can send it
+                for learner, notice in action.updates.items():
+                    waiting = self.last_updates.setdefault(learner, {}).get(notice.fragment)
+                    if waiting is not None:  # one answer covers both (the stream skips the older notice)
+                        notice = dataclasses.replace(notice, ack_seq=max(notice.ack_seq, waiting.ack_seq))
+                    self.last_updates[learner][notice.fragment] = notice
                     if learner not in self.left:
-                        self.outboxes.setdefault(learner, queue.Queue()).put(update)
+                        self.outboxes.setdefault(learner, queue.Queue()).put(notice)
             elif isinstance(action, Timer):
                 self.waker.wake_at(action.at)
             elif isinstance(action, LearnerDead) and not self._replaying:
@@ -151,7 +159,11 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 self.finished = True
                 if not self._replaying:
                     log.info("every learner left; last rounds merged (%d rounds in all)", self.core.rounds_closed)
-        if isinstance(event, LearnerLeft):
+        if isinstance(event, AnswerTaken):
+            waiting = self.last_updates.get(event.learner, {})
+            if event.fragment in waiting and waiting[event.fragment].ack_seq <= event.ack_seq:
+                del waiting[event.fragment]
+        elif isinstance(event, LearnerLeft):
             self.left.add(event.learner)
             self.streams.pop(event.learner, None)
         elif isinstance(event, LearnerRejoined):
@@ -277,6 +289,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                    ) -> SyncerCore:
         core = self.spec.syncer_core(values, fragments, range(self.settings.learners), embeddings=embeddings)
         core.liveness.start(self.clock.now())  # a learner never heard from is counted on from the seeding
+        core.answers_when_taken = True  # answers wait on streams as notices, made when sent
         return core
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):
@@ -315,12 +328,21 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 raise FrameError("the stream broke")
             if header.fragment not in core.fragments:
                 raise FrameError(f"fragment {header.fragment} is not held by shard {self.plan.index}")
-            deltas = {name: decode(e) for name, e in tensors.items()}
         except FrameError as exc:
             self.push_errors += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")
         self._speaks_for(header.learner, "push", context)
-        push = push_of(header, tensors, deltas)
+        with self.decoding:  # pushes wait here encoded, not decoded: memory does not grow with learners
+            try:
+                deltas = {name: decode(e) for name, e in tensors.items()}
+            except FrameError as exc:
+                self.push_errors += 1
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")
+            return self._take_push(push_of(header, tensors, deltas), header, tensors, context)
+
+    def _take_push(self, push: PushMessage, header: pb.PushHeader, tensors: dict, context: grpc.ServicerContext
+                   ) -> pb.PushReply:
+        core = self.core
         with self.lock:
             entry = core.ledger.get(push.learner)
             duplicates = entry.duplicates if entry else 0
@@ -348,17 +370,31 @@ class SyncerShard(pb_grpc.SyncerServicer):
             outbox = self.outboxes.setdefault(learner, queue.Queue())
         while context.is_active() and not self._stopping and self.streams.get(learner) == stream_id:
             try:
-                update = outbox.get(timeout=OUTBOX_POLL_S)
+                notice = outbox.get(timeout=OUTBOX_POLL_S)
             except queue.Empty:
+                continue
+            update = self._answer(learner, notice)
+            if update is None:
                 continue
             for index, message in enumerate(update.wire):
                 header = pb.UpdateHeader(fragment=update.fragment, version=update.version, ack_seq=update.ack_seq,
                                          tensors=[tensor_header(n, e, update.relative) for n, e in message.items()],
                                          next_push_at=update.next_push_at, continued=index < len(update.wire) - 1)
                 yield from message_frames(pb.Frame(update=header), message)
-            with self.lock:  # handed over: it need not go out again after a restart, nor stay in memory
-                if self.last_updates.get(learner, {}).get(update.fragment) is update:
-                    del self.last_updates[learner][update.fragment]
+
+    def _answer(self, learner: int, notice: Update) -> Update | None:
+        """The answer a notice stands for, made now (journaled: what the learner holds changes); None
+        for a notice another one superseded, or when the answer cannot be made (logged)."""
+        with self.lock:
+            if self.last_updates.get(learner, {}).get(notice.fragment) is not notice:
+                return None
+            event = AnswerTaken(learner, notice.fragment, notice.ack_seq, notice.next_push_at)
+            try:
+                actions = self.apply(event, self.clock.now())
+            except (ProtocolError, JournalError) as exc:  # kept: a restart sends it from its notice
+                log.warning("answer of fragment %d to learner %d not sent: %s", notice.fragment, learner, exc)
+                return None
+        return next(a.update for a in actions if isinstance(a, SendUpdate))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         """A learner is alive (a heartbeat, on its timer) or says where it stands (a progress report, after
