@@ -79,7 +79,10 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
             _check_layout(list(shard_reply.layout), [fragments[p] for p in owned], params, client.address)
         else:
             layout = [_layout(fragments[p], params) for p in owned]
-            client.init(layout, {n: params[n].detach() for p in owned for n in fragments[p].names})
+            values = {n: params[n].detach() for p in owned for n in fragments[p].names}
+            # A shard that dies mid-Init restarts unseeded: seeding it again (or finding it seeded by
+            # another learner meanwhile, which the pull's layout check covers) is always safe.
+            with_retries(lambda c=client, v=values, lay=layout: c.init(lay, v), what="init")
         last_seq = max(last_seq, shard_reply.last_seq)
         shards.append(ShardLink(index, client, owned))
     theta: dict[str, torch.Tensor] = {}
