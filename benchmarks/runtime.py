@@ -44,11 +44,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from children import Processes, diloco, tail  # benchmarks/children.py
+
 GOODPUT_TARGET = 0.98
 TOKENS_RATIO_TARGET = 0.95
 RUN_TIMEOUT_S = 1800.0
-PARENT_ENV = "DILOCO_PARENT_PID"
-"""Children of the runtime read this and ask the kernel to kill them when this process dies."""
 LEARNER_ENV = {"OMP_NUM_THREADS": "1"}
 """As the launcher starts its learners: one thread each, several share this machine's cores."""
 
@@ -57,64 +57,6 @@ TCP_SINK = str(Path(__file__).with_name("tcp_sink.py"))
 
 
 # ---------------------------------------------------------------- child processes
-
-
-class Processes:
-    """Every child this benchmark starts, each in a session of its own; `stop_all` leaves none behind."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, argv: list[str], log: Path, env: dict[str, str] | None = None,
-              stdout_pipe: bool = False) -> subprocess.Popen:
-        """Output goes to `log`; with `stdout_pipe`, stdout comes back as a text pipe and stderr to `log`."""
-        full_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
-        with open(log, "wb") as log_file:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE if stdout_pipe else log_file,
-                                    stderr=log_file if stdout_pipe else subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=full_env, start_new_session=True, text=stdout_pipe)
-        self.procs.append(proc)
-        return proc
-
-    def stop(self, proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-        """SIGINT to the child's session, then SIGKILL whatever is left after `grace_s`."""
-        if proc.poll() is None:
-            _signal(proc, signal.SIGINT)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                _signal(proc, signal.SIGKILL)
-                proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
-        if proc in self.procs:
-            self.procs.remove(proc)
-
-    def stop_all(self) -> None:
-        running = [p for p in self.procs if p.poll() is None]
-        for p in running:
-            _signal(p, signal.SIGINT)
-        deadline = time.monotonic() + 30.0
-        for p in list(self.procs):
-            self.stop(p, grace_s=max(0.0, deadline - time.monotonic()))
-
-
-def _signal(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def diloco(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco", *args]
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def wait_all(procs: dict[str, tuple[subprocess.Popen, Path]], timeout_s: float) -> None:
@@ -166,7 +108,7 @@ def run_synced(procs: Processes, config_args: list[str], work: Path, count: int)
     try:
         wait_all({"diloco run": (proc, log)}, RUN_TIMEOUT_S)
     finally:
-        procs.stop(proc)
+        procs.stop([proc], grace_s=30.0)
     summary = json.loads((out / "summary.json").read_text())
     learners = learner_reports(out, count)
     return {"learners": learners, **totals(learners), "command_s": time.monotonic() - started,
@@ -187,7 +129,7 @@ def run_unsynced(procs: Processes, config_args: list[str], work: Path, count: in
         wait_all(children, RUN_TIMEOUT_S)
     finally:
         for proc, _ in children.values():
-            procs.stop(proc)
+            procs.stop([proc], grace_s=30.0)
     learners = learner_reports(out, count)
     return {"learners": learners, **totals(learners), "command_s": time.monotonic() - started}
 
@@ -303,8 +245,7 @@ def transport(procs: Processes, work: Path, total_mib: int, fragment_mib: int, r
     finally:
         grpc_path.close()
         tcp_path.close()
-        procs.stop(grpc_path.proc)
-        procs.stop(tcp_path.proc)
+        procs.stop([grpc_path.proc, tcp_path.proc], grace_s=30.0)
     return {"message_bytes": grpc_path.message_bytes, "messages": messages, "runs": runs,
             "grpc_mb_per_s": statistics.median(x["grpc"]["mb_per_s"] for x in runs),
             "tcp_mb_per_s": statistics.median(x["tcp"]["mb_per_s"] for x in runs),

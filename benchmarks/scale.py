@@ -77,6 +77,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from children import PARENT_ENV, Processes, diloco, tail  # benchmarks/children.py
+
 # ---------------------------------------------------------------- constants
 
 RSS_RATIO_TARGET = 1.2
@@ -113,7 +115,6 @@ PUSH_BOUND_S = 900.0
 """How long a learner waits for its push in flight when the window closes (behind 15 others' merges)."""
 STARTUP_S = 120.0
 """Bound on the shards' and learners' start (imports, joins, mapping the payload)."""
-PARENT_ENV = "DILOCO_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 
 
@@ -433,60 +434,6 @@ def worker(spec_path: str) -> None:
 # ---------------------------------------------------------------- child processes
 
 
-class Processes:
-    """Every child this benchmark starts, each in a session of its own; `stop_all` leaves none behind."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, argv: list[str], log: Path, env: dict[str, str] | None = None,
-              stdout_pipe: bool = False) -> subprocess.Popen:
-        full_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
-        with open(log, "wb") as log_file:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE if stdout_pipe else log_file,
-                                    stderr=log_file if stdout_pipe else subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=full_env, start_new_session=True, text=stdout_pipe)
-        self.procs.append(proc)
-        return proc
-
-    def stop(self, procs: list[subprocess.Popen], grace_s: float = 10.0, sig: int = signal.SIGINT) -> None:
-        """`sig` to each child's session, then SIGKILL whatever is left after `grace_s`."""
-        for proc in procs:
-            if proc.poll() is None:
-                _signal(proc, sig)
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(proc, signal.SIGKILL)
-                proc.wait()
-            if proc.stdout:
-                proc.stdout.close()
-            if proc in self.procs:
-                self.procs.remove(proc)
-
-    def kill(self, procs: list[subprocess.Popen]) -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                _signal(proc, signal.SIGKILL)
-
-    def stop_all(self) -> None:
-        self.stop(list(self.procs))
-
-
-def _signal(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
-
-
-def tail(path: Path, lines: int = 12) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 # ---------------------------------------------------------------- memory
 
 
@@ -614,10 +561,6 @@ class Combo:
     @property
     def key(self) -> tuple:
         return (self.codec, self.down, self.shards)
-
-
-def diloco(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco", *args]
 
 
 def syncer_sets(combo: Combo, args: argparse.Namespace) -> list[str]:
