@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from diloco.errors import DilocoError
 from diloco.plan.layout import Layout, model_layout
 from diloco.plan.wire import LEAVE_BYTES, all_reduce_share, progress_bytes, push_bytes, update_bytes
+from diloco.sim.timing import Waiting
 
 if TYPE_CHECKING:
     from diloco.config import Config
@@ -119,7 +120,7 @@ def _data_parallel(config: Config, layout: Layout) -> ReplayResult:
 
 
 @dataclass
-class _Learner:
+class _Learner(Waiting):
     index: int
     timer: StepTimer
     link: Link
@@ -131,15 +132,6 @@ class _Learner:
     waiting_since: float | None = None
     waiting_s: float = 0.0
     finished: bool = False
-
-    def wait(self, now: float) -> None:
-        if self.waiting_since is None:
-            self.waiting_since = now
-
-    def resume(self, now: float) -> None:
-        if self.waiting_since is not None:
-            self.waiting_s += now - self.waiting_since
-            self.waiting_since = None
 
 
 class _SyncReplay:

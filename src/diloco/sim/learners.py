@@ -7,7 +7,7 @@ from typing import Any
 
 from diloco.core.learner import LearnerCore
 from diloco.sim.link import Link
-from diloco.sim.timing import StepTimer
+from diloco.sim.timing import StepTimer, Waiting
 from diloco.training import Replica
 
 
@@ -21,7 +21,7 @@ class Checkpoint:
 
 
 @dataclass
-class SimLearner:
+class SimLearner(Waiting):
     index: int
     speed: float
     replica: Replica
@@ -46,15 +46,6 @@ class SimLearner:
     last_seq: int = 0
     lost_tokens: list[int] = field(default_factory=list)
     checkpoint: Checkpoint | None = None
-
-    def wait(self, now: float) -> None:
-        if self.waiting_since is None:
-            self.waiting_since = now
-
-    def resume(self, now: float) -> None:
-        if self.waiting_since is not None:
-            self.waiting_s += now - self.waiting_since
-            self.waiting_since = None
 
     def abort_step(self, now: float) -> None:
         """A step in progress is cut short: the time it would still have taken was never spent."""

@@ -38,3 +38,20 @@ class StepTimer:
             factor *= max(0.1, 1.0 + self.jitter * float(self._rng.standard_normal()))
         self.last_s = self.mean_s * factor
         return self.last_s
+
+
+class Waiting:
+    """Time a simulated learner spends held up, counted from `wait` to `resume` (the classes that mix
+    this in keep `waiting_since: float | None` and `waiting_s: float`)."""
+
+    waiting_since: float | None
+    waiting_s: float
+
+    def wait(self, now: float) -> None:
+        if self.waiting_since is None:
+            self.waiting_since = now
+
+    def resume(self, now: float) -> None:
+        if self.waiting_since is not None:
+            self.waiting_s += now - self.waiting_since
+            self.waiting_since = None
