@@ -20,7 +20,8 @@ import torch
 
 from diloco.core.accumulate import Contribution, trip_of
 from diloco.core.messages import Push, Update
-from diloco.core.rounds import FragmentState, Publish, RoundRecord, RoundRefused, mean_cosine, token_weight
+from diloco.core.rounds import (FragmentState, ProtocolError, Publish, RoundRecord, RoundRefused, mean_cosine,
+                                token_weight)
 from diloco.outer.merge import tensor_norm
 
 if TYPE_CHECKING:
@@ -205,7 +206,41 @@ def answer(core: SyncerCore, state: FragmentState, acks: dict[int, int], next_pu
         a = answers[m]
         core.held_versions.setdefault(m, {})[p] = state.version
         updates[m] = Update(p, state.version, a.values, ack_seq=ack, payload_bytes=a.payload_bytes, wire=a.wire,
-                            relative=a.relative, next_push_at=next_push.get(m))
+                            relative=a.relative, next_push_at=next_push.get(m), base_version=held[m])
     alive_held = [core.held_versions.get(m, {}).get(p, 0) for m in core.alive]
     state.downlink.forget_before(min(alive_held, default=state.version))
     return updates
+
+
+def answers_lost(core: SyncerCore, learner: int, holds: tuple[tuple[int, int], ...]) -> list[Publish]:
+    """A learner says what it holds (it opened its update stream again): each fragment it holds an older
+    version of than it was sent lost its answer on the way, so it counts as holding what it says and
+    gets that answer again (a notice, or the answer itself), made from there. A claim of a version it
+    was never sent is refused whole (ProtocolError), with nothing changed."""
+    if not core.holds_state(learner):
+        raise ProtocolError(f"learner {learner} holds nothing of this shard: it must rejoin first")
+    sent = core.held_versions[learner]
+    lowered = {}
+    for p, version in holds:
+        if p not in core.fragments:
+            raise ProtocolError(f"learner {learner} claims fragment {p}, which is not held here")
+        if version > sent.get(p, 0):
+            raise ProtocolError(f"learner {learner} claims version {version} of fragment {p}; it was sent "
+                                f"version {sent.get(p, 0)}")
+        if version < sent.get(p, 0):
+            lowered[p] = version
+    ack = core.ledger[learner].last_seq if learner in core.ledger else 0
+    if ack <= core.session_start.get(learner, 0):
+        ack = 0  # nothing pushed in this life: no answer is owed
+    publishes = []
+    for p, version in lowered.items():
+        sent[p] = version
+        if not ack:
+            continue
+        state = core.fragments[p]
+        if core.answers_when_taken:
+            updates = {learner: Update(p, state.version, {}, ack_seq=ack)}
+        else:
+            updates = answer(core, state, {learner: ack}, {})
+        publishes.append(Publish(p, state.version, updates))
+    return publishes

@@ -75,13 +75,24 @@ class AnswerTaken:
 
 
 @dataclass(frozen=True)
+class StreamOpened:
+    """`learner` opened its update stream, saying which version of each fragment it holds (the last
+    answer it received whole). One the syncer counts it as holding above that was sent and lost (a
+    stream that broke mid-answer): it is counted back and the answer made again from there."""
+
+    learner: int
+    holds: tuple[tuple[int, int], ...] = ()
+    """(fragment, version) pairs."""
+
+
+@dataclass(frozen=True)
 class SyncerResumed:
     """The syncer restarted from its saved state: every learner gets a fresh allowance of silence,
     since none could reach it while it was down."""
 
 
 SyncerEvent = Union[PushArrived, ProgressArrived, HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
-                    AnswerTaken, SyncerResumed]
+                    AnswerTaken, StreamOpened, SyncerResumed]
 
 
 def sender(event: SyncerEvent) -> int | None:

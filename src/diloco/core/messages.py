@@ -83,6 +83,8 @@ class Update:
     """The tensors as they travel, as messages in order: `values` encoded, or the differences that bring
     the recipient's anchors to them, one per version (`core/downlink.py`)."""
     relative: bool = False
+    base_version: int = 0
+    """The version the recipient held when it was made: a relative update's first difference applies to it."""
     next_push_at: float | None = None
     """When the recipient should push this fragment next, on its own clock (at the end of the step
     nearest to it): chosen by the syncer so that every learner's next push lands together. None leaves

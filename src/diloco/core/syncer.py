@@ -47,13 +47,13 @@ import torch
 
 from diloco.codecs import Codec, get_codec
 from diloco.core.accumulate import Sampler
-from diloco.core.closing import answer, close_round, join_round
+from diloco.core.closing import answer, answers_lost, close_round, join_round
 from diloco.core.downlink import Downlink
 from diloco.core.saving import load_saved_state, saved_state
 from diloco.core.checks import check_progress, check_push
 from diloco.core.claims import MAX_SEQ_JUMP, Claims
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
-                                PushArrived, SyncerEvent, SyncerResumed, TimerFired, sender)
+                                PushArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired, sender)
 from diloco.core.liveness import Liveness
 from diloco.core.messages import Progress, Push
 from diloco.core.outliers import NormHistory, bounded
@@ -312,6 +312,9 @@ class SyncerCore:
         (update,) = answer(self, state, {event.learner: event.ack_seq}, {event.learner: event.next_push_at}).values()
         return [SendUpdate(event.learner, update)]
 
+    def _on_stream_opened(self, event: StreamOpened, now: float) -> list[Action]:
+        return answers_lost(self, event.learner, event.holds)
+
     def _on_resumed(self, event: SyncerResumed, now: float) -> list[Action]:
         self.liveness.refresh(now)
         self._wake_at = None
@@ -319,7 +322,7 @@ class SyncerCore:
 
     _dispatch = {PushArrived: _on_push_event, ProgressArrived: _on_progress_event, HeartbeatArrived: _on_heartbeat,
                  TimerFired: _on_timer_event, LearnerLeft: _on_leave, LearnerRejoined: _on_rejoin,
-                 AnswerTaken: _on_answer_taken, SyncerResumed: _on_resumed}
+                 AnswerTaken: _on_answer_taken, StreamOpened: _on_stream_opened, SyncerResumed: _on_resumed}
 
     # ------------------------------------------------------------ events
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from diloco.codecs import Encoded
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
-                                PushArrived, SyncerEvent, SyncerResumed, TimerFired)
+                                PushArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired)
 from diloco.core.messages import Progress, Push
 from diloco.errors import DilocoError
 from diloco.transport.frames import decode, message_frames, read_message
@@ -244,7 +244,7 @@ def _next_header(view: memoryview, start: int) -> int | None:
 
 NOW = struct.Struct("<d")
 PLAIN_EVENTS = {cls.__name__: cls for cls in (HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
-                                              AnswerTaken, SyncerResumed)}
+                                              AnswerTaken, StreamOpened, SyncerResumed)}
 QUIET_EVENTS = (ProgressArrived, HeartbeatArrived)
 """Events that need not be on disk before they are answered: the next event that is (every event that
 decides something) makes them durable too, being later in the same file."""
@@ -272,6 +272,8 @@ def decode_event(kind: str, payload: bytes) -> tuple[SyncerEvent, float]:
         return ProgressArrived(Progress(**{**fields, "due_in_s": tuple(fields["due_in_s"])})), now
     if kind == "LearnerRejoined" and fields["fragments"] is not None:
         fields["fragments"] = tuple(fields["fragments"])
+    if kind == "StreamOpened":
+        fields["holds"] = tuple((int(p), int(v)) for p, v in fields["holds"])
     if kind not in PLAIN_EVENTS:
         raise ValueError(f"unknown journal event {kind!r}")
     return PLAIN_EVENTS[kind](**fields), now

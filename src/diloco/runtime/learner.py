@@ -133,6 +133,8 @@ class Learner:
             self.id, self.params, fragments, versions=[joined.versions[p] for p in range(len(fragments))],
             first_seq=joined.last_seq, encode_later=True)
         self._shard_of = {p: shard for shard in self.shards for p in shard.fragments}
+        self._received = dict(joined.versions)
+        """Per fragment, the version of the last answer received whole: what a reopened stream claims."""
         log.info("learner %d joined %d shard(s); %d fragments", self.id, len(self.shards), len(fragments))
 
     # ------------------------------------------------------------ the training thread
@@ -359,18 +361,21 @@ class Learner:
         while not self._halt.is_set():
             partial: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
             """Per fragment, an answer's differences applied so far (and their bytes), until its last."""
+            holds = {p: self._received[p] for p in shard.fragments}
             try:
-                for header, tensors in shard.client.updates(self.id):
+                for header, tensors in shard.client.updates(self.id, holds):
                     base, nbytes = partial.pop(header.fragment, (None, 0))
                     nbytes += MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in tensors.values())
                     update, ready = self._decode_update(header, tensors, nbytes, base)
                     if header.continued:
                         partial[header.fragment] = (update.values, nbytes)
                         continue
+                    self._received[header.fragment] = header.version
                     self._inbox.put(self.down.send(nbytes), (update, ready))
                 reason = "the update stream ended"
             except (SyncerUnavailable, ValueError) as exc:
                 reason = str(exc)
+                shard.client.cancel_updates()
             if self._halt.wait(RECONNECT_S):
                 return
             log.warning("learner %d: %s (shard %d); reconnecting", self.id, reason, shard.index)
@@ -383,6 +388,9 @@ class Learner:
         p = header.fragment
         anchors = self.core.anchors[p] if base is None else base
         relative = {t.name: t.relative for t in header.tensors}
+        if base is None and any(relative.values()) and header.base_version != self._received[p]:
+            raise ValueError(f"an answer of fragment {p} applies to version {header.base_version}, this learner "
+                             f"holds {self._received[p]}: an answer was lost")
         values = {}
         with self.staging.side():
             for name, encoded in tensors.items():

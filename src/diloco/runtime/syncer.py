@@ -26,7 +26,7 @@ import torch
 
 from diloco.config import Config
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
-                                PushArrived, SyncerEvent, TimerFired)
+                                PushArrived, StreamOpened, SyncerEvent, TimerFired)
 from diloco.core.messages import Progress, Update
 from diloco.core.messages import Push as PushMessage
 from diloco.errors import DilocoError
@@ -38,6 +38,7 @@ from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.clock import SYSTEM_CLOCK, Clock
 from diloco.runtime.journal import JournalError, JournalHalted, push_of, push_payload
 from diloco.runtime import serving, shard_resume
+from diloco.runtime.answer_slots import AnswerSlots, Slot
 from diloco.runtime.serving import serve
 from diloco.runtime.settings import check_shards, settings_of
 from diloco.runtime.shard_plan import ShardPlan, fragments_of, parse_shard
@@ -92,6 +93,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.push_errors = 0
         self.decoding = threading.BoundedSemaphore(DECODING_PUSHES)
         """Pushes decoded at once: the others wait in their compressed form."""
+        self.answer_slots = AnswerSlots()
         self.finished = False
         self.started = clock.now()
         self.metrics = metrics or MetricsLog([])
@@ -368,19 +370,52 @@ class SyncerShard(pb_grpc.SyncerServicer):
             stream_id = self.streams.get(learner, 0) + 1
             self.streams[learner] = stream_id
             outbox = self.outboxes.setdefault(learner, queue.Queue())
-        while context.is_active() and not self._stopping and self.streams.get(learner) == stream_id:
+            if request.holds:
+                self._stream_opened(learner, tuple((h.fragment, h.version) for h in request.holds), context)
+
+        def open_() -> bool:
+            return context.is_active() and not self._stopping and self.streams.get(learner) == stream_id
+        taken: list[Slot] = []
+        context.add_callback(lambda: taken and taken[-1].release())  # the RPC ended mid-answer
+        while open_():
             try:
                 notice = outbox.get(timeout=OUTBOX_POLL_S)
             except queue.Empty:
                 continue
-            update = self._answer(learner, notice)
-            if update is None:
-                continue
-            for index, message in enumerate(update.wire):
-                header = pb.UpdateHeader(fragment=update.fragment, version=update.version, ack_seq=update.ack_seq,
-                                         tensors=[tensor_header(n, e, update.relative) for n, e in message.items()],
-                                         next_push_at=update.next_push_at, continued=index < len(update.wire) - 1)
-                yield from message_frames(pb.Frame(update=header), message)
+            slot = self.answer_slots.take(open_)
+            if slot is None:  # the stream ended while it waited: a reopened one claims what it holds
+                break
+            taken[:] = [slot]
+            try:
+                update = self._answer(learner, notice)
+                if update is None or update.relative:
+                    slot.release()  # its differences are shared: no new memory to bound
+                if update is None:
+                    continue
+                if not update.relative:
+                    slot.hold_until_sent(update.wire_bytes(), context.cancel)
+                for index, message in enumerate(update.wire):
+                    header = pb.UpdateHeader(
+                        fragment=update.fragment, version=update.version, ack_seq=update.ack_seq,
+                        tensors=[tensor_header(n, e, update.relative) for n, e in message.items()],
+                        next_push_at=update.next_push_at, continued=index < len(update.wire) - 1,
+                        base_version=update.base_version + index)
+                    yield from message_frames(pb.Frame(update=header), message)
+            finally:
+                slot.release()
+
+    def _stream_opened(self, learner: int, holds: tuple[tuple[int, int], ...], context: grpc.ServicerContext
+                       ) -> None:
+        """What the learner says it holds: answers it lost are made again. A claim the core refuses
+        changes nothing and the stream opens all the same (the learner loses only what it lied about)."""
+        if self.core is None or learner not in self.joined or learner in self.left:
+            return
+        try:
+            self.apply(StreamOpened(learner, holds), self.clock.now())
+        except ProtocolError as exc:
+            log.warning("learner %d reopened its update stream: %s (nothing changed)", learner, exc)
+        except JournalError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {self.plan.index} cannot journal: {exc}")
 
     def _answer(self, learner: int, notice: Update) -> Update | None:
         """The answer a notice stands for, made now (journaled: what the learner holds changes); None

@@ -122,9 +122,12 @@ class ShardClient:
         frames = message_frames(pb.Frame(push=header), tensors)
         return self._call("push", self.stub.Push, frames, timeout=600)
 
-    def updates(self, learner: int) -> Iterator[tuple[pb.UpdateHeader, dict[str, Encoded]]]:
-        """New versions for `learner`, as the shard publishes them, until the stream is cancelled or ends."""
-        call = self.stub.Updates(pb.UpdatesRequest(learner=learner))
+    def updates(self, learner: int, holds: dict[int, int] | None = None
+                ) -> Iterator[tuple[pb.UpdateHeader, dict[str, Encoded]]]:
+        """New versions for `learner`, as the shard publishes them, until the stream is cancelled or ends.
+        `holds`: the version of each fragment it last received whole (answers lost on the way come again)."""
+        claims = [pb.FragmentVersion(fragment=p, version=v) for p, v in (holds or {}).items()]
+        call = self.stub.Updates(pb.UpdatesRequest(learner=learner, holds=claims))
         self._updates_call = call
         frames = iter(call)
         try:

@@ -51,20 +51,22 @@ class PushHeader(_message.Message):
     def __init__(self, learner: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("fragment", "version", "ack_seq", "tensors", "next_push_at", "continued")
+    __slots__ = ("fragment", "version", "ack_seq", "tensors", "next_push_at", "continued", "base_version")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PUSH_AT_FIELD_NUMBER: _ClassVar[int]
     CONTINUED_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     ack_seq: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     next_push_at: float
     continued: bool
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., ack_seq: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., next_push_at: _Optional[float] = ..., continued: _Optional[bool] = ...) -> None: ...
+    base_version: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., ack_seq: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., next_push_at: _Optional[float] = ..., continued: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class FragmentVersion(_message.Message):
     __slots__ = ("fragment", "version")
@@ -211,10 +213,12 @@ class PushReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., clipped: _Optional[bool] = ...) -> None: ...
 
 class UpdatesRequest(_message.Message):
-    __slots__ = ("learner",)
+    __slots__ = ("learner", "holds")
     LEARNER_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FIELD_NUMBER: _ClassVar[int]
     learner: int
-    def __init__(self, learner: _Optional[int] = ...) -> None: ...
+    holds: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
+    def __init__(self, learner: _Optional[int] = ..., holds: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("learner", "tokens", "steps", "step_time_s", "due_in_s")
