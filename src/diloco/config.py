@@ -69,6 +69,16 @@ class LearnersConfig:
     step_time_s: float = 0.05
     """Simulator: virtual seconds of one inner step at speed 1 (the built-in model's step in `diloco
     run` on a 2-core machine; set your learners' own to predict a real run)."""
+    min: int = 0
+    """`diloco run --ray`: the fewest learners the run trains on (it waits for capacity below that);
+    0 means `count`."""
+    max: int = 0
+    """`diloco run --ray`: the most learners at once, started wherever matching capacity appears; 0 means
+    `count`. Learners beyond `count` get new ids and train at speed 1."""
+
+    def bounds(self) -> tuple[int, int]:
+        """(min, max) learners of an elastic run, their zeros resolved to `count`."""
+        return self.min or self.count, self.max or self.count
 
 
 @dataclass
@@ -204,6 +214,35 @@ class MetricsConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where `diloco run --ray` places its processes (the local launcher ignores this section)."""
+
+    learner_cpus: float = 1.0
+    """CPUs each learner process reserves."""
+    learner_gpus: float = 0.0
+    """GPUs each learner process reserves."""
+    learner_processes: int = 1
+    """Processes of one learner (data-parallel ranks under torchrun): started together, on one node."""
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each learner reserves, e.g. {chip_h100 = 1}."""
+    learner_labels: dict[str, str] = field(default_factory=dict)
+    """Node labels a learner's node must carry, e.g. {region = "eu-west"}."""
+    syncer_cpus: float = 1.0
+    """CPUs each syncer shard reserves (shards never ask for a GPU)."""
+    syncer_labels: dict[str, str] = field(default_factory=dict)
+    """Node labels a shard's node must carry."""
+    storage: str = ""
+    """A folder every node sees (NFS, a mounted bucket): shards' state and journals, learners'
+    checkpoints and reports, logs. Empty: the run's output folder, which must then be shared."""
+    price_label: str = "price_per_hour"
+    """The node label that holds a node's price per hour: the cheapest matching nodes fill first."""
+    region_label: str = "region"
+    """The node label that names a node's region, for the reports."""
+    below_min_timeout_s: float = 300.0
+    """How long the run may stay below `learners.min` learners before it stops (state saved)."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     strategy: Strategy = "decoupled"
@@ -216,6 +255,7 @@ class Config:
     failures: FailuresConfig = field(default_factory=FailuresConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def speeds(self) -> list[float]:
         return list(self.learners.speeds) or [1.0] * self.learners.count
@@ -335,6 +375,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if dataclasses.is_dataclass(item_hint):
             return [_build(item_hint, v, prefix=f"{key}[{i}].") for i, v in enumerate(value)]
         return [_coerce(v, item_hint, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_hint, item_hint = get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a table, e.g. {{name = 1}}; got {value!r}")
+        return {_coerce(k, key_hint, key): _coerce(v, item_hint, f"{key}.{k}") for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
         raise TypeError(f"unsupported config type for {key}: {hint}")
     if hint is bool:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from diloco.errors import ConfigError
 
 if TYPE_CHECKING:
-    from diloco.config import (Config, DataConfig, FailuresConfig, LearnersConfig, LinkConfig, ModelConfig,
+    from diloco.config import (ClusterConfig, Config, DataConfig, FailuresConfig, LearnersConfig, LinkConfig, ModelConfig,
                                OuterConfig, Strategy, TrainConfig)
 
 
@@ -42,6 +42,8 @@ def _numbers(node: Any, key: str) -> list[tuple[str, Any]]:
                 for pair in _numbers(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)]
     if isinstance(node, list):
         return [pair for i, item in enumerate(node) for pair in _numbers(item, f"{key}[{i}]")]
+    if isinstance(node, dict):
+        return [pair for name, item in node.items() for pair in _numbers(item, f"{key}.{name}")]
     if isinstance(node, (int, float)) and not isinstance(node, bool):
         return [(key, node)]
     return []
@@ -64,6 +66,7 @@ def validate(config: Config) -> None:
     _validate_bounds(config)
     _validate_train(config.train)
     _validate_learners(config.learners)
+    _validate_cluster(config.cluster)
     _validate_outer(config.outer, config.strategy, config.learners.count)
     _validate_failures(config.failures, config.learners.count)
     _validate_link(config.link)
@@ -135,6 +138,29 @@ def _validate_learners(lc: LearnersConfig) -> None:
     _require(0 <= lc.drift < 1, "learners.drift", "must be in [0, 1)", lc.drift)
     _require(lc.drift_steps > 0, "learners.drift_steps", "must be positive", lc.drift_steps)
     _require(lc.step_time_s > 0, "learners.step_time_s", "must be positive", lc.step_time_s)
+    _require(lc.min >= 0, "learners.min", "must be zero (the count) or positive", lc.min)
+    _require(lc.max >= 0, "learners.max", "must be zero (the count) or positive", lc.max)
+    _require(lc.min <= lc.count, "learners.min", f"must be at most learners.count ({lc.count})", lc.min)
+    _require(lc.max == 0 or lc.max >= lc.count, "learners.max", f"must be at least learners.count ({lc.count})",
+             lc.max)
+    _require_at_most(lc.max, MAX_LEARNERS, "learners.max", low=0, why="the syncer keeps a ledger per learner")
+
+
+def _validate_cluster(c: ClusterConfig) -> None:
+    """What a Ray launcher reserves per process: nothing negative, and a learner that needs something."""
+    _require(c.learner_processes > 0, "cluster.learner_processes", "must be positive", c.learner_processes)
+    _require_at_most(c.learner_processes, 4096, "cluster.learner_processes")
+    for key, value in (("cluster.learner_cpus", c.learner_cpus), ("cluster.learner_gpus", c.learner_gpus),
+                       ("cluster.syncer_cpus", c.syncer_cpus),
+                       *((f"cluster.learner_resources.{k}", v) for k, v in c.learner_resources.items())):
+        _require(value >= 0, key, "must be zero or positive", value)
+    _require(c.learner_cpus + c.learner_gpus + sum(c.learner_resources.values()) > 0, "cluster.learner_cpus",
+             "a learner must reserve something (CPUs, GPUs or a custom resource)", c.learner_cpus)
+    for key, names in (("cluster.learner_resources", c.learner_resources), ("cluster.learner_labels", c.learner_labels),
+                       ("cluster.syncer_labels", c.syncer_labels)):
+        for name in names:
+            _require(bool(name.strip()), key, "names must not be empty", name)
+    _require(c.below_min_timeout_s > 0, "cluster.below_min_timeout_s", "must be positive", c.below_min_timeout_s)
 
 
 def _validate_outer(o: OuterConfig, strategy: Strategy, learners: int) -> None:

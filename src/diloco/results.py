@@ -66,6 +66,12 @@ class RunResult:
     shards: int = 1
     endpoints: dict[str, str] = field(default_factory=dict)
     """What a real run's processes served (metrics, status page)."""
+    launcher: str = ""
+    """Who started a real run's processes: `local` (this machine) or `ray` (a Ray cluster); empty in the
+    simulator."""
+    cluster: dict[str, Any] = field(default_factory=dict)
+    """A Ray run's use of the cluster: node-hours, cost, cost per million merged tokens, every
+    placement and what happened to it."""
 
     def summary(self) -> dict[str, Any]:
         return asdict(self)

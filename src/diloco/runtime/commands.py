@@ -116,6 +116,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_security_arguments(p)
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/run-STRATEGY-TIME)")
     p.add_argument("--shards", type=int, default=1, metavar="N", help="syncer shard processes (default 1)")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run on the Ray cluster at ADDRESS (`local`: a Ray instance on this machine, stopped at "
+                        "the end); needs the `ray` extra. See docs/cluster.md")
     add_http_auth_argument(p)
 
 
@@ -131,9 +134,13 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     out = output_folder(Path(args.out) if args.out else
                         Path("runs") / f"run-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     security, secret_env = with_run_secret(configured)
+    options = dict(shards=args.shards, verbose=args.verbose, security=security, env=secret_env,
+                   http_auth=args.http_auth)
     with sigterm_as_interrupt():
-        launcher = Launcher(config, config_args(args), out, shards=args.shards, verbose=args.verbose,
-                            security=security, env=secret_env, http_auth=args.http_auth)
+        if args.ray:
+            launcher = ray_launcher()(config, config_args(args), out, address=args.ray, **options)
+        else:
+            launcher = Launcher(config, config_args(args), out, **options)
         try:
             summary = launcher.run() if args.quiet else _run_with_bars(launcher)
         except KeyboardInterrupt:
@@ -149,12 +156,24 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def ray_launcher() -> type[Launcher]:
+    """The Ray launcher, imported only when asked for: `import diloco` never imports Ray."""
+    try:
+        from diloco.cluster.launcher import RayLauncher
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray":
+            raise
+        raise DilocoError("--ray needs Ray: pip install 'diloco[ray]'") from None
+    return RayLauncher
+
+
 def _run_with_bars(launcher: Launcher) -> dict[str, Any]:
     """The launcher's run, with a bar per learner (its tokens) and one for the syncer (its rounds)."""
     with progress_bars("{task.description}", "{task.fields[detail]}") as bars:
         speeds = launcher.config.speeds()
         tasks = {m: bars.add_task(f"learner {m} (speed {speeds[m]:g})", total=planned, detail="")
                  for m, planned in launcher.progress.planned.items()}
+        planned_beyond = list(launcher.progress.planned.values())[-1]
         syncer = bars.add_task("syncer", total=None, detail="starting")
         shown: list[bool] = []
 
@@ -162,6 +181,8 @@ def _run_with_bars(launcher: Launcher) -> dict[str, Any]:
             if not shown and "status page" in launcher.endpoints:
                 bars.console.print(f"status page: {launcher.endpoints['status page']}")
                 shown.append(True)
+            for m in progress.tokens.keys() - tasks.keys():  # an elastic run's new learners
+                tasks[m] = bars.add_task(f"learner {m} (speed 1)", total=planned_beyond, detail="")
             for m, task in tasks.items():
                 done = progress.tokens.get(m, 0)
                 bars.update(task, completed=done, detail=f"{done:,} tokens")

@@ -74,11 +74,14 @@ class Launcher:
         settings_of(config)  # refuses a strategy the real runtime cannot run, with the reason
         check_shards(config, shards)
         self.config, self.out, self.shard_count = config, out, shards
+        self.shared = self.shared_folder(config, out)
+        """Where the children write (state, journals, checkpoints, reports, logs, ports): the output folder
+        itself on one machine; a folder every node sees on a cluster."""
         self.security = security or PLAINTEXT
         self.http_args = ["--http-bind", "127.0.0.1", *(["--http-auth"] if http_auth else [])]
         self.config_args = [*config_args, *(["--verbose"] if verbose else []), *self.security.argv]
-        self.children = Children(out / "logs")
-        self.ports = out / "ports"
+        self.children = self.make_children()
+        self.ports = self.shared / "ports"
         """Where each child writes the ports it got: every server here binds port 0."""
         self.addresses: list[str] = []
         """Each shard's address, once it has reported its port."""
@@ -89,7 +92,7 @@ class Launcher:
         shard 0, the status page."""
         self.endpoint_files: dict[str, tuple[Path, str]] = {}
         """Each endpoint's port file, and its URL with {} for the port."""
-        self.metrics = open_metrics(out / "metrics", name="launcher", origin=self.started_unix)
+        self.metrics = open_metrics(self.shared / "metrics", name="launcher", origin=self.started_unix)
         self.clients: list[ShardClient] = []
         t = config.train
         torch.set_num_threads(1)  # evaluating Θ here must not take the cores the learners share
@@ -122,6 +125,32 @@ class Launcher:
         finally:
             self.stop()
 
+    # ------------------------------------------------------------ what a cluster launcher changes
+
+    launcher_name = "local"
+
+    @staticmethod
+    def shared_folder(config: Config, out: Path) -> Path:
+        return out
+
+    def make_children(self) -> Children:
+        return Children(self.shared / "logs")
+
+    def _place(self, name: str) -> str:
+        """Where the child `name` will run, as the host others reach it at: here, this machine."""
+        return "127.0.0.1"
+
+    def _tend(self) -> None:
+        """Called on every look at the run: a cluster launcher replaces what it lost here."""
+
+    def cluster_report(self, tokens_merged: float) -> dict[str, Any]:
+        """What a cluster run used (nothing on one machine)."""
+        return {}
+
+    def learner_ids(self) -> list[int]:
+        """Every learner that took part."""
+        return list(range(self.config.learners.count))
+
     def stop(self) -> None:
         """Learners first (they push what they have and leave), then the shards (they save their state);
         then every process's metrics are merged into one time-ordered metrics.jsonl."""
@@ -131,7 +160,7 @@ class Launcher:
         for client in self.clients:
             client.close()
         self.metrics.close()
-        merge_metrics(self.out / "metrics", self.out / "metrics.jsonl")
+        merge_metrics(self.shared / "metrics", self.out / "metrics.jsonl")
 
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "diloco", *args, *self.config_args]
@@ -142,27 +171,32 @@ class Launcher:
         for path in self.ports.glob("*.port"):
             path.unlink()  # a previous run's ports in the same folder
         port_files = [self.ports / f"syncer-{i}.port" for i in range(self.shard_count)]
-        shard_map = ",".join(f"127.0.0.1:@{path}" for path in port_files)
-        for i, port_file in enumerate(port_files):
+        hosts = [self._place(f"syncer-{i}") for i in range(self.shard_count)]
+        shard_map = ",".join(f"{host}:@{path}" for host, path in zip(hosts, port_files))
+        for i, (host, port_file) in enumerate(zip(hosts, port_files)):
             self.children.start(f"syncer-{i}", self._python(
-                "syncer", "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--shards", shard_map,
-                "--shard", f"{i}/{self.shard_count}", "--out", str(self.out),
+                "syncer", "--bind", f"{host}:0", "--port-file", str(port_file), "--shards", shard_map,
+                "--shard", f"{i}/{self.shard_count}", "--out", str(self.shared),
                 *self._endpoint_args(f"syncer-{i}", status=i == 0)), env=self.env)
-        for i, port_file in enumerate(port_files):
+        for i, (host, port_file) in enumerate(zip(hosts, port_files)):
             child = self.children.children[f"syncer-{i}"]
             port = wait_for_port(port_file, f"syncer-{i}", gone=lambda child=child: self._why_gone(child),
                                  timeout_s=STARTUP_TIMEOUT_S)
-            child.set_option("--bind", f"127.0.0.1:{port}")  # a restarted shard serves where learners look for it
-            self.addresses.append(f"127.0.0.1:{port}")
+            child.set_option("--bind", f"{host}:{port}")  # a restarted shard serves where learners look for it
+            self.addresses.append(f"{host}:{port}")
             self.clients.append(ShardClient(self.addresses[-1], self.security))
         self._collect_endpoints()
 
     def _start_learners(self) -> None:
-        env = {"OMP_NUM_THREADS": "1", **self.env}  # one thread per learner: they share this machine's cores
         for m in range(self.config.learners.count):
-            self.children.start(f"learner-{m}", self._python(
-                "learner", "--syncer", self.addresses[0], "--id", str(m), "--emulate-link",
-                "--out", str(self.out), *self._endpoint_args(f"learner-{m}")), env=env)
+            self._start_learner(m)
+
+    def _start_learner(self, m: int) -> None:
+        self._place(f"learner-{m}")
+        env = {"OMP_NUM_THREADS": "1", **self.env}  # one thread per learner: they share this machine's cores
+        self.children.start(f"learner-{m}", self._python(
+            "learner", "--syncer", self.addresses[0], "--id", str(m), "--emulate-link",
+            "--out", str(self.shared), *self._endpoint_args(f"learner-{m}")), env=env)
 
     def _endpoint_args(self, name: str, status: bool = False) -> list[str]:
         """A child's Prometheus endpoint (and status page) on any free port, reported in a port file."""
@@ -198,6 +232,7 @@ class Launcher:
 
     def _watch(self, on_progress: Callable[[Progress], None] | None) -> None:
         while True:
+            self._tend()
             self._check_children()
             learners_done = not self.children.running("learner") and not any(
                 n.startswith("learner") for n in self.expected_down)
@@ -273,15 +308,15 @@ class Launcher:
         shards = [json.loads(c.status().report_json) for c in self.clients]
         write_output(self.out / "syncer" / "shards.json", json.dumps(shards, indent=2) + "\n")
         learners = []
-        for m in range(self.config.learners.count):
-            path = self.out / "learners" / f"learner-{m}.json"
+        for m in self.learner_ids():
+            path = self.shared / "learners" / f"learner-{m}.json"
             if not path.is_file():
                 raise DilocoError(f"learner {m} left no report at {path}")
             learners.append(json.loads(path.read_text()))
         parameters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         numel = {int(p): n for shard in shards for p, n in shard.get("fragment_numel", {}).items()}
         rounds = [r for shard in shards for r in shard.get("rounds", [])]
-        lives = learner_lives(self.out / "metrics")
+        lives = learner_lives(self.shared / "metrics")
         totals = {"merged": 0.0, "stale": 0.0, "lost": 0.0}
         reports = []
         for r in learners:
@@ -313,6 +348,7 @@ class Launcher:
             learners_eval_loss_mean=sum(learner_losses) / len(learner_losses) if learner_losses else None,
             clock="real", wall_clock_s=clock.monotonic() - self.started,
             duplicates=sum(e.get("duplicates", 0) for s in shards for e in s.get("ledger", {}).values()),
-            shards=self.shard_count, endpoints=dict(self.endpoints))
+            shards=self.shard_count, endpoints=dict(self.endpoints), launcher=self.launcher_name,
+            cluster=self.cluster_report(tokens_merged=totals["merged"]))
         self.result = result
         return result.summary()

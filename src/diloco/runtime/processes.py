@@ -38,24 +38,19 @@ def die_with_parent() -> None:
 
 
 @dataclass
-class Child:
+class Started:
+    """What every started child has, wherever it runs: its command line and its log."""
+
     name: str
-    process: subprocess.Popen
-    log_path: Path
-    log_file: IO[bytes]
     argv: list[str]
     env: dict[str, str]
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.poll()
+    log_path: Path
 
     def set_option(self, option: str, value: str) -> None:
         """Give `option` this value from the child's next restart on."""
         self.argv[self.argv.index(option) + 1] = value
 
     def log_tail(self, lines: int = 5) -> str:
-        self.log_file.flush()
         try:
             text = self.log_path.read_text(errors="replace").strip().splitlines()
         except OSError:
@@ -63,19 +58,33 @@ class Child:
         return "\n".join(text[-lines:])
 
 
+@dataclass
+class Child(Started):
+    process: subprocess.Popen | None = None
+    log_file: IO[bytes] | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    def log_tail(self, lines: int = 5) -> str:
+        self.log_file.flush()
+        return super().log_tail(lines)
+
+
 class Children:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.children: dict[str, Child] = {}
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log_file = open(log_path, "ab")  # a restarted child's log goes on after its previous life's
         full_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=full_env, start_new_session=True)
-        child = Child(name, process, log_path, log_file, list(argv), dict(env or {}))
+                                   env=full_env, start_new_session=True, cwd=cwd)
+        child = Child(name, list(argv), dict(env or {}), log_path, process=process, log_file=log_file)
         self.children[name] = child
         return child
 

@@ -95,11 +95,11 @@ def init_limit_bytes() -> int:
 def serve(shard: SyncerShard, bind: str, workers: int | None = None,
           security: TransportSecurity | None = None, limits: CallLimits | None = None) -> tuple[grpc.Server, int]:
     """Start serving `shard` on `bind` (HOST:PORT; port 0 picks a free one); return the server and its
-    port. `workers` defaults to what the configured learners need (`pool_size`). A one-line error if the
-    port is taken."""
+    port. `workers` defaults to what the configured learners need (`pool_size`), up to `learners.max` of an
+    elastic run. A one-line error if the port is taken."""
     security = security or PLAINTEXT
     limits = limits or CallLimits()
-    workers = workers or pool_size(shard.settings.learners, limits)
+    workers = workers or pool_size(max(shard.settings.learners, shard.config.learners.bounds()[1]), limits)
     raise_open_file_limit()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="syncer-rpc"),
                          interceptors=server_interceptors(security, limits), options=SERVER_OPTIONS,
