@@ -73,6 +73,9 @@ class RayLauncher(Launcher):
             self.price_label, self.region_label = config.cluster.price_label, config.cluster.region_label
             self.node_seen: dict[str, float] = {}
             """When the launcher first saw each node (monotonic)."""
+            self.dead_nodes: set[str] = set()
+            """Nodes where a process of the run was lost: never used again (Ray still lists a node as alive
+            for a while after it died; a node that comes back has a new id)."""
             self.handled: set[int] = set()
             """Children (by id()) whose end was dealt with."""
             self.shard_restarts: dict[str, int] = {}
@@ -121,6 +124,8 @@ class RayLauncher(Launcher):
             if code is None or id(child) in self.handled:
                 continue
             self.handled.add(id(child))
+            if code in GONE:
+                self.dead_nodes.add(child.node.id)
             if child.name.startswith("learner"):
                 self._learner_ended(child, code)
             elif code != 0:
@@ -136,6 +141,15 @@ class RayLauncher(Launcher):
     def learner_ids(self) -> list[int]:
         return sorted(self.fleet.started)
 
+    def may_vanish(self, learner: int) -> bool:
+        return learner in self.fleet.vacant
+
+    def _failed(self, child: RayChild) -> bool:
+        """A learner taken away with its node is a loss the run survives, not a failure (a shard's is
+        one while its restarts last: `expected_down`)."""
+        lost_learner = child.name.startswith("learner") and child.returncode in GONE
+        return not lost_learner and super()._failed(child)
+
     def stop(self) -> None:
         try:
             super().stop()
@@ -149,7 +163,7 @@ class RayLauncher(Launcher):
     # ------------------------------------------------------------ placement
 
     def _nodes(self) -> list[Node]:
-        nodes = live_nodes(ray.nodes(), self.price_label)
+        nodes = [n for n in live_nodes(ray.nodes(), self.price_label) if n.id not in self.dead_nodes]
         for node in nodes:
             self.node_seen.setdefault(node.id, clock.monotonic())
         return nodes

@@ -63,6 +63,17 @@ def merge_metrics(folder: Path, into: Path) -> None:
     write_output(into, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
 
+def report_from_metrics(learner: int, last: dict[str, Any], speed: float) -> dict[str, Any]:
+    """What a learner that vanished without its report last recorded, in the report's shape: its time
+    from the run's start (it had no other clock), the busy part of it, its bytes."""
+    wall = last.get("time_s", 0.0)
+    return {"learner": learner, "speed": speed, "tokens": last["tokens"], "steps": last["steps"],
+            "busy_s": last.get("busy_fraction", 0.0) * wall, "waiting_s": 0.0, "wall_s": wall,
+            "busy_fraction": last.get("busy_fraction", 0.0), "bytes_up": last.get("bytes_up", 0),
+            "bytes_down": last.get("bytes_down", 0), "peak_message_bytes_up": 0, "eval_loss": None,
+            "reported": False}
+
+
 class Launcher:
     def __init__(self, config: Config, config_args: list[str], out: Path, shards: int = 1,
                  verbose: bool = False, security: TransportSecurity | None = None,
@@ -121,7 +132,8 @@ class Launcher:
             self._wait_finished()
             summary = self._summarise()
             self.children.stop("syncer", sig=signal.SIGTERM)
-            return summary
+            self.result.cluster = self.cluster_report(self.result.tokens_merged)  # with the shards' ends
+            return {**summary, "cluster": self.result.cluster}
         finally:
             self.stop()
 
@@ -146,6 +158,10 @@ class Launcher:
     def cluster_report(self, tokens_merged: float) -> dict[str, Any]:
         """What a cluster run used (nothing on one machine)."""
         return {}
+
+    def may_vanish(self, learner: int) -> bool:
+        """Whether a learner may end without its report (its node went away and nobody replaced it)."""
+        return False
 
     def learner_ids(self) -> list[int]:
         """Every learner that took part."""
@@ -225,10 +241,13 @@ class Launcher:
     def _check_children(self) -> None:
         """A child that failed ends the run with its name, exit code and last log lines."""
         for child in self.children.children.values():
-            code = child.returncode
-            if code not in (None, 0) and child.name not in self.expected_down:
+            if self._failed(child):
+                code = child.returncode
                 raise DilocoError(f"{child.name} exited with code {code}; its log ({child.log_path}) ends:\n"
                                   f"{child.log_tail()}")
+
+    def _failed(self, child: Child) -> bool:
+        return child.returncode not in (None, 0) and child.name not in self.expected_down
 
     def _watch(self, on_progress: Callable[[Progress], None] | None) -> None:
         while True:
@@ -307,16 +326,20 @@ class Launcher:
             torch.save(self.model.state_dict(), self.out / "model.pt")
         shards = [json.loads(c.status().report_json) for c in self.clients]
         write_output(self.out / "syncer" / "shards.json", json.dumps(shards, indent=2) + "\n")
+        lives = learner_lives(self.shared / "metrics")
         learners = []
         for m in self.learner_ids():
             path = self.shared / "learners" / f"learner-{m}.json"
-            if not path.is_file():
+            if path.is_file():
+                learners.append(json.loads(path.read_text()))
+            elif self.may_vanish(m) and m in lives:
+                speeds = self.config.speeds()
+                learners.append(report_from_metrics(m, lives[m][-1], speeds[m] if m < len(speeds) else 1.0))
+            else:
                 raise DilocoError(f"learner {m} left no report at {path}")
-            learners.append(json.loads(path.read_text()))
         parameters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         numel = {int(p): n for shard in shards for p, n in shard.get("fragment_numel", {}).items()}
         rounds = [r for shard in shards for r in shard.get("rounds", [])]
-        lives = learner_lives(self.shared / "metrics")
         totals = {"merged": 0.0, "stale": 0.0, "lost": 0.0}
         reports = []
         for r in learners:
