@@ -263,8 +263,8 @@ class RayLauncher(Launcher):
 
     def cluster_report(self, tokens_merged: float) -> dict[str, Any]:
         """Node-hours (the time this run held something on each node), cost at each node's price, and
-        every placement with how it ended."""
-        now = clock.monotonic()
+        every placement with how it ended, its times in seconds from the run's start (as in the metrics)."""
+        now, origin = clock.monotonic(), self.origin_monotonic
         spans: dict[str, list[tuple[float, float]]] = {}
         placements, prices, regions = [], {}, {}
         for child in self.children.history:
@@ -275,8 +275,8 @@ class RayLauncher(Launcher):
             outcome = ("running" if child.code is None else "lost" if child.code in GONE else f"exited {child.code}")
             placements.append({"name": child.name, "node": child.node.id, "region": regions[child.node.id],
                                "price_per_hour": prices[child.node.id],
-                               "node_seen_s": self.node_seen.get(child.node.id, child.started_s) - self.started,
-                               "started_s": child.started_s - self.started, "ended_s": end - self.started,
+                               "node_seen_s": self.node_seen.get(child.node.id, child.started_s) - origin,
+                               "started_s": child.started_s - origin, "ended_s": end - origin,
                                "outcome": outcome})
         hours = {node: _covered_s(s) / 3600 for node, s in spans.items()}
         cost = sum(hours[n] * prices[n] for n in hours)

@@ -97,6 +97,8 @@ class Launcher:
         self.addresses: list[str] = []
         """Each shard's address, once it has reported its port."""
         self.started_unix = clock.now()
+        self.origin_monotonic = clock.monotonic()
+        """The run's time 0 (as the children's metrics count it) on this process's monotonic clock."""
         self.env = {ORIGIN_ENV: repr(self.started_unix), **(env or {})}
         self.endpoints: dict[str, str] = {}
         """What each child serves, once it has reported its port: its Prometheus metrics and, for
