@@ -149,6 +149,7 @@ def measure(out: Path, summary: dict[str, Any], arrivals: list[dict[str, Any]], 
         arrival["first_merge_s"] = arrival["h_periods"] = None
         if not placed:
             continue
+        arrival["left_s"] = placed[0]["ended_s"] if placed[0]["outcome"] == "lost" else None
         m = int(placed[0]["name"].split("-")[1])
         merged = [r["time_s"] for r in rounds if m in r["participants"] and r["time_s"] >= placed[0]["started_s"]]
         if merged:
@@ -245,7 +246,8 @@ def main() -> None:
     console.print(table)
     console.print(f"final loss, churn / steady: {result['loss_ratio']:.4f}")
     for a in churned["arrivals"]:
-        merged = "never merged" if a["first_merge_s"] is None else (
+        gone = f", its node left {a['left_s'] - a['arrival_s']:.1f} s after arriving" if a.get("left_s") else ""
+        merged = f"never merged{gone}" if a["first_merge_s"] is None else (
             f"first merge {a['first_merge_s']:.1f} s after arrival"
             + (f" ({a['h_periods']:.2f} H-periods)" if a["h_periods"] is not None else ""))
         console.print(f"node {a['node'][:8]} ({a['region']}) at {a['arrival_s']:.1f} s: {a['learner']}, {merged}")

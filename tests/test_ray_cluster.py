@@ -125,6 +125,17 @@ def test_learners_fill_the_cheapest_nodes_first_and_the_run_reports_its_cost(clu
     assert_no_process_left(tmp_path)
 
 
+def test_a_learner_of_two_processes_runs_as_one_gang_on_a_node_with_room_for_both(cluster, tmp_path):
+    gang_home = cluster.add_node(num_cpus=2, labels={"role": "learner", "region": "a", "price_per_hour": "2.0"})
+    learner_node(cluster, "a", 0.5)  # cheaper, but one CPU: no room for the gang
+    summary, _ = run(tmp_path, "learners.speeds=[0.1]", "cluster.learner_processes=2", "train.tokens=10240")
+    assert [p["node"] for p in placements(summary, "learner")] == [gang_home.node_id]
+    report = json.loads((tmp_path / "learners" / "learner-0.json").read_text())
+    assert report["world"] == 2 and report["tokens"] > 0
+    assert_accounted(tmp_path, summary)
+    assert_no_process_left(tmp_path)
+
+
 def test_a_node_that_joins_mid_run_gains_a_learner_whose_pushes_merge(cluster, tmp_path):
     learner_node(cluster, "a", 1.0)
     learner_node(cluster, "a", 1.0)

@@ -240,6 +240,9 @@ class ClusterConfig:
     """The node label that names a node's region, for the reports."""
     below_min_timeout_s: float = 300.0
     """How long the run may stay below `learners.min` learners before it stops (state saved)."""
+    emulate_link: bool = True
+    """Shape each learner's traffic to `link.*`, as on one machine. Turn it off where the links between
+    nodes are the real ones being studied."""
 
 
 @dataclass

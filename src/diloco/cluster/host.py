@@ -39,6 +39,14 @@ POLL_EVERY_S = 0.5
 CALL_TIMEOUT_S = 10.0
 
 
+class NotStarted(DilocoError):
+    """Ray could not place the actor on its node, or the actor could not start the process."""
+
+    def __init__(self, node: str, message: str) -> None:
+        super().__init__(message)
+        self.node = node
+
+
 class ProcessHost:
     """Keeps one of our processes on this node; every method returns at once."""
 
@@ -123,7 +131,7 @@ class RayChildren:
             ray.get(actor.start.remote(name, list(argv), dict(env or {}), os.getcwd()), timeout=START_TIMEOUT_S)
         except (GetTimeoutError, RayError) as exc:
             ray.kill(actor)
-            raise DilocoError(f"could not start {name} on node {node.id[:8]} ({type(exc).__name__})") from None
+            raise NotStarted(node.id, f"could not start {name} on node {node.id[:8]} ({type(exc).__name__})") from None
         child = RayChild(name, list(argv), dict(env or {}), self.log_dir / f"{name}.log", actor=actor, node=node,
                          demand=demand, started_s=clock.monotonic())
         self.children[name] = child

@@ -17,6 +17,7 @@ merged twice, and what the learner trained after its last push is counted lost.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -24,18 +25,21 @@ from typing import Any
 import ray
 
 from diloco.clock import SYSTEM_CLOCK as clock
-from diloco.cluster.host import LOST, RayChild, RayChildren
+from diloco.cluster.host import LOST, NotStarted, RayChild, RayChildren
 from diloco.cluster.placement import Demand, Fleet, Node, add, choose_nodes, learner_demand, live_nodes, syncer_demand
 from diloco.config import Config
 from diloco.errors import DilocoError
 from diloco.runtime.launcher import Launcher
 from diloco.runtime.ports import read_port_file
+from diloco.transport.settings import SECRET_ENV
 
 log = logging.getLogger(__name__)
 
 RESTART_AFTER_S = 1.0
 """Pause before a lost shard is started again (its old process must have let go of the port)."""
 SHARD_RESTART_ATTEMPTS = 10
+REST_S = 60.0
+"""How long a node where a start failed is left alone."""
 GONE = (LOST, -signal.SIGKILL)
 """Exit codes that mean the node or the process was taken away, not that the program failed."""
 
@@ -56,8 +60,13 @@ def connect(address: str, config: Config, shards: int) -> bool:
     learners = config.learners.bounds()[1]
     custom = {k: v * learners for k, v in per_learner.items() if k not in ("CPU", "GPU")}
     cpus = per_learner.get("CPU", 0.0) * learners + c.syncer_cpus * shards
+    labels = dict(c.syncer_labels)
+    for key, value in c.learner_labels.items():
+        if labels.setdefault(key, value) != value:
+            raise DilocoError(f"--ray local runs everything on one node: cluster.learner_labels and "
+                              f"cluster.syncer_labels cannot both hold there ({key} = {value!r} and {labels[key]!r})")
     ray.init(num_cpus=max(1, int(cpus + 0.999)), num_gpus=int(per_learner.get("GPU", 0.0) * learners + 0.999),
-             resources=custom, **options)
+             resources=custom, labels=labels, **options)
     return True
 
 
@@ -67,12 +76,18 @@ class RayLauncher(Launcher):
     def __init__(self, config: Config, config_args: list[str], out: Path, *, address: str, shards: int = 1,
                  **options: Any) -> None:
         self.connected = connect(address, config, shards)
+        if SECRET_ENV in os.environ:  # a node's processes see that node's environment, not this one's
+            options["env"] = {SECRET_ENV: os.environ[SECRET_ENV], **(options.get("env") or {})}
         try:
             self.fleet = Fleet(config.learners)
             self.learner_need, self.syncer_need = learner_demand(config.cluster), syncer_demand(config.cluster)
             self.price_label, self.region_label = config.cluster.price_label, config.cluster.region_label
             self.node_seen: dict[str, float] = {}
             """When the launcher first saw each node (monotonic)."""
+            self.resting: dict[str, float] = {}
+            """Nodes where a start failed, and until when they are left alone (another job may hold what
+            the launcher thought free)."""
+            self.refused_prices: set[str] = set()
             self.dead_nodes: set[str] = set()
             """Nodes where a process of the run was lost: never used again (Ray still lists a node as alive
             for a while after it died; a node that comes back has a new id)."""
@@ -80,6 +95,8 @@ class RayLauncher(Launcher):
             """Children (by id()) whose end was dealt with."""
             self.shard_restarts: dict[str, int] = {}
             self.below_min_since: float | None = None
+            self.emulate_link = config.cluster.emulate_link
+            self.learner_threads = max(1, int(config.cluster.learner_cpus))
             super().__init__(config, config_args, out.resolve(), shards=shards, **options)
         except BaseException:
             self._disconnect()
@@ -163,7 +180,9 @@ class RayLauncher(Launcher):
     # ------------------------------------------------------------ placement
 
     def _nodes(self) -> list[Node]:
-        nodes = [n for n in live_nodes(ray.nodes(), self.price_label) if n.id not in self.dead_nodes]
+        now = clock.monotonic()
+        nodes = [n for n in live_nodes(ray.nodes(), self.price_label, self.refused_prices)
+                 if n.id not in self.dead_nodes and self.resting.get(n.id, 0.0) <= now]
         for node in nodes:
             self.node_seen.setdefault(node.id, clock.monotonic())
         return nodes
@@ -201,8 +220,9 @@ class RayLauncher(Launcher):
             self.children.assign(name, node, self.learner_need)
             try:
                 self._start_learner(m)
-            except DilocoError as exc:
+            except NotStarted as exc:
                 self.children.assigned.pop(name, None)
+                self.resting[node.id] = clock.monotonic() + REST_S
                 log.warning("%s not started on node %s: %s", name, node.id[:8], exc)
                 continue
             self.fleet.start(m, node.id)
@@ -238,7 +258,8 @@ class RayLauncher(Launcher):
         port_file.unlink(missing_ok=True)
         try:
             self.children.restart(child.name, ("--resume",))
-        except DilocoError as exc:
+        except NotStarted as exc:
+            self.resting[exc.node] = clock.monotonic() + REST_S
             log.warning("%s not restarted: %s", child.name, exc)
             self.handled.discard(id(child))  # try again next time
 

@@ -48,16 +48,20 @@ class Node:
         return value if math.isfinite(value) and value >= 0 else None
 
 
-def live_nodes(raw_nodes: list[Mapping[str, Any]], price_label: str) -> list[Node]:
-    """The alive nodes of `ray.nodes()`, those with a price that is not one left out."""
+def live_nodes(raw_nodes: list[Mapping[str, Any]], price_label: str, refused: set[str] | None = None) -> list[Node]:
+    """The alive nodes of `ray.nodes()`, those with a price that is not one left out (said once per node:
+    `refused` keeps the nodes already said)."""
+    refused = set() if refused is None else refused
     nodes = []
     for raw in raw_nodes:
         if not raw.get("Alive"):
             continue
         node = Node.from_ray(raw)
         if node.price(price_label) is None:
-            log.warning("node %s left out: its label %s=%r is not a price", node.id[:8], price_label,
-                        node.labels.get(price_label))
+            if node.id not in refused:
+                refused.add(node.id)
+                log.warning("node %s left out: its label %s=%r is not a price", node.id[:8], price_label,
+                            node.labels.get(price_label))
             continue
         nodes.append(node)
     return nodes

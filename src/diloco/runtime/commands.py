@@ -144,7 +144,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         try:
             summary = launcher.run() if args.quiet else _run_with_bars(launcher)
         except KeyboardInterrupt:
-            console.print(f"interrupted: learners pushed what they had and left; state saved in {out}")
+            console.print(f"interrupted: learners pushed what they had and left; state saved in {launcher.shared}")
             return 130
     write_output(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     if not args.quiet:

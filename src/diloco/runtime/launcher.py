@@ -142,6 +142,10 @@ class Launcher:
     # ------------------------------------------------------------ what a cluster launcher changes
 
     launcher_name = "local"
+    emulate_link = True
+    """Every learner's traffic shaped to `link.*`: on one machine there is no other link to study."""
+    learner_threads = 1
+    """One thread per learner: on one machine they share its cores."""
 
     @staticmethod
     def shared_folder(config: Config, out: Path) -> Path:
@@ -211,9 +215,10 @@ class Launcher:
 
     def _start_learner(self, m: int) -> None:
         self._place(f"learner-{m}")
-        env = {"OMP_NUM_THREADS": "1", **self.env}  # one thread per learner: they share this machine's cores
+        env = {"OMP_NUM_THREADS": str(self.learner_threads), **self.env}
+        emulate = ["--emulate-link"] if self.emulate_link else []
         self.children.start(f"learner-{m}", self._python(
-            "learner", "--syncer", self.addresses[0], "--id", str(m), "--emulate-link",
+            "learner", "--syncer", self.addresses[0], "--id", str(m), *emulate,
             "--out", str(self.shared), *self._endpoint_args(f"learner-{m}")), env=env)
 
     def _endpoint_args(self, name: str, status: bool = False) -> list[str]:
