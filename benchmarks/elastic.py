@@ -151,7 +151,8 @@ def measure(out: Path, summary: dict[str, Any], arrivals: list[dict[str, Any]], 
             continue
         arrival["left_s"] = placed[0]["ended_s"] if placed[0]["outcome"] == "lost" else None
         m = int(placed[0]["name"].split("-")[1])
-        merged = [r["time_s"] for r in rounds if m in r["participants"] and r["time_s"] >= placed[0]["started_s"]]
+        life = (placed[0]["started_s"], placed[0]["ended_s"])  # a merge of a later life elsewhere is not this node's
+        merged = [r["time_s"] for r in rounds if m in r["participants"] and life[0] <= r["time_s"] <= life[1]]
         if merged:
             arrival["first_merge_s"] = min(merged) - arrival["arrival_s"]
             steps = [r["step_time_s"] for runs in lives.get(m, []) for r in runs
@@ -199,6 +200,7 @@ def one_run(out: Path, overrides: list[str], seed: int, with_churn: bool) -> dic
         thread.join()
         if "error" in outcome:
             raise outcome["error"]
+        (out / "summary.json").write_text(json.dumps(outcome["summary"], indent=2) + "\n")
         result = measure(out, outcome["summary"], nodes.arrivals, config.outer.H)
         result["events"] = events
         return result
