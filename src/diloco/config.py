@@ -134,6 +134,9 @@ class CrashConfig:
 @dataclass
 class OutageConfig:
     learner: int = 0
+    """The learner whose link goes down (when `region` is empty)."""
+    region: str = ""
+    """A region that goes down as a whole instead (`regions`): its learners crash for the duration."""
     at_s: float = 0.0
     duration_s: float = 0.0
 
@@ -155,7 +158,9 @@ class FailuresConfig:
     checkpoint_every: int = 25
     """Inner steps between a learner's checkpoints of its optimizer state and data position."""
     outages: list[OutageConfig] = field(default_factory=list)
-    """Link outages, e.g. [{learner = 1, at_s = 30, duration_s = 20}]: nothing crosses that link meanwhile."""
+    """Link outages, e.g. [{learner = 1, at_s = 30, duration_s = 20}]: nothing crosses that link meanwhile;
+    or regional outages, e.g. [{region = "eu", at_s = 30, duration_s = 60}]: the region's learners crash and
+    are back when it ends (simulator)."""
 
 
 CodecName = Literal["fp32", "bf16", "int8", "int4", "fp4"]
@@ -176,8 +181,52 @@ class CodecConfig:
 @dataclass
 class LinkConfig:
     bandwidth_mbit: float = 100.0
-    """Each learner's link, per direction."""
+    """Each learner's link, per direction (with `regions`: what a region's `lan` and `wan` leave out)."""
     latency_ms: float = 50.0
+
+
+@dataclass
+class RegionLinkConfig(LinkConfig):
+    """The WAN link from a region to one named other region, in that direction; the keys it leaves out
+    are the region's `wan`."""
+
+    region: str = ""
+
+
+@dataclass
+class RegionConfig:
+    """A group of learners behind one WAN link: `[[regions]]` tables, learners numbered in region order."""
+
+    name: str = ""
+    speeds: list[float] = field(default_factory=list)
+    """Its learners' relative speeds: one entry per learner."""
+    lan: LinkConfig = field(default_factory=LinkConfig)
+    """Each of its learners' own link inside the region."""
+    wan: LinkConfig = field(default_factory=LinkConfig)
+    """Its link to any other region (from here to there), unless `wan_to` names that region."""
+    wan_to: list[RegionLinkConfig] = field(default_factory=list)
+    """Links to named regions that differ from `wan`, e.g. [{region = "ap", latency_ms = 80}]."""
+    syncer: bool = False
+    """The syncer runs here (exactly one region): its learners reach it over their LAN alone."""
+
+
+@dataclass(frozen=True, eq=False)
+class Hop:
+    """One link on a learner's way to the syncer: `up` carries traffic from `near` to `far` (towards the
+    syncer), `down` back. A learner's LAN hop is its own; a WAN hop is its region's, shared by the
+    region's learners (and named by its two ends, so that whoever else sends between them shares it)."""
+
+    kind: Literal["lan", "wan"]
+    near: str
+    """`learner M` for a LAN hop, the learner's region for a WAN hop."""
+    far: str
+    """The region towards the syncer."""
+    up: LinkConfig
+    down: LinkConfig
+
+    @property
+    def name(self) -> str:
+        return f"{self.near} LAN" if self.kind == "lan" else f"{self.near}→{self.far} (WAN)"
 
 
 @dataclass
@@ -259,9 +308,57 @@ class Config:
     codec: CodecConfig = field(default_factory=CodecConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    regions: list[RegionConfig] = field(default_factory=list)
+    """Where learners and the syncer are (`[[regions]]`); empty: every learner has its own `link` to the
+    syncer. Given, they set `learners.speeds` and `learners.count`."""
 
     def speeds(self) -> list[float]:
         return list(self.learners.speeds) or [1.0] * self.learners.count
+
+    # ------------------------------------------------------------ regions: the one place to ask
+
+    def learners_of(self, region: str) -> range:
+        """The ids of a region's learners (empty for a name that is not a region)."""
+        first = 0
+        for r in self.regions:
+            if r.name == region:
+                return range(first, first + len(r.speeds))
+            first += len(r.speeds)
+        return range(0)
+
+    def region_of(self, learner: int) -> str | None:
+        """The region of a learner; None without regions, or for an id beyond them (an elastic run's extra
+        learners)."""
+        return next((r.name for r in self.regions if learner in self.learners_of(r.name)), None)
+
+    def syncer_region(self) -> str | None:
+        return next((r.name for r in self.regions if r.syncer), None)
+
+    def wan_link(self, source: str, target: str) -> LinkConfig:
+        """The WAN link from region `source` to region `target`: its `wan_to` entry, else its `wan`."""
+        region = next(r for r in self.regions if r.name == source)
+        return next((w for w in region.wan_to if w.region == target), region.wan)
+
+    def route(self, learner: int) -> list[Hop]:
+        """The links a learner's messages cross to the syncer, in order (back: in reverse): its LAN, then,
+        outside the syncer's region, its region's WAN link to it. Empty without regions: `link` alone."""
+        home, syncer = self.region_of(learner), self.syncer_region()
+        if home is None or syncer is None:
+            return []
+        lan = next(r.lan for r in self.regions if r.name == home)
+        hops = [Hop("lan", f"learner {learner}", home, lan, lan)]
+        if home != syncer:
+            hops.append(Hop("wan", home, syncer, self.wan_link(home, syncer), self.wan_link(syncer, home)))
+        return hops
+
+    def emulated_link(self, learner: int | None) -> LinkConfig:
+        """One link standing for a learner's route towards the syncer, as the real runtime shapes it: the
+        slowest hop's bandwidth and the sum of the latencies (`link` without regions, or without an id)."""
+        hops = self.route(learner) if learner is not None else []
+        if not hops:
+            return self.link
+        return LinkConfig(bandwidth_mbit=min(h.up.bandwidth_mbit for h in hops),
+                          latency_ms=sum(h.up.latency_ms for h in hops))
 
     def token_budget(self) -> int:
         """`train.tokens`, rounded down to whole steps of equal shares of every learner."""
@@ -338,8 +435,46 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         config.learners.count = len(config.learners.speeds)
     if isinstance(learners_raw, dict) and "count" in learners_raw and "speeds" not in learners_raw:
         config.learners.speeds = []
+    if config.regions:
+        _derive_from_regions(config, raw)
+    _check_outage_targets(raw)
     validate(config)
     return config
+
+
+def _derive_from_regions(config: Config, raw: dict[str, Any]) -> None:
+    """What regions imply (the raw tables are well-formed by now, `_build` took them): link keys a region
+    leaves out, and the learners, which `learners.speeds` or `learners.count` may repeat but not contradict."""
+    link_keys = [f.name for f in dataclasses.fields(LinkConfig)]
+    for region, region_raw in zip(config.regions, raw["regions"]):
+        for side in ("lan", "wan"):
+            _fill_missing(getattr(region, side), region_raw.get(side, {}), config.link, link_keys)
+        for entry, entry_raw in zip(region.wan_to, region_raw.get("wan_to", [])):
+            _fill_missing(entry, entry_raw, region.wan, link_keys)
+    speeds = [s for r in config.regions for s in r.speeds]
+    given = raw.get("learners", {})
+    if "speeds" in given and config.learners.speeds != speeds and (config.learners.speeds or set(speeds) - {1.0}):
+        raise ConfigError(f"config key 'learners.speeds' must be the regions' speeds {speeds} or be left out "
+                          f"(regions set it); got {config.learners.speeds!r}")
+    if "count" in given and config.learners.count != len(speeds):
+        raise ConfigError(f"config key 'learners.count' must be {len(speeds)}, the regions' learners, or be left "
+                          f"out (regions set it); got {config.learners.count!r}")
+    config.learners.speeds, config.learners.count = speeds, len(speeds)
+
+
+def _fill_missing(target: Any, given: dict[str, Any], source: Any, keys: list[str]) -> None:
+    for key in keys:
+        if key not in given:
+            setattr(target, key, getattr(source, key))
+
+
+def _check_outage_targets(raw: dict[str, Any]) -> None:
+    """An outage names a learner (its link goes down) or a region (its learners crash), not both."""
+    failures = raw.get("failures", {})
+    for i, outage in enumerate(failures.get("outages", []) if isinstance(failures, dict) else []):
+        if isinstance(outage, dict) and "learner" in outage and "region" in outage:
+            raise ConfigError(f"config key 'failures.outages[{i}]' names a learner and a region: give one; "
+                              f"got {outage!r}")
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

@@ -10,7 +10,7 @@ from diloco.errors import ConfigError
 
 if TYPE_CHECKING:
     from diloco.config import (ClusterConfig, Config, DataConfig, FailuresConfig, LearnersConfig, LinkConfig, ModelConfig,
-                               OuterConfig, Strategy, TrainConfig)
+                               OuterConfig, RegionConfig, Strategy, TrainConfig)
 
 
 MAX_TOKENS = 2**53
@@ -62,14 +62,15 @@ def validate(config: Config) -> None:
     The first failing rule is the one reported, so the checks run in a fixed order, section by section.
     """
     _validate_finite(config)
+    _validate_regions(config.regions)
     _validate_counts(config)
     _validate_bounds(config)
     _validate_train(config.train)
     _validate_learners(config.learners)
     _validate_cluster(config.cluster)
     _validate_outer(config.outer, config.strategy, config.learners.count)
-    _validate_failures(config.failures, config.learners.count)
-    _validate_link(config.link)
+    _validate_failures(config.failures, config.learners.count, [r.name for r in config.regions])
+    _validate_link(config.link, "link")
     _validate_model(config.model, config.train.seq_len)
     _require(config.codec.block > 0, "codec.block", "must be positive", config.codec.block)
     _require_at_most(config.codec.block, MAX_CODEC_BLOCK, "codec.block")
@@ -181,8 +182,9 @@ def _validate_outer(o: OuterConfig, strategy: Strategy, learners: int) -> None:
     _require(o.outlier_factor > 1, "outer.outlier_factor", "must be above 1", o.outlier_factor)
 
 
-def _validate_failures(f: FailuresConfig, learners: int) -> None:
-    """Scheduled crashes and outages must name an existing learner; then the random-failure knobs."""
+def _validate_failures(f: FailuresConfig, learners: int, regions: list[str]) -> None:
+    """Scheduled crashes and outages must name an existing learner (or region); then the random-failure
+    knobs."""
     for kind, events in (("crashes", f.crashes), ("outages", f.outages)):
         for i, event in enumerate(events):
             key = f"failures.{kind}[{i}]"
@@ -190,16 +192,50 @@ def _validate_failures(f: FailuresConfig, learners: int) -> None:
             _require(event.at_s >= 0, f"{key}.at_s", "must be zero or positive", event.at_s)
     for i, outage in enumerate(f.outages):
         _require(outage.duration_s > 0, f"failures.outages[{i}].duration_s", "must be positive", outage.duration_s)
+        _require(not outage.region or outage.region in regions, f"failures.outages[{i}].region",
+                 f"must name a region ({_known(regions)})", outage.region)
     _require(f.mtbf_s >= 0, "failures.mtbf_s", "must be zero or positive (0: no random crashes)", f.mtbf_s)
     _require(f.recovery_s >= 0, "failures.recovery_s", "must be zero or positive", f.recovery_s)
     _require(f.detect_s >= 0, "failures.detect_s", "must be zero or positive", f.detect_s)
     _require(f.checkpoint_every > 0, "failures.checkpoint_every", "must be positive", f.checkpoint_every)
 
 
-def _validate_link(ln: LinkConfig) -> None:
-    """The simulated network: some bandwidth, no negative latency."""
-    _require(ln.bandwidth_mbit > 0, "link.bandwidth_mbit", "must be positive", ln.bandwidth_mbit)
-    _require(ln.latency_ms >= 0, "link.latency_ms", "must be zero or positive", ln.latency_ms)
+def _validate_link(ln: LinkConfig, key: str) -> None:
+    """A simulated (or emulated) link: some bandwidth, no negative latency."""
+    _require(ln.bandwidth_mbit > 0, f"{key}.bandwidth_mbit", "must be positive", ln.bandwidth_mbit)
+    _require(ln.latency_ms >= 0, f"{key}.latency_ms", "must be zero or positive", ln.latency_ms)
+
+
+def _known(names: list[str]) -> str:
+    return f"known: {', '.join(names)}" if names else "no regions are configured"
+
+
+def _validate_regions(regions: list[RegionConfig]) -> None:
+    """Checked before the counts, which regions set: names unique, links that carry something, WAN
+    overrides towards other existing regions, one syncer, and some learner somewhere."""
+    names = [r.name for r in regions]
+    for i, region in enumerate(regions):
+        key = f"regions[{i}]"
+        _require(bool(region.name.strip()), f"{key}.name", "must not be empty", region.name)
+        _require(region.name not in names[:i], f"{key}.name",
+                 f"must be unique (regions[{names.index(region.name)}] has it too)", region.name)
+        for j, speed in enumerate(region.speeds):
+            _require(speed > 0, f"{key}.speeds[{j}]", "must be positive", speed)
+        _validate_link(region.lan, f"{key}.lan")
+        _validate_link(region.wan, f"{key}.wan")
+        targets = [w.region for w in region.wan_to]
+        for j, wan in enumerate(region.wan_to):
+            _require(wan.region in names and wan.region != region.name, f"{key}.wan_to[{j}].region",
+                     f"must name another region than {region.name!r} ({_known(names)})", wan.region)
+            _require(wan.region not in targets[:j], f"{key}.wan_to[{j}].region", "must not repeat an earlier entry",
+                     wan.region)
+            _validate_link(wan, f"{key}.wan_to[{j}]")
+    if regions:
+        syncers = [i for i, r in enumerate(regions) if r.syncer]
+        _require(len(syncers) == 1, "regions", "must have exactly one region with syncer = true",
+                 [names[i] for i in syncers])
+        _require(any(r.speeds for r in regions), "regions", "must give at least one learner (a region's speeds)",
+                 {r.name: r.speeds for r in regions})
 
 
 def _validate_model(m: ModelConfig, seq_len: int) -> None:

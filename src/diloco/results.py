@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diloco.config import Config, Hop
 
 
 @dataclass
@@ -72,9 +75,45 @@ class RunResult:
     cluster: dict[str, Any] = field(default_factory=dict)
     """A Ray run's use of the cluster: node-hours, cost, cost per million merged tokens, every
     placement and what happened to it."""
+    lan_bytes: int = 0
+    """Bytes over the learners' links inside their regions, both directions (0 without regions)."""
+    wan_bytes: int = 0
+    """Bytes over the links between regions, both directions (0 without regions)."""
+    links: list[dict[str, Any]] = field(default_factory=list)
+    """Per link (`regions`): name, kind (`lan` or `wan`), bytes towards the syncer (`bytes_up`) and back
+    (`bytes_down`), and each direction's busy share of the run (the simulator; None in a real run)."""
 
     def summary(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def link_entry(hop: Hop, bytes_up: int, bytes_down: int, utilisation_up: float | None = None,
+               utilisation_down: float | None = None) -> dict[str, Any]:
+    """One link of a summary's `links`, in the same shape from both drivers."""
+    return {"name": hop.name, "kind": hop.kind, "bytes_up": bytes_up, "bytes_down": bytes_down,
+            "utilisation_up": utilisation_up, "utilisation_down": utilisation_down}
+
+
+def traffic_fields(links: list[dict[str, Any]]) -> dict[str, Any]:
+    """A summary's `links` (LAN links first, then WAN links, each in learner order) with their totals."""
+    def total(kind: str) -> int:
+        return sum(e["bytes_up"] + e["bytes_down"] for e in links if e["kind"] == kind)
+
+    return {"links": sorted(links, key=lambda e: e["kind"] != "lan"), "lan_bytes": total("lan"),
+            "wan_bytes": total("wan")}
+
+
+def links_from_learners(config: Config, reports: list[LearnerReport]) -> list[dict[str, Any]]:
+    """Each link's bytes as the learners' own counters assign them: a learner's traffic crosses every hop
+    of its route (its LAN; outside the syncer's region, its region's WAN link too). A learner outside the
+    regions (an elastic run's extra one) is on no listed link."""
+    hops: dict[str, tuple[Hop, list[int]]] = {}
+    for report in reports:
+        for hop in config.route(report.learner):
+            counted = hops.setdefault(hop.name, (hop, [0, 0]))[1]
+            counted[0] += report.bytes_up
+            counted[1] += report.bytes_down
+    return [link_entry(hop, up, down) for hop, (up, down) in hops.values()]
 
 
 def human_bytes(n: float) -> str:

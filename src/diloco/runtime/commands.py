@@ -388,7 +388,7 @@ def add_learner_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_learner(args: argparse.Namespace, console: Console) -> int:
-    from diloco.runtime.loop import init_distributed, run_learner
+    from diloco.runtime.loop import finish_distributed, init_distributed, run_learner
     from diloco.runtime.processes import die_with_parent
 
     die_with_parent()
@@ -407,6 +407,7 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
                          emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout,
                          metrics_port=args.metrics_port, metrics_port_file=args.metrics_port_file,
                          security=security, metrics_http=http)
+    finish_distributed()
     if not args.quiet and report["rank"] == 0:
         print(json.dumps(report), flush=True)
     return 0

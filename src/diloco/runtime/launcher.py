@@ -327,6 +327,8 @@ class Launcher:
         return loss
 
     def _summarise(self) -> dict[str, Any]:
+        from diloco.results import links_from_learners, traffic_fields
+
         self._collect_endpoints()
         loss = self._record_eval()
         with writing(self.out / "model.pt"):
@@ -379,6 +381,7 @@ class Launcher:
             clock="real", wall_clock_s=clock.monotonic() - self.started,
             duplicates=sum(e.get("duplicates", 0) for s in shards for e in s.get("ledger", {}).values()),
             shards=self.shard_count, endpoints=dict(self.endpoints), launcher=self.launcher_name,
-            cluster=self.cluster_report(tokens_merged=totals["merged"]))
+            cluster=self.cluster_report(tokens_merged=totals["merged"]),
+            **traffic_fields(links_from_learners(self.config, reports)))
         self.result = result
         return result.summary()

@@ -45,6 +45,14 @@ ORIGIN_ENV = "DILOCO_RUN_ORIGIN"
 """Unix time at which `diloco run` started, for every child's metrics to share one time axis."""
 
 
+def finish_distributed() -> None:
+    """Leave the torchrun process group before exiting: a group still alive when the interpreter ends
+    can abort the process (gloo's threads: "terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()  # every rank is done with the group before any leaves it
+        dist.destroy_process_group()
+
+
 def init_distributed() -> bool:
     """Join the torchrun process group of this learner, when there is one."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
@@ -196,7 +204,10 @@ def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int
         if learner is None:
             raise DilocoError("a learner that does not sync needs its id (--id)")
         return Standalone(learner)
-    link = LinkShape(config.link.bandwidth_mbit, config.link.latency_ms) if emulate_link else None
+    # With regions: the learner's whole route as one link (the slowest hop, the latencies summed). Unlike
+    # the simulator, learners of a region do not queue behind each other on its WAN link.
+    shape = config.emulated_link(learner)
+    link = LinkShape(shape.bandwidth_mbit, shape.latency_ms) if emulate_link else None
     return Learner(replica.model, replica.optimizer, syncer=syncer, learner=learner, link=link,
                    connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security,
                    tokens_per_step=config.train.batch_size * config.train.seq_len)

@@ -3,7 +3,8 @@
 One process runs all learners. Each inner step takes a virtual duration from its learner's step
 timer; the real forward and backward pass runs when the step's end event is processed, so events
 interleave exactly as they would in time. Messages take `latency + bytes / bandwidth` on their
-learner's link, queued behind each other, held up by outages. Learners crash and come back as the
+learner's link (with regions: over each link of its route, some shared), queued behind each other, held
+up by outages. Learners crash and come back as the
 failure plan says. The same seed gives the same run, event for event.
 
 The driver decides nothing about rounds, liveness or the end of the run: it delivers the syncer core's
@@ -41,7 +42,7 @@ from diloco.sim.events import (AllReduceDone, Beat, Crash, Recover, SimEvent, St
                                ToSyncer, UpdateArrives)
 from diloco.sim.failures import CrashPlan, outage_windows
 from diloco.sim.learners import Checkpoint, SimLearner
-from diloco.sim.link import Link
+from diloco.sim.link import Network
 from diloco.sim.summary import global_model, record_eval, run_result
 from diloco.sim.timing import StepTimer
 from diloco.strategies import StrategySpec, build_strategy
@@ -69,14 +70,15 @@ class Simulation:
         tokens_per_step = t.batch_size * t.seq_len
         self.budget = config.token_budget()
         equal_steps = self.budget // (count * tokens_per_step)
-        self.crash_plan = CrashPlan(config.failures, count, config.seed)
+        self.crash_plan = CrashPlan(config)
+        self.network = Network(config)
         self.queue = EventQueue()
         self.learners: list[SimLearner] = []
         plans = self.spec.planned_steps(speeds, self.budget, tokens_per_step)
         for m, (speed, planned) in enumerate(zip(speeds, plans)):
             sampler = ShardSampler(corpus.train, learner=m, learners=count, seq_len=t.seq_len,
                                    batch_size=t.batch_size, seed=config.seed)
-            link = Link(config.link.bandwidth_mbit, config.link.latency_ms, outage_windows(config.failures, m))
+            link = self.network.learner_link(m, outage_windows(config.failures, m))
             self.learners.append(SimLearner(
                 index=m, speed=speed, replica=Replica(copy.deepcopy(base), t, sampler, max(1, planned)),
                 timer=StepTimer(config.learners.step_time_s, speed, config.learners.jitter, config.seed, m,
@@ -116,8 +118,8 @@ class Simulation:
     def run(self) -> RunResult:
         self.host_started = time.perf_counter()
         torch.manual_seed(self.config.seed)
-        for at, m in self.crash_plan.fixed:
-            self.queue.schedule(at, Crash(m))
+        for at, crash in self.crash_plan.fixed:
+            self.queue.schedule(at, crash)
         for learner in self.learners:
             self._schedule_random_crash(learner)
             if self.crash_plan.any:
@@ -289,9 +291,16 @@ class Simulation:
 
     def _on_crash(self, event: Crash) -> None:
         """The process dies: its step in progress and its unpushed progress are gone. The syncer finds
-        out from its silence (`core/liveness.py`), as it would for real."""
+        out from its silence (`core/liveness.py`), as it would for real. One already down when its region
+        goes down is back no earlier than the region."""
         learner = self.learners[event.learner]
-        if learner.finished or not learner.alive:
+        if learner.finished:
+            return
+        back_at = self.now + self.config.failures.recovery_s if event.until is None else event.until
+        if not learner.alive:
+            if event.until is not None and back_at > learner.back_at:
+                learner.incarnation += 1  # its recovery under way is void
+                self._recover_at(learner, back_at)
             return
         learner.abort_step(self.now)
         learner.resume(self.now)
@@ -303,7 +312,11 @@ class Simulation:
                 learner.lost_tokens[p] += tokens
             learner.core = None
         self._gradients_in.pop(learner.index, None)
-        self.queue.schedule(self.now + self.config.failures.recovery_s, Recover(learner.index, learner.incarnation))
+        self._recover_at(learner, back_at)
+
+    def _recover_at(self, learner: SimLearner, at: float) -> None:
+        learner.back_at = at
+        self.queue.schedule(at, Recover(learner.index, learner.incarnation))
 
     def _on_recover(self, event: Recover) -> None:
         """The learner's process is back: it asks for the current Θ, which takes a full download."""

@@ -58,6 +58,8 @@ class StateArrives:
 @dataclass(frozen=True)
 class Crash:
     learner: int
+    until: float | None = None
+    """When it is back (a regional outage's end); None: `failures.recovery_s` after the crash."""
 
 
 @dataclass(frozen=True)

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from diloco.config import FailuresConfig
+from diloco.config import Config, FailuresConfig
+from diloco.sim.events import Crash
 
 
 class CrashPlan:
     """Crash times per learner: the configured ones, plus exponential gaps of mean `mtbf_s`, drawn
-    from the learner's own seeded stream so that runs repeat exactly."""
+    from the learner's own seeded stream so that runs repeat exactly.
 
-    def __init__(self, cfg: FailuresConfig, learners: int, seed: int) -> None:
-        self.cfg = cfg
-        self.fixed = [(c.at_s, c.learner) for c in cfg.crashes]
-        self._rngs = [np.random.default_rng((seed, m, 0xC0A5)) for m in range(learners)]
+    A regional outage (`failures.outages` naming a region) crashes every learner of the region for its
+    duration: the machines are gone, so the learners lose their step in progress and their unpushed
+    progress, as in any crash, and are back, from their own checkpoints and Θ, when the region is
+    (not `recovery_s` later). The syncer is not taken down with its region: the simulated syncer does
+    not crash."""
+
+    def __init__(self, config: Config) -> None:
+        cfg = self.cfg = config.failures
+        self.fixed = [(c.at_s, Crash(c.learner)) for c in cfg.crashes] + [
+            (o.at_s, Crash(m, until=o.at_s + o.duration_s))
+            for o in cfg.outages if o.region for m in config.learners_of(o.region)]
+        self._rngs = [np.random.default_rng((config.seed, m, 0xC0A5)) for m in range(config.learners.count)]
 
     @property
     def any(self) -> bool:
@@ -27,4 +36,5 @@ class CrashPlan:
 
 
 def outage_windows(cfg: FailuresConfig, learner: int) -> list[tuple[float, float]]:
-    return [(o.at_s, o.at_s + o.duration_s) for o in cfg.outages if o.learner == learner]
+    """When a learner's own link is down (regional outages crash learners instead)."""
+    return [(o.at_s, o.at_s + o.duration_s) for o in cfg.outages if o.learner == learner and not o.region]

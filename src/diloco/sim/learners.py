@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco.core.learner import LearnerCore
-from diloco.sim.link import Link
+from diloco.sim.link import Link, Routes
 from diloco.sim.timing import StepTimer, Waiting
 from diloco.training import Replica
 
@@ -26,7 +26,7 @@ class SimLearner(Waiting):
     speed: float
     replica: Replica
     timer: StepTimer
-    link: Link
+    link: Link | Routes
     planned_steps: int
     core: LearnerCore | None = None
     tokens: int = 0
@@ -39,6 +39,8 @@ class SimLearner(Waiting):
     """Bumped at every crash: events meant for an earlier life are dropped."""
     alive: bool = True
     down_since: float | None = None
+    back_at: float = 0.0
+    """When a crashed learner's process is due back."""
     finished: bool = False
     stop_requested: bool = False
     """The syncer said the shared budget is spent: the learner finishes at the end of this step."""

@@ -1,24 +1,63 @@
-"""A learner's network link: per direction, a bandwidth shared in order by messages, a latency, and
-windows of outage during which nothing moves."""
+"""Simulated links. A direction: a bandwidth shared in order by messages, a latency, and windows of outage
+during which nothing moves. Without regions a learner has one `Link` of its own; with regions its
+messages take a `Route` of several directions, some of them shared with other learners (`Network`)."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diloco.config import Config, Hop, LinkConfig
+
+Window = tuple[float, float]
 
 
-@dataclass
-class Direction:
-    bandwidth_bps: float
-    latency_s: float
-    outages: list[tuple[float, float]] = field(default_factory=list)
-    busy_until: float = 0.0
+@dataclass(kw_only=True)
+class Traffic:
+    """What crossed something: bytes, messages, the largest message."""
+
     bytes_sent: int = 0
     messages: int = 0
     peak_message_bytes: int = 0
 
+    def record(self, nbytes: int) -> None:
+        """Count bytes that crossed (also those a collective timed as a whole)."""
+        self.bytes_sent += nbytes
+        self.messages += 1
+        self.peak_message_bytes = max(self.peak_message_bytes, nbytes)
+
+
+@dataclass
+class Direction(Traffic):
+    bandwidth_bps: float
+    latency_s: float
+    outages: list[Window] = field(default_factory=list)
+    busy_until: float = 0.0
+    last_end: float = 0.0
+    """When the last message sent here was off the wire."""
+    busy_s: float = 0.0
+    """Seconds spent carrying bytes (its utilisation, over the run's time)."""
+
     def send(self, now: float, nbytes: int) -> float:
         """Queue a message behind those already on the wire; return when it has fully arrived."""
-        start = max(now, self.busy_until)
+        return self._book(max(now, self.busy_until), nbytes)
+
+    def signal(self, now: float) -> float:
+        """When a control message of negligible size (a heartbeat) sent now arrives: behind what is
+        on the wire and held up by outages, taking no bandwidth and not counted."""
+        return self._resumed(max(now, self.busy_until)) + self.latency_s
+
+    def record(self, nbytes: int) -> None:
+        super().record(nbytes)
+        self.busy_s += nbytes * 8 / self.bandwidth_bps
+
+    def forget_before(self, now: float) -> None:
+        """Nothing will arrive here before `now` (a shared direction drops what it no longer needs)."""
+
+    def _span(self, start: float, nbytes: int) -> tuple[float, float]:
+        """When a message that may start at `start` is on the wire, outages included."""
         end = start + nbytes * 8 / self.bandwidth_bps
         for down_from, down_to in sorted(self.outages):
             if down_from <= start < down_to:  # the link is down when the message would start
@@ -26,28 +65,169 @@ class Direction:
                 start = down_to
             elif start < down_from < end:  # it goes down mid-message: the rest waits
                 end += down_to - down_from
-        self.busy_until = end
-        self.record(nbytes)
-        return end + self.latency_s
+        return start, end
 
-    def signal(self, now: float) -> float:
-        """When a control message of negligible size (a heartbeat) sent now arrives: behind what is
-        on the wire and held up by outages, taking no bandwidth and not counted."""
-        start = max(now, self.busy_until)
+    def _resumed(self, start: float) -> float:
+        """`start`, or the end of the outage it falls in."""
         for down_from, down_to in sorted(self.outages):
             if down_from <= start < down_to:
                 start = down_to
-        return start + self.latency_s
+        return start
 
-    def record(self, nbytes: int) -> None:
-        """Count bytes that crossed this direction (also those a collective timed as a whole)."""
-        self.bytes_sent += nbytes
-        self.messages += 1
-        self.peak_message_bytes = max(self.peak_message_bytes, nbytes)
+    def _book(self, start: float, nbytes: int) -> float:
+        _, end = self._span(start, nbytes)
+        self.busy_until = max(self.busy_until, end)
+        self.last_end = end
+        self.record(nbytes)
+        return end + self.latency_s
+
+
+@dataclass
+class SharedDirection(Direction):
+    """A direction that several senders' routes cross (a WAN link between regions). Their messages reach
+    it in an order the sending order does not fix (a message can be held up on its sender's own link),
+    so each takes the earliest stretch, from when it arrives, that the messages already booked leave
+    free, and delays none of them. A FIFO link would let a message that got there first go first; here
+    one booked earlier keeps its place, which costs a message at most the booked one's time on the wire."""
+
+    booked: list[Window] = field(default_factory=list)
+
+    def send(self, now: float, nbytes: int) -> float:
+        start = now
+        for booked_from, booked_to in self.booked:
+            if booked_to <= start:
+                continue
+            if self._span(start, nbytes)[1] <= booked_from:
+                break  # it fits before this one
+            start = booked_to
+        arrival = self._book(start, nbytes)
+        bisect.insort(self.booked, (start, self.last_end))
+        return arrival
+
+    def signal(self, now: float) -> float:
+        """A heartbeat takes no bandwidth: only outages hold it up (its sender's order is its route's)."""
+        return self._resumed(now) + self.latency_s
+
+    def forget_before(self, now: float) -> None:
+        self.booked = [b for b in self.booked if b[1] > now]
 
 
 class Link:
-    def __init__(self, bandwidth_mbit: float, latency_ms: float,
-                 outages: list[tuple[float, float]] | None = None) -> None:
+    """A learner's own link to the syncer, the same both ways (the model without regions)."""
+
+    def __init__(self, bandwidth_mbit: float, latency_ms: float, outages: list[Window] | None = None) -> None:
         self.up = Direction(bandwidth_mbit * 1e6, latency_ms / 1e3, list(outages or []))
         self.down = Direction(bandwidth_mbit * 1e6, latency_ms / 1e3, list(outages or []))
+
+
+@dataclass
+class Route(Traffic):
+    """Directions crossed one after the other, store-and-forward: a message has fully arrived over one
+    hop, its latency included, before it starts on the next, where it queues behind what others sent
+    there. It offers what the driver uses of a Direction; its own counters are its sender's traffic, and
+    each hop counts everything that crossed it.
+
+    A shared hop serves messages in the order they were sent, not quite the order they reach it: the two
+    differ only by the queueing on the senders' earlier hops (their LAN links: milliseconds)."""
+
+    hops: list[Direction]
+    _ready: list[float] = field(default_factory=list)
+    """Per hop, when this route's last message there was off the wire: its next one starts no earlier,
+    so that a sender's messages arrive in the order it sent them."""
+
+    def __post_init__(self) -> None:
+        self._ready = [0.0] * len(self.hops)
+
+    def send(self, now: float, nbytes: int) -> float:
+        at = now
+        for i, hop in enumerate(self.hops):
+            hop.forget_before(now)  # whatever is sent from now on reaches every hop after now
+            at = hop.send(max(at, self._ready[i]), nbytes)
+            self._ready[i] = hop.last_end
+        super().record(nbytes)
+        return at
+
+    def signal(self, now: float) -> float:
+        at = now
+        for i, hop in enumerate(self.hops):
+            at = hop.signal(max(at, self._ready[i]))
+        return at
+
+    def record(self, nbytes: int) -> None:
+        for hop in self.hops:
+            hop.record(nbytes)
+        super().record(nbytes)
+
+    @property
+    def bandwidth_bps(self) -> float:
+        return min(hop.bandwidth_bps for hop in self.hops)
+
+    @property
+    def latency_s(self) -> float:
+        return sum(hop.latency_s for hop in self.hops)
+
+    @property
+    def outages(self) -> list[Window]:
+        return sorted(window for hop in self.hops for window in hop.outages)
+
+
+@dataclass
+class Routes:
+    """A learner's way to the syncer (`up`) and back (`down`) over a network of shared links."""
+
+    up: Route
+    down: Route
+
+
+@dataclass
+class HopLink:
+    """Both directions of one hop, as the summary lists it."""
+
+    hop: Hop
+    up: Direction
+    down: Direction
+
+
+class Network:
+    """Every simulated link of a run, each direction one object: a learner's LAN link, and per ordered
+    pair of regions the WAN direction between them, shared by every learner whose route crosses it (and
+    by whoever else will send from one region to the other, such as a regional syncer)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._directions: dict[tuple[str, str], Direction] = {}
+        self.hops: dict[str, HopLink] = {}
+        """Every hop some learner's route crosses, in the order they were first used."""
+
+    def direction(self, source: str, target: str, link: LinkConfig, outages: list[Window] | None = None,
+                  shared: bool = False) -> Direction:
+        """The one direction from `source` to `target` (a learner or a region), made on first use."""
+        key = (source, target)
+        if key not in self._directions:
+            kind = SharedDirection if shared else Direction
+            self._directions[key] = kind(link.bandwidth_mbit * 1e6, link.latency_ms / 1e3, list(outages or []))
+        return self._directions[key]
+
+    def learner_link(self, learner: int, outages: list[Window]) -> Link | Routes:
+        """A learner's way to the syncer: without regions its own `Link`, as before; with them its route,
+        the learner's outages on its own LAN link."""
+        hops = self.config.route(learner)
+        if not hops:
+            return Link(self.config.link.bandwidth_mbit, self.config.link.latency_ms, outages)
+        links = [self._hop_link(hop, outages if hop.kind == "lan" else []) for hop in hops]
+        return Routes(Route([h.up for h in links]), Route([h.down for h in reversed(links)]))
+
+    def _hop_link(self, hop: Hop, outages: list[Window]) -> HopLink:
+        if hop.name not in self.hops:
+            shared = hop.kind == "wan"
+            self.hops[hop.name] = HopLink(hop, self.direction(hop.near, hop.far, hop.up, outages, shared),
+                                          self.direction(hop.far, hop.near, hop.down, outages, shared))
+        return self.hops[hop.name]
+
+    def link_entries(self, run_s: float) -> list[dict[str, Any]]:
+        """Per hop: bytes each way and the share of the run each direction was busy."""
+        from diloco.results import link_entry
+
+        return [link_entry(h.hop, h.up.bytes_sent, h.down.bytes_sent, *(d.busy_s / run_s if run_s else 0.0
+                                                                         for d in (h.up, h.down)))
+                for h in self.hops.values()]

@@ -10,7 +10,7 @@ from torch import nn
 
 from diloco.core.accounting import learner_round_stats, learner_tokens, round_stats
 from diloco.metrics.records import resident_memory_bytes
-from diloco.results import LearnerReport, RunResult
+from diloco.results import LearnerReport, RunResult, traffic_fields
 from diloco.training import evaluate
 
 if TYPE_CHECKING:
@@ -77,4 +77,5 @@ def run_result(sim: Simulation) -> RunResult:
         config=sim.config.to_dict(), round_stats=round_stats(sim.syncer.rounds) if sim.syncer else {},
         learners_eval_loss_mean=sum(learner_losses) / len(learner_losses),
         clock="virtual", wall_clock_s=time.perf_counter() - sim.host_started,
-        duplicates=sum(e.duplicates for e in sim.syncer.ledger.values()) if sim.syncer else 0)
+        duplicates=sum(e.duplicates for e in sim.syncer.ledger.values()) if sim.syncer else 0,
+        **traffic_fields(sim.network.link_entries(wall)))
