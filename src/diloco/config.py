@@ -230,6 +230,21 @@ class Hop:
 
 
 @dataclass
+class RegionalConfig:
+    """The regional tier (`topology = "regional"`): one syncer per region between its learners and the
+    global syncer (`core/regional.py`)."""
+
+    push_every: int = 1
+    """Regional rounds of a fragment per push of it to the global syncer."""
+    lr: float = 1.0
+    """The regional rounds' outer step: lr 1 without momentum moves the region's Θ by its learners' mean
+    progress, and leaves the outer optimizer to the global syncer."""
+    momentum: float = 0.0
+    codec: Literal["", "fp32", "bf16", "int8", "int4", "fp4"] = ""
+    """How the regional syncer's pushes travel to the global syncer; empty: `codec.up`."""
+
+
+@dataclass
 class ModelConfig:
     layers: int = 2
     width: int = 128
@@ -311,6 +326,10 @@ class Config:
     regions: list[RegionConfig] = field(default_factory=list)
     """Where learners and the syncer are (`[[regions]]`); empty: every learner has its own `link` to the
     syncer. Given, they set `learners.speeds` and `learners.count`."""
+    topology: Literal["flat", "regional"] = "flat"
+    """`flat`: every learner syncs with the syncer. `regional`: with its region's syncer over the LAN, which
+    syncs with the global syncer over the WAN (needs regions)."""
+    regional: RegionalConfig = field(default_factory=RegionalConfig)
 
     def speeds(self) -> list[float]:
         return list(self.learners.speeds) or [1.0] * self.learners.count
@@ -339,17 +358,28 @@ class Config:
         region = next(r for r in self.regions if r.name == source)
         return next((w for w in region.wan_to if w.region == target), region.wan)
 
+    @property
+    def tiered(self) -> bool:
+        """The regional tier is on (`topology = "regional"` with regions)."""
+        return self.topology == "regional" and bool(self.regions)
+
     def route(self, learner: int) -> list[Hop]:
-        """The links a learner's messages cross to the syncer, in order (back: in reverse): its LAN, then,
-        outside the syncer's region, its region's WAN link to it. Empty without regions: `link` alone."""
+        """The links a learner's messages cross to its syncer, in order (back: in reverse): its LAN, then,
+        flat and outside the syncer's region, its region's WAN link to the syncer (`region_route`); with
+        the regional tier its syncer is its region's, over the LAN alone. Empty without regions: `link`."""
         home, syncer = self.region_of(learner), self.syncer_region()
         if home is None or syncer is None:
             return []
         lan = next(r.lan for r in self.regions if r.name == home)
         hops = [Hop("lan", f"learner {learner}", home, lan, lan)]
-        if home != syncer:
-            hops.append(Hop("wan", home, syncer, self.wan_link(home, syncer), self.wan_link(syncer, home)))
-        return hops
+        return hops if self.tiered else hops + self.region_route(home)
+
+    def region_route(self, region: str) -> list[Hop]:
+        """The WAN hop from a region to the syncer's region (none from the syncer's own)."""
+        syncer = self.syncer_region()
+        if syncer is None or region == syncer:
+            return []
+        return [Hop("wan", region, syncer, self.wan_link(region, syncer), self.wan_link(syncer, region))]
 
     def emulated_link(self, learner: int | None) -> LinkConfig:
         """One link standing for a learner's route towards the syncer, as the real runtime shapes it: the

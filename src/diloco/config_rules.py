@@ -76,6 +76,19 @@ def validate(config: Config) -> None:
     _require_at_most(config.codec.block, MAX_CODEC_BLOCK, "codec.block")
     _validate_data(config.data)
     _validate_token_budget(config.train, config.learners.count)
+    _validate_topology(config)
+
+
+def _validate_topology(config: Config) -> None:
+    """The regional tier needs regions and a strategy that syncs through a syncer."""
+    if config.topology == "regional":
+        _require(bool(config.regions), "topology", "may be 'regional' only with [[regions]]", config.topology)
+        _require(config.strategy != "ddp", "topology",
+                 "must be 'flat' for ddp, which all-reduces gradients and has no syncer", config.topology)
+    r = config.regional
+    _require(r.push_every >= 1, "regional.push_every", "must be at least 1", r.push_every)
+    _require(r.lr > 0, "regional.lr", "must be positive", r.lr)
+    _require(0 <= r.momentum < 1, "regional.momentum", "must be in [0, 1)", r.momentum)
 
 
 def _validate_counts(config: Config) -> None:

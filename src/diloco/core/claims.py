@@ -32,6 +32,8 @@ MAX_TOKENS_PER_STEP = 1 << 40
 MAX_SEQ_JUMP = 1 << 16
 """Most a push's sequence number may be above the learner's last (pushes are numbered consecutively;
 this leaves room for many refused in a row)."""
+MAX_BURST_STEPS = 1 << 24
+"""Most steps a regional syncer may declare one of its claims can add at once."""
 MAX_CLAIM_SHARE = 0.25
 """Most of the shared budget one progress report or heartbeat may add."""
 
@@ -49,6 +51,8 @@ class Counters:
     life_step: int | None = None
     """The step of its latest report in this life (None: none yet), with the tokens it claimed then."""
     life_tokens: int = 0
+    burst: int = 0
+    """Steps one claim may add beyond the rate (`Claims.bursts`)."""
     covered: dict[int, int] = field(default_factory=dict)
     """Per fragment, the highest inner step a push of this life covered: a push covers the steps since
     the learner's previous push of the fragment, so two pushes never cover the same step."""
@@ -56,14 +60,14 @@ class Counters:
     def allowed_steps(self, now: float) -> float:
         """Most the step count may rise to by `now`."""
         if self.origin_step is None:
-            return RATE_SLACK_STEPS + max(0.0, now - self.joined_at) / MIN_STEP_S
+            return RATE_SLACK_STEPS + self.burst + max(0.0, now - self.joined_at) / MIN_STEP_S
         span = self.at - self.origin_at
         elapsed = max(0.0, now - self.at)
         if span < RATE_KNOWN_S:
             rate = 1.0 / MIN_STEP_S
         else:
             rate = RATE_FACTOR * (self.step - self.origin_step) / span
-        return self.step + RATE_SLACK_STEPS + elapsed * rate
+        return self.step + RATE_SLACK_STEPS + self.burst + elapsed * rate
 
     def plain(self) -> dict:
         return asdict(self)
@@ -115,6 +119,9 @@ class Claims:
     def __init__(self) -> None:
         self.declared: dict[int, int] = {}
         """Per learner, the tokens per inner step it declared at join."""
+        self.bursts: dict[int, int] = {}
+        """Per learner that declared one, steps a single claim may add beyond its rate: a regional syncer
+        counts its learners' steps, and one of its rounds merges many of them at once."""
         self.counters: dict[int, Counters] = {}
         self.joined_at: dict[int, float] = {}
         self.opened_at: float | None = None
@@ -127,11 +134,17 @@ class Claims:
             self.opened_at = now
         self.clock = max(self.clock, now)
 
-    def declare(self, learner: int, tokens_per_step: int) -> None:
+    def declare(self, learner: int, tokens_per_step: int, burst_steps: int = 0) -> None:
         if not 0 < tokens_per_step <= MAX_TOKENS_PER_STEP:
             raise ProtocolError(f"learner {learner} declares {tokens_per_step} tokens per step, outside "
                                 f"1..{MAX_TOKENS_PER_STEP}")
+        if not 0 <= burst_steps <= MAX_BURST_STEPS:
+            raise ProtocolError(f"learner {learner} declares bursts of {burst_steps} steps, outside 0..{MAX_BURST_STEPS}")
         self.declared[learner] = int(tokens_per_step)
+        if burst_steps:
+            self.bursts[learner] = int(burst_steps)
+        if learner in self.counters:
+            self.counters[learner].burst = int(burst_steps)
 
     def tokens_per_step(self, learner: int) -> int:
         return self.declared.get(learner, DEFAULT_TOKENS_PER_STEP)
@@ -142,7 +155,7 @@ class Claims:
         if found is not None:
             return found
         since = self.joined_at.get(learner, self.opened_at if self.opened_at is not None else now)
-        return Counters(joined_at=since)
+        return Counters(joined_at=since, burst=self.bursts.get(learner, 0))
 
     def accept(self, learner: int, step: int, now: float, tokens: int | None = None) -> Counters:
         """Keep an accepted claim: the learner's rate and this life's tokens go on from it."""
@@ -157,11 +170,12 @@ class Claims:
             counters.life_step, counters.life_tokens, counters.covered = None, 0, {}
 
     def state_dict(self) -> dict:
-        return {"declared": dict(self.declared), "counters": {m: c.plain() for m, c in self.counters.items()},
+        return {"declared": dict(self.declared), "bursts": dict(self.bursts), "counters": {m: c.plain() for m, c in self.counters.items()},
                 "joined_at": dict(self.joined_at), "opened_at": self.opened_at, "clock": self.clock}
 
     def load_state_dict(self, state: dict) -> None:
         self.declared = dict(state.get("declared", {}))
+        self.bursts = dict(state.get("bursts", {}))
         self.counters = {m: Counters(**c) for m, c in state.get("counters", {}).items()}
         self.joined_at = dict(state.get("joined_at", {}))
         self.opened_at, self.clock = state.get("opened_at"), state.get("clock", 0.0)

@@ -143,6 +143,9 @@ def close_round(core: SyncerCore, state: FragmentState, now: float, final: bool 
         merged = state.sums.merged(names, core.merge_rule, core.embeddings)
         optimizer = state.optimizer.fork()
         optimizer.step(after, merged, share)
+    if state.correction is not None:
+        for n in names:
+            after[n].add_(state.correction[n])
     if not (all_finite(after.values()) and all_finite(optimizer.tensors())):
         raise RoundRefused(f"round {state.version + 1} of fragment {state.fragment.index} would make Θ or the "
                            f"outer optimizer's state non-finite: refused, nothing changed")
@@ -161,9 +164,11 @@ def close_round(core: SyncerCore, state: FragmentState, now: float, final: bool 
         state.fragment.index, state.version + 1, opened, now, tuple(c.learner for c in contributions),
         sum(1 for b in staleness if b), now - quorum_at, time_to_quorum_s=quorum_at - opened,
         update_norm=update_norm, cosine=mean_cosine([c.sample for c in contributions]),
-        tokens=sum(c.tokens for c in contributions), staleness=staleness, final=final))
+        tokens=sum(c.tokens for c in contributions), staleness=staleness, final=final,
+        tokens_each=tuple(c.tokens for c in contributions), steps=sum(c.steps for c in contributions)))
     next_push = _pace(core, state, contributions, now)
     state.version += 1
+    state.correction = None
     state.reset()
     state.downlink.publish(state.version, core.theta)
     answered = {c.learner: c.last_seq for c in contributions if c.last_seq > core.session_start.get(c.learner, 0)}

@@ -149,6 +149,18 @@ class LearnerCore:
             steps = max(steps, flight.merge_at_step - self.step)
         return max(1, steps)
 
+    def credit(self, p: int, tokens: int, steps: int, step: int, due: bool) -> list[Push]:
+        """For a learner driven by events rather than inner steps (a regional syncer, whose steps are
+        its learners'): fragment p gained `tokens` over `steps`, the step counter is now `step`, and
+        with `due` p is to be pushed: now, or once the answer to its push in flight is merged."""
+        self.tokens_since[p] += tokens
+        self.steps_since[p] += steps
+        self.tokens += tokens
+        self.step = max(self.step, step)
+        if due:
+            self.next_due[p], self.next_due_at[p] = self.step, None
+        return self._push_due()
+
     def resume_at(self, step: int) -> None:
         """The driver restored a checkpoint taken after inner step `step`: the schedule continues there."""
         self.step = step

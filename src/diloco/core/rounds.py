@@ -163,6 +163,10 @@ class RoundRecord:
     """Per participant, versions its push was behind this round's base (0: on time)."""
     final: bool = False
     """The run's last round of this fragment (the consolidation when it is on)."""
+    tokens_each: tuple[int, ...] = ()
+    """Per participant (in `participants`' order), the tokens its pushes brought."""
+    steps: int = 0
+    """Inner steps the participants' pushes covered, summed."""
 
 
 def mean_cosine(samples: list[torch.Tensor]) -> float | None:
@@ -204,6 +208,9 @@ class FragmentState:
     deadline: float | None = None
     target: float | None = None
     """When this fragment's next round is meant to gather its pushes: the pacing grid."""
+    correction: dict[str, torch.Tensor] | None = None
+    """A move of Θ decided elsewhere (a regional syncer's answer from the global one), added to Θ by the
+    next round of the fragment, so that it reaches learners as part of a version like any other."""
 
     def reset(self) -> None:
         """The open round closed: the next one starts empty."""
@@ -214,7 +221,8 @@ class FragmentState:
         return {"version": self.version, "optimizer": self.optimizer.state_dict(),
                 "first_arrival": self.first_arrival, "quorum_at": self.quorum_at, "deadline": self.deadline,
                 "target": self.target, "pending": {m: c.plain() for m, c in self.pending.items()},
-                "sums": self.sums.plain(), "unjudged": self.unjudged, "downlink": self.downlink.plain()}
+                "sums": self.sums.plain(), "unjudged": self.unjudged, "downlink": self.downlink.plain(),
+                "correction": self.correction}
 
     def load(self, plain: dict) -> None:
         self.version = plain["version"]
@@ -225,3 +233,4 @@ class FragmentState:
         self.sums = MergeSums.of(plain["sums"])
         self.unjudged = plain["unjudged"]
         self.downlink.load(plain["downlink"])
+        self.correction = plain.get("correction")

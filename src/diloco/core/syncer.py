@@ -47,7 +47,7 @@ import torch
 
 from diloco.codecs import Codec, get_codec
 from diloco.core.accumulate import Sampler
-from diloco.core.closing import answer, answers_lost, close_round, join_round
+from diloco.core.closing import all_finite, answer, answers_lost, close_round, join_round
 from diloco.core.downlink import Downlink
 from diloco.core.saving import load_saved_state, saved_state
 from diloco.core.checks import check_progress, check_push
@@ -174,10 +174,10 @@ class SyncerCore:
         out["total_bytes"] = sum(out.values())
         return out
 
-    def declare(self, learner: int, tokens_per_step: int) -> None:
+    def declare(self, learner: int, tokens_per_step: int, burst_steps: int = 0) -> None:
         """What a learner trains per inner step (batch × sequence × ranks), declared at join: its
-        token claims are bounded by it."""
-        self.claims.declare(learner, tokens_per_step)
+        token claims are bounded by it. A regional syncer declares `burst_steps` too (`claims.py`)."""
+        self.claims.declare(learner, tokens_per_step, burst_steps)
 
     def rejoin_state(self, learner: int, after_seq: int, fragments: Iterable[int] | None = None
                      ) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
@@ -323,6 +323,28 @@ class SyncerCore:
     _dispatch = {PushArrived: _on_push_event, ProgressArrived: _on_progress_event, HeartbeatArrived: _on_heartbeat,
                  TimerFired: _on_timer_event, LearnerLeft: _on_leave, LearnerRejoined: _on_rejoin,
                  AnswerTaken: _on_answer_taken, StreamOpened: _on_stream_opened, SyncerResumed: _on_resumed}
+
+    # ------------------------------------------------------------ moves decided elsewhere
+
+    @atomic
+    def stop(self) -> list[Action]:
+        """The run is over by someone else's count (a regional syncer told by the global one): Stop,
+        once, and the last rounds wait for every learner's final push as when the budget is spent here."""
+        if self.stopped:
+            return []
+        self.stopped = True
+        return [Stop()]
+
+    def correct(self, fragment: int, deltas: dict[str, torch.Tensor]) -> None:
+        """Add `deltas` to Θ of `fragment` with its next round (`FragmentState.correction`): a move of Θ
+        decided elsewhere reaches the learners in a version of its own, so what they hold stays exact."""
+        state = self.fragments[fragment]
+        if set(deltas) != set(state.fragment.names):
+            raise ProtocolError(f"a correction of fragment {fragment} must carry exactly its tensors")
+        if not all_finite(deltas.values()):
+            raise ProtocolError(f"a correction of fragment {fragment} holds a value that is not finite")
+        held = state.correction
+        state.correction = {n: d.to(torch.float32) if held is None else held[n] + d for n, d in deltas.items()}
 
     # ------------------------------------------------------------ events
 

@@ -42,7 +42,7 @@ def snapshot(core: SyncerCore) -> dict:
     for s in core.fragments.values():
         keep += [s.optimizer, s.fragment, s.sampler, *s.sums.tensors(), *s.downlink.tensors(),
                  *(c.sample for c in s.pending.values()),
-                 *(s.unjudged or {}).values()]
+                 *(s.unjudged or {}).values(), *(s.correction or {}).values()]
     saved = copy.deepcopy(core.__dict__, {id(o): o for o in keep})
     saved["_rounds_closed"] = len(core.rounds)
     return saved

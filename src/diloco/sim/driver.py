@@ -28,6 +28,7 @@ from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, 
 from diloco.core.liveness import HEARTBEAT_S
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, tensors_wire_bytes
 from diloco.core.recovery import restore_plan
+from diloco.core.regional import Upstream
 from diloco.core.syncer import Action, ProtocolError, Publish, SendState, Stop, SyncerCore, Timer
 from diloco.data import ShardSampler
 from diloco.fragments import Fragment, embedding_names, partition
@@ -38,12 +39,13 @@ from diloco.models.factory import ModelFactory
 from diloco.results import RunResult
 from diloco.sim.clock import EventQueue
 from diloco.sim.data_parallel import all_reduce
-from diloco.sim.events import (AllReduceDone, Beat, Crash, Recover, SimEvent, StateArrives, StepEnds, StopArrives,
-                               ToSyncer, UpdateArrives)
+from diloco.sim.events import (AllReduceDone, Beat, Crash, Recover, RegionBack, RegionBeat, RegionDown, SimEvent,
+                               StateArrives, StepEnds, StopArrives, ToRegion, ToSyncer, UpdateArrives)
 from diloco.sim.failures import CrashPlan, outage_windows
 from diloco.sim.learners import Checkpoint, SimLearner
 from diloco.sim.link import Network
 from diloco.sim.summary import global_model, record_eval, run_result
+from diloco.sim.tier import SimRegion, upstream_bytes
 from diloco.sim.timing import StepTimer
 from diloco.strategies import StrategySpec, build_strategy
 from diloco.training import Replica, make_optimizer
@@ -86,6 +88,9 @@ class Simulation:
                 link=link, planned_steps=equal_steps))
         self.parameters = sum(p.numel() for p in base.parameters() if p.requires_grad)
         self.syncer: SyncerCore | None = None
+        """The global syncer's core."""
+        self.regions: list[SimRegion] = []
+        """With the regional tier, the regions with learners: their syncers are the global syncer's learners."""
         self.fragments: list[Fragment] = []
         if self.spec.exchange == "outer":
             self._build_cores(base)
@@ -103,11 +108,57 @@ class Simulation:
             learner.core = self._learner_core(learner, versions=None, step=0)
             learner.lost_tokens = [0] * len(self.fragments)
         params = {n: p for n, p in base.named_parameters() if p.requires_grad}
-        self.syncer = spec.syncer_core(params, self.fragments, range(len(self.learners)), embeddings=embeddings)
         tokens_per_step = self.config.train.batch_size * self.config.train.seq_len
+        if self.config.tiered:
+            self._build_regions(params, embeddings, tokens_per_step)
+            return
+        self.syncer = spec.syncer_core(params, self.fragments, range(len(self.learners)), embeddings=embeddings)
         for learner in self.learners:  # each starts from Θ's first version, as a real learner takes it at join
             self.syncer.declare(learner.index, tokens_per_step)
             self.syncer.rejoin_state(learner.index, after_seq=0)
+
+    def _build_regions(self, params: dict[str, torch.Tensor], embeddings: set[str], tokens_per_step: int) -> None:
+        """The regional tier: the global syncer's learners are the regions' syncers, each of which starts
+        from Θ's first version and is the syncer of its region's learners."""
+        config, speeds = self.config, self.config.speeds()
+        for r in config.regions:
+            members = list(config.learners_of(r.name))
+            if members:
+                period = max(1, round(self.spec.H * max(speeds[m] for m in members) / max(speeds)))
+                self.regions.append(SimRegion(len(self.regions), r.name, members,
+                                              self.network.region_link(r.name), period))
+        self.syncer = self.spec.syncer_core(params, self.fragments, range(len(self.regions)), embeddings=embeddings)
+        self._embeddings = embeddings
+        for region in self.regions:
+            self.syncer.declare(region.index, tokens_per_step, self._burst(region))
+            values, versions = self.syncer.rejoin_state(region.index, after_seq=0)
+            self._start_region(region, values, versions, region.members)
+
+    def _burst(self, region: SimRegion) -> int:
+        return 4 * len(region.members) * self.spec.H * self.config.regional.push_every
+
+    def _start_region(self, region: SimRegion, values: dict[str, torch.Tensor], versions: dict[int, int],
+                      members: list[int]) -> None:
+        """A regional syncer's life begins from Θ as the global syncer sent it; `members` start with it
+        (the others rejoin it when they are back)."""
+        region.syncer = self.spec.regional_syncer(
+            region.index, values, [versions[p] for p in range(len(self.fragments))], self.fragments, members,
+            embeddings=self._embeddings, settings=self.config.regional, period=region.period,
+            first_seq=region.last_seq)
+        tokens_per_step = self.config.train.batch_size * self.config.train.seq_len
+        for m in region.members:
+            region.syncer.down.declare(m, tokens_per_step)
+        for m in members:
+            region.syncer.down.rejoin_state(m, after_seq=self.learners[m].last_seq)
+        region.alive = True
+
+    def _home(self, learner: SimLearner) -> SimRegion | None:
+        """The region whose syncer is the learner's (None: the global syncer is)."""
+        return next((r for r in self.regions if learner.index in r.members), None)
+
+    def _to_syncer(self, learner: SimLearner, event) -> ToSyncer:
+        home = self._home(learner)
+        return ToSyncer(event) if home is None else ToSyncer(event, home.index, home.incarnation)
 
     def _learner_core(self, learner: SimLearner, versions: list[int] | None, step: int) -> LearnerCore:
         return self.spec.learner_core(learner.index, learner.replica.named_params(), self.fragments,
@@ -120,6 +171,11 @@ class Simulation:
         torch.manual_seed(self.config.seed)
         for at, crash in self.crash_plan.fixed:
             self.queue.schedule(at, crash)
+        for region in self.regions:
+            self._schedule_region_beat(region)
+            for o in self.config.failures.outages:
+                if o.region == region.name:
+                    self.queue.schedule(o.at_s, RegionDown(region.index, o.at_s + o.duration_s))
         for learner in self.learners:
             self._schedule_random_crash(learner)
             if self.crash_plan.any:
@@ -129,7 +185,8 @@ class Simulation:
         handlers: dict[type, Callable[[SimEvent], None]] = {
             StepEnds: self._on_step_end, ToSyncer: self._on_arrival, UpdateArrives: self._on_update,
             StopArrives: self._on_stop, Beat: self._on_beat, Crash: self._on_crash, Recover: self._on_recover,
-            StateArrives: self._on_state, AllReduceDone: self._on_allreduce_done}
+            StateArrives: self._on_state, AllReduceDone: self._on_allreduce_done, ToRegion: self._on_to_region,
+            RegionBeat: self._on_region_beat, RegionDown: self._on_region_down, RegionBack: self._on_region_back}
         while self.queue:
             event = self.queue.pop()
             handlers[type(event)](event)
@@ -156,7 +213,7 @@ class Simulation:
             return
         report = learner.core.progress()
         beat = HeartbeatArrived(learner.index, step=report.step, tokens=report.tokens)
-        self.queue.schedule(learner.link.up.signal(self.now), ToSyncer(beat))
+        self.queue.schedule(learner.link.up.signal(self.now), self._to_syncer(learner, beat))
         self._schedule_beat(learner)
 
     def _on_step_end(self, event: StepEnds) -> None:
@@ -193,20 +250,35 @@ class Simulation:
         """Every step, as the paper's learners do: where it stands, for the syncer's predictions and budget."""
         report = learner.core.progress()
         arrival = learner.link.up.send(self.now, report.wire_bytes())
-        self.queue.schedule(arrival, ToSyncer(ProgressArrived(report)))
+        self.queue.schedule(arrival, self._to_syncer(learner, ProgressArrived(report)))
 
     def _on_arrival(self, arrival: ToSyncer) -> None:
-        """One of the syncer core's events arrives: the core decides, the driver carries out its actions."""
+        """One of a syncer core's events arrives (the global one's, or with the regional tier a region's):
+        the core decides, the driver carries out its actions."""
         event = arrival.event
-        if isinstance(event, (ProgressArrived, HeartbeatArrived)) and not self.learners[sender(event)].alive:
+        region = self.regions[arrival.region] if arrival.region is not None else None
+        if region is not None and (region.syncer is None or arrival.incarnation != region.incarnation):
+            return  # its syncer died with what was on its way to it
+        origin = sender(event)
+        if isinstance(event, (ProgressArrived, HeartbeatArrived)) and origin is not None and not (
+                self.regions[origin].alive if self.regions and region is None else self.learners[origin].alive):
             return  # sent by a process that has crashed since: its life's counters are gone with it
+        core = self.syncer if region is None else region.syncer
         try:
-            self._handle(self.syncer.handle(event, self.now))
-        except ProtocolError:  # a refused push (an outlier): the learner sends that progress again later
+            self._handle(core.handle(event, self.now), region)
+        except ProtocolError:  # a refused push (an outlier): its sender sends that progress again later
             if isinstance(event, PushArrived):
-                pusher = self.learners[event.push.learner]
-                if pusher.core is not None and pusher.alive:
-                    pusher.core.on_refused(event.push)
+                self._refused(event.push, region)
+
+    def _refused(self, push: Push, region: SimRegion | None) -> None:
+        if self.regions and region is None:
+            pusher = self.regions[push.learner]
+            if pusher.syncer is not None:
+                pusher.syncer.on_refused(push)
+            return
+        learner = self.learners[push.learner]
+        if learner.core is not None and learner.alive:
+            learner.core.on_refused(push)
 
     def _on_stop(self, event: StopArrives) -> None:
         """The syncer's word that the budget is spent reached a learner: it stops after this step."""
@@ -237,20 +309,27 @@ class Simulation:
         if self.syncer is not None:
             # Announced on the same link, so it lands after the last pushes.
             arrival = learner.link.up.send(self.now, MESSAGE_HEADER_BYTES)
-            self.queue.schedule(arrival, ToSyncer(LearnerLeft(learner.index, finished=True)))
+            self.queue.schedule(arrival, self._to_syncer(learner, LearnerLeft(learner.index, finished=True)))
 
     def _send_push(self, learner: SimLearner, push: Push) -> None:
         learner.last_seq = push.seq
         arrival = learner.link.up.send(self.now, push.wire_bytes())
-        self.queue.schedule(arrival, ToSyncer(PushArrived(push)))
+        self.queue.schedule(arrival, self._to_syncer(learner, PushArrived(push)))
 
-    def _handle(self, actions: list[Action]) -> None:
+    def _handle(self, actions: list[Action | Upstream], region: SimRegion | None = None) -> None:
+        """Carry out a syncer core's actions: the global one's (`region` None) or a region's. The global
+        syncer's recipients are the learners, or with the regional tier the regions' syncers."""
         for action in actions:
-            if isinstance(action, Timer):
-                self.queue.schedule(action.at, ToSyncer(TimerFired()))
+            if isinstance(action, Upstream):
+                self._send_up(region, action.event)
+            elif isinstance(action, Timer):
+                self.queue.schedule(action.at, ToSyncer(TimerFired()) if region is None
+                                    else ToSyncer(TimerFired(), region.index, region.incarnation))
+            elif region is None and self.regions:
+                self._to_regions(action)
             elif isinstance(action, Stop):
                 for learner in self.learners:
-                    if not learner.finished and learner.alive:
+                    if not learner.finished and learner.alive and (region is None or learner.index in region.members):
                         arrival = learner.link.down.send(self.now, MESSAGE_HEADER_BYTES)
                         self.queue.schedule(arrival, StopArrives(learner.index, learner.incarnation))
             elif isinstance(action, Publish):
@@ -267,8 +346,85 @@ class Simulation:
                 arrival = learner.link.down.send(self.now, tensors_wire_bytes(action.values))
                 self.queue.schedule(arrival, StateArrives(learner.index, learner.incarnation,
                                                           (action.values, versions)))
-        if self.syncer is not None:
+        if self.syncer is not None and region is None:
             self.round_meter.emit(self.syncer.rounds)
+
+    # ------------------------------------------------------------ the regional tier
+
+    def _to_regions(self, action: Action) -> None:
+        """The global syncer's action, for the regions' syncers: over each region's WAN route."""
+        if isinstance(action, Stop):
+            for region in self.regions:
+                if region.alive:
+                    arrival = region.link.down.send(self.now, MESSAGE_HEADER_BYTES)
+                    self.queue.schedule(arrival, ToRegion(region.index, region.incarnation, stop=True))
+        elif isinstance(action, Publish):
+            self.last_event_s = max(self.last_event_s, self.now)
+            for r, update in action.updates.items():
+                region = self.regions[r]
+                if region.alive and not (region.syncer is not None and region.syncer.left):
+                    arrival = region.link.down.send(self.now, update.wire_bytes())
+                    self.queue.schedule(arrival, ToRegion(r, region.incarnation, update=update))
+        elif isinstance(action, SendState):
+            region = self.regions[action.learner]
+            arrival = region.link.down.send(self.now, tensors_wire_bytes(action.values))
+            self.queue.schedule(arrival, ToRegion(region.index, region.incarnation,
+                                                  state=(action.values, dict(action.versions))))
+
+    def _send_up(self, region: SimRegion, event) -> None:
+        nbytes = upstream_bytes(event)
+        arrival = region.link.up.signal(self.now) if nbytes is None else region.link.up.send(self.now, nbytes)
+        self.queue.schedule(arrival, ToSyncer(event))
+
+    def _on_to_region(self, event: ToRegion) -> None:
+        region = self.regions[event.region]
+        if event.incarnation != region.incarnation or not region.alive:
+            return
+        if event.state is not None:  # back from an outage: a new life from Θ; its learners rejoin it
+            self._start_region(region, *event.state, members=[])
+            waiting, region.waiting = region.waiting, []
+            if self.syncer.stopped:
+                self._handle(region.syncer.on_stop(), region)
+            for m in waiting:
+                self._rejoin(self.learners[m])
+            self._schedule_region_beat(region)
+        elif region.syncer is None:
+            return
+        elif event.stop:
+            self._handle(region.syncer.on_stop(), region)
+        else:
+            self._handle(region.syncer.on_upstream(event.update, self.now), region)
+
+    def _schedule_region_beat(self, region: SimRegion) -> None:
+        self.queue.schedule(self.now + HEARTBEAT_S, RegionBeat(region.index, region.incarnation))
+
+    def _on_region_beat(self, event: RegionBeat) -> None:
+        region = self.regions[event.region]
+        if event.incarnation != region.incarnation or region.syncer is None or region.syncer.left:
+            return
+        self._handle(region.syncer.beat(self.now), region)
+        self._schedule_region_beat(region)
+
+    def _on_region_down(self, event: RegionDown) -> None:
+        """A regional outage: the region's syncer dies with what it merged and had not sent up yet (its
+        learners crash by their own events)."""
+        region = self.regions[event.region]
+        if region.syncer is not None and region.syncer.left:
+            return  # its part of the run is over
+        for m, tokens in region.die(len(self.fragments)).items():
+            for p, t in enumerate(tokens):
+                self.learners[m].lost_tokens[p] += t
+        region.alive = False
+        region.incarnation += 1
+        self.queue.schedule(event.until, RegionBack(region.index, region.incarnation))
+
+    def _on_region_back(self, event: RegionBack) -> None:
+        """The region's syncer is back: it takes Θ from the global syncer, which takes a full download."""
+        region = self.regions[event.region]
+        if event.incarnation != region.incarnation:
+            return
+        region.alive = True
+        self._handle(self.syncer.handle(LearnerRejoined(region.index, after_seq=region.last_seq), self.now))
 
     def _on_update(self, event: UpdateArrives) -> None:
         learner = self.learners[event.learner]
@@ -327,7 +483,18 @@ class Simulation:
             arrival = learner.link.down.send(self.now, self.parameters * 4)
             self.queue.schedule(arrival, StateArrives(learner.index, learner.incarnation, None))
             return
-        self._handle(self.syncer.handle(LearnerRejoined(learner.index, after_seq=learner.last_seq), self.now))
+        self._rejoin(learner)
+
+    def _rejoin(self, learner: SimLearner) -> None:
+        """It asks its syncer for the current Θ (its region's, with the regional tier: once that is back)."""
+        home = self._home(learner)
+        event = LearnerRejoined(learner.index, after_seq=learner.last_seq)
+        if home is None:
+            self._handle(self.syncer.handle(event, self.now))
+        elif home.syncer is None:
+            home.waiting.append(learner.index)
+        else:
+            self._handle(home.syncer.handle(event, self.now), home)
 
     def _on_state(self, event: StateArrives) -> None:
         learner = self.learners[event.learner]
@@ -339,7 +506,9 @@ class Simulation:
             self._restart_from(learner, *event.state)
         self._mark_down_until_now(learner)
         learner.alive = True
-        if self.syncer is not None and self.syncer.stopped:  # the run ended while it was down
+        home = self._home(learner)
+        syncer = self.syncer if home is None else home.syncer.down if home.syncer is not None else None
+        if syncer is not None and syncer.stopped:  # the run ended while it was down
             self._finish(learner)
             return
         self._schedule_random_crash(learner)
@@ -419,11 +588,27 @@ class Simulation:
     def global_model(self) -> nn.Module:
         return global_model(self)
 
+    def ledger_of(self, learner: int) -> tuple[dict[int, int], dict[int, int]]:
+        """Per fragment, a learner's tokens merged on time and merged stale: by the global syncer, or with the
+        regional tier by its region's syncer over every life, less what died there before going up."""
+        home = self._home(self.learners[learner])
+        if home is not None:
+            merged, stale = home.ledger(learner, len(self.fragments))
+            return dict(enumerate(merged)), dict(enumerate(stale))
+        entry = self.syncer.ledger[learner]
+        return ({p: entry.merged[p] for p in range(len(self.fragments))},
+                {p: entry.stale[p] for p in range(len(self.fragments))})
+
+    def rounds_of(self, learner: int) -> list:
+        """The rounds a learner could take part in: its syncer's."""
+        home = self._home(self.learners[learner])
+        return self.syncer.rounds if home is None else home.rounds()
+
     def token_ledger(self, learner: int) -> dict[str, list[int]]:
         """Per fragment: tokens merged on time, merged stale, and lost, for one learner."""
-        entry = self.syncer.ledger[learner]
+        merged, stale = self.ledger_of(learner)
         fragments = range(len(self.fragments))
-        return {"merged": [entry.merged[p] for p in fragments], "stale": [entry.stale[p] for p in fragments],
+        return {"merged": [merged[p] for p in fragments], "stale": [stale[p] for p in fragments],
                 "lost": list(self.learners[learner].lost_tokens)}
 
     def _result(self) -> RunResult:

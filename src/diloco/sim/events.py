@@ -17,6 +17,10 @@ from diloco.core.messages import Update
 @dataclass(frozen=True)
 class ToSyncer:
     event: SyncerEvent
+    region: int | None = None
+    """None: for the global syncer; else for that region's syncer (the regional tier), in its life
+    `incarnation`: what was on its way to a regional syncer that died is gone with it."""
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,4 +77,37 @@ class AllReduceDone:
     pass
 
 
-SimEvent = Union[ToSyncer, StepEnds, Beat, UpdateArrives, StopArrives, StateArrives, Crash, Recover, AllReduceDone]
+@dataclass(frozen=True)
+class ToRegion:
+    """Something from the global syncer reached a regional syncer, in its life `incarnation`: an answer
+    (`update`), the word to stop (`stop`), or Θ to (re)start from (`state`: values and versions)."""
+
+    region: int
+    incarnation: int
+    update: Update | None = None
+    stop: bool = False
+    state: tuple[dict[str, Any], dict[int, int]] | None = None
+
+
+@dataclass(frozen=True)
+class RegionBeat:
+    region: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class RegionDown:
+    """A regional outage takes the region's syncer down until `until` (its learners crash with it)."""
+
+    region: int
+    until: float
+
+
+@dataclass(frozen=True)
+class RegionBack:
+    region: int
+    incarnation: int
+
+
+SimEvent = Union[ToSyncer, StepEnds, Beat, UpdateArrives, StopArrives, StateArrives, Crash, Recover, AllReduceDone,
+                 ToRegion, RegionBeat, RegionDown, RegionBack]

@@ -217,6 +217,12 @@ class Network:
         links = [self._hop_link(hop, outages if hop.kind == "lan" else []) for hop in hops]
         return Routes(Route([h.up for h in links]), Route([h.down for h in reversed(links)]))
 
+    def region_link(self, region: str) -> Routes:
+        """A regional syncer's way to the global syncer: its region's WAN link (none from the syncer's own
+        region, where both run side by side)."""
+        links = [self._hop_link(hop, []) for hop in self.config.region_route(region)]
+        return Routes(Route([h.up for h in links]), Route([h.down for h in reversed(links)]))
+
     def _hop_link(self, hop: Hop, outages: list[Window]) -> HopLink:
         if hop.name not in self.hops:
             shared = hop.kind == "wan"

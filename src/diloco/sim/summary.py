@@ -39,6 +39,15 @@ def record_eval(sim: Simulation) -> None:
                             memory_bytes=resident_memory_bytes(), rounds=sim.syncer.rounds_closed)
 
 
+def duplicates(sim: Simulation) -> int:
+    """Pushes received twice (counted once), by every syncer of the run."""
+    if sim.syncer is None:
+        return 0
+    regional = sum(r.duplicates_banked + (sum(e.duplicates for e in r.syncer.down.ledger.values())
+                                          if r.syncer is not None else 0) for r in sim.regions)
+    return regional + sum(e.duplicates for e in sim.syncer.ledger.values())
+
+
 def run_result(sim: Simulation) -> RunResult:
     """What the run measured, in the fields every driver's summary has."""
     unfinished = [lr.index for lr in sim.learners if not lr.finished]
@@ -52,8 +61,7 @@ def run_result(sim: Simulation) -> RunResult:
     reports = []
     for lr in sim.learners:
         if sim.syncer is not None:
-            entry = sim.syncer.ledger[lr.index]
-            tokens = learner_tokens(lr.tokens, entry.merged, entry.stale, numel)
+            tokens = learner_tokens(lr.tokens, *sim.ledger_of(lr.index), numel)
         else:  # data-parallel: every token is in the model the step it is trained
             tokens = {"merged": lr.tokens, "stale": 0.0, "lost": 0.0}
         for key in totals:
@@ -63,7 +71,7 @@ def run_result(sim: Simulation) -> RunResult:
             waiting_s=lr.waiting_s, down_s=lr.down_s, busy_fraction=lr.busy_s / wall if wall else 1.0,
             crashes=lr.crashes, tokens_lost=tokens["lost"], bytes_up=lr.link.up.bytes_sent,
             bytes_down=lr.link.down.bytes_sent, eval_loss=evaluate(lr.replica.model, sim.eval_batches),
-            rounds=learner_round_stats(sim.syncer.rounds, lr.index) if sim.syncer else {}))
+            rounds=learner_round_stats(sim.rounds_of(lr.index), lr.index) if sim.syncer else {}))
     learner_losses = [r.eval_loss for r in reports]
     return RunResult(
         strategy=sim.spec.name, learners=len(sim.learners), tokens=sum(r.tokens for r in reports),
@@ -77,5 +85,5 @@ def run_result(sim: Simulation) -> RunResult:
         config=sim.config.to_dict(), round_stats=round_stats(sim.syncer.rounds) if sim.syncer else {},
         learners_eval_loss_mean=sum(learner_losses) / len(learner_losses),
         clock="virtual", wall_clock_s=time.perf_counter() - sim.host_started,
-        duplicates=sum(e.duplicates for e in sim.syncer.ledger.values()) if sim.syncer else 0,
+        duplicates=duplicates(sim),
         **traffic_fields(sim.network.link_entries(wall)))

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import TYPE_CHECKING, Callable, Iterable, Literal
 
 import torch
 
 from diloco.codecs import get_codec
 from diloco.core.learner import LearnerCore
+from diloco.core.regional import RegionalSyncer
+from diloco.core.rounds import OuterOptimizer
 from diloco.core.syncer import SyncerCore
 from diloco.fragments import Fragment, Schedule
 from diloco.outer.delayed_nesterov import DelayedNesterov
 from diloco.outer.merge import MergeRule
 from diloco.outer.nesterov import Nesterov
+
+if TYPE_CHECKING:
+    from diloco.config import RegionalConfig
+
+NEVER_DUE = 1 << 62
+"""A period no step count reaches: a regional syncer pushes after its rounds, not on a schedule."""
 
 
 @dataclass(frozen=True)
@@ -79,16 +87,35 @@ class StrategySpec:
         return Nesterov(self.outer_lr, self.outer_momentum)
 
     def syncer_core(self, params: dict[str, torch.Tensor], fragments: list[Fragment], members: Iterable[int], *,
-                    embeddings: Iterable[str]) -> SyncerCore:
-        """The syncer's core for this strategy: the one place its arguments are wired, for both drivers."""
+                    embeddings: Iterable[str], optimizer: Callable[[], OuterOptimizer] | None = None,
+                    period: int | None = None, counts_budget: bool = True) -> SyncerCore:
+        """The syncer's core for this strategy: the one place its arguments are wired, for both drivers.
+        A regional syncer's differs in its outer step, its pacing period and the budget it leaves to the
+        global syncer."""
         w = self.wiring
-        return SyncerCore(params, fragments, members, optimizer=self.outer_optimizer, merge_rule=self.merge_rule,
-                          embeddings=embeddings, quorum=self.quorum, grace=self.grace,
+        return SyncerCore(params, fragments, members, optimizer=optimizer or self.outer_optimizer,
+                          merge_rule=self.merge_rule, embeddings=embeddings, quorum=self.quorum, grace=self.grace,
                           grace_cap_steps=self.grace_cap_steps, tau=self.tau, participation=self.participation,
                           down_codec=get_codec(w.codec_down, w.block), outlier=w.outlier,
-                          outlier_factor=w.outlier_factor, pacing=self.pacing, period=self.H,
+                          outlier_factor=w.outlier_factor, pacing=self.pacing, period=period or self.H,
                           consolidate=self.consolidate, stale_weight=self.stale_weight,
-                          budget=w.budget if self.shared_budget else None, detect_s=w.detect_s)
+                          budget=w.budget if self.shared_budget and counts_budget else None, detect_s=w.detect_s)
+
+    def regional_syncer(self, region: int, params: dict[str, torch.Tensor], versions: list[int],
+                        fragments: list[Fragment], members: Iterable[int], *, embeddings: Iterable[str],
+                        settings: RegionalConfig, period: int, first_seq: int = 0) -> RegionalSyncer:
+        """A region's syncer (`core/regional.py`), starting from the global Θ at `versions`: its rounds over
+        `members` step with `settings.lr`/`momentum` and pace at `period` of its fastest learner's steps;
+        its pushes up travel in `settings.codec` (default: the uplink's)."""
+        w = self.wiring
+        down = self.syncer_core(params, fragments, members, embeddings=embeddings, period=period,
+                                optimizer=lambda: Nesterov(settings.lr, settings.momentum), counts_budget=False)
+        mirror = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
+        up = LearnerCore(region, mirror, fragments, Schedule(NEVER_DUE, len(fragments)), tau=0, alpha=0.0,
+                         wait_for_updates=False, versions=versions, first_seq=first_seq,
+                         codec=get_codec(settings.codec or w.codec_up, w.block), error_feedback=w.error_feedback,
+                         keep_progress=True)
+        return RegionalSyncer(region, down, up, push_every=settings.push_every, global_period=self.H)
 
     def learner_core(self, learner: int, params: dict[str, torch.Tensor], fragments: list[Fragment], *,
                      versions: list[int] | None = None, step: int = 0, first_seq: int = 0,
