@@ -172,11 +172,39 @@ def close_round(core: SyncerCore, state: FragmentState, now: float, final: bool 
     state.reset()
     state.downlink.publish(state.version, core.theta)
     answered = {c.learner: c.last_seq for c in contributions if c.last_seq > core.session_start.get(c.learner, 0)}
-    if core.answers_when_taken:
+    if not final and core.defer is not None and core.defer(state.fragment.index):
+        state.deferred.update({m: (ack, next_push.get(m)) for m, ack in answered.items()})
+        updates = {}
+    elif core.answers_when_taken:
         updates = {m: Update(state.fragment.index, state.version, {}, ack_seq=ack, next_push_at=next_push.get(m))
                    for m, ack in answered.items()}
     else:
         updates = answer(core, state, answered, next_push)
+    return Publish(state.fragment.index, state.version, updates)
+
+
+def release(core: SyncerCore, state: FragmentState) -> Publish | None:
+    """Answer the learners whose answers were held back (`SyncerCore.defer`): first the correction waiting
+    for the fragment, if any, becomes a version of its own, so that they get it now rather than a round
+    later. None when nobody waits."""
+    if not state.deferred:
+        return None
+    if state.correction is not None:
+        after = {n: core.theta[n] + state.correction[n] for n in state.fragment.names}
+        if not all_finite(after.values()):
+            raise RoundRefused(f"a correction of fragment {state.fragment.index} would make Θ non-finite: refused")
+        core.theta.update(after)
+        state.version += 1
+        state.correction = None
+        state.downlink.publish(state.version, core.theta)
+    waiting, state.deferred = state.deferred, {}
+    acks = {m: ack for m, (ack, _) in waiting.items() if ack > core.session_start.get(m, 0)}
+    next_push = {m: at for m, (_, at) in waiting.items()}
+    if core.answers_when_taken:
+        updates = {m: Update(state.fragment.index, state.version, {}, ack_seq=ack, next_push_at=next_push.get(m))
+                   for m, ack in acks.items()}
+    else:
+        updates = answer(core, state, acks, next_push)
     return Publish(state.fragment.index, state.version, updates)
 
 

@@ -34,10 +34,13 @@ from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, 
                                 SyncerEvent)
 from diloco.core.learner import LearnerCore
 from diloco.core.messages import Progress, Push, Update
-from diloco.core.rounds import Action, RunOver
+from diloco.core.rounds import Action, RunOver, Timer
 from diloco.core.syncer import SyncerCore
 
 __all__ = ["RegionalSyncer", "Upstream"]
+
+HOLD_FALLBACK_S = 30.0
+"""Longest answers wait for the global answer before the region's pacing has measured its period."""
 
 
 class Upstream:
@@ -70,6 +73,9 @@ class RegionalSyncer:
         """Per learner, the step of its latest report in this life."""
         self._forwarded_at = 0
         self._rounds_seen = len(down.rounds)
+        self.held_since: dict[int, float] = {}
+        """Per fragment whose last round's answers wait for the global answer, since when."""
+        down.defer = self._holds
         self.left = False
         """It pushed its final progress and left the global syncer."""
 
@@ -114,6 +120,25 @@ class RegionalSyncer:
         self._life_step[learner] = step if last is None else max(last, step)
         self.heard_steps += rise
 
+    # ------------------------------------------------------------ holding answers for the global one
+
+    def _holds(self, p: int) -> bool:
+        """A round that will be pushed up holds its answers until the global answer is merged: its learners
+        then get the global Θ (with the region's progress since) at once, as they would without the tier,
+        rather than a round later. Rounds that stay in the region are answered at once."""
+        return self.rounds_since[p] + 1 >= self.push_every
+
+    def hold_s(self) -> float:
+        """Longest a round's answers wait for the global answer (it was lost, or the global syncer is
+        down): then they go with the region's Θ alone; the global answer, when it comes, rides the next round."""
+        down = self.down
+        period = down.pacer.sync_period_s(down.alive) if down.pacer is not None else None
+        return period if period else HOLD_FALLBACK_S
+
+    def _release(self, p: int) -> list[Action]:
+        self.held_since.pop(p, None)
+        return self.down.release(p)
+
     # ------------------------------------------------------------ from its learners
 
     def handle(self, event: SyncerEvent, now: float) -> list[Action | Upstream]:
@@ -127,6 +152,9 @@ class RegionalSyncer:
         elif isinstance(event, HeartbeatArrived):
             self._hear(event.learner, event.step, event.tokens)
         out = self._after(actions, now)
+        for p, since in list(self.held_since.items()):
+            if now >= since + self.hold_s():
+                out += self._release(p)
         if self.step - self._forwarded_at >= max(1, len(self.down.alive)) and not self.left:
             self._forwarded_at = self.step
             out.append(Upstream(ProgressArrived(self.progress(now))))
@@ -150,6 +178,10 @@ class RegionalSyncer:
             out += self._merged_round(record.fragment, record.participants, record.tokens_each, record.staleness,
                                       record.steps, record.final)
         self._rounds_seen = len(self.down.rounds)
+        for p, state in self.down.fragments.items():
+            if state.deferred and p not in self.held_since:
+                self.held_since[p] = now
+                out.append(Timer(now + self.hold_s()))
         if over and self.down.stopped and not self.left:
             out += self._leave(now)
         return out
@@ -196,19 +228,23 @@ class RegionalSyncer:
         names = self.down.fragments[p].fragment.names
         before = {n: self.up.params[n].clone() for n in names}
         pushes = self.up.poll(now).pushes
+        out: list[Action | Upstream] = []
         if self.up.in_flight.get(p) is not flight:  # merged
             self.down.correct(p, {n: self.up.params[n] - before[n] for n in names})
             for seq in [s for s, (q, _) in self.sent.items() if q == p and s <= update.ack_seq]:
                 del self.sent[seq]
-        return list(self._sent(pushes))
+            out += self._release(p)
+        return out + self._sent(pushes)
 
-    def on_refused(self, push: Push) -> None:
-        """The global syncer refused a push: its progress and tokens go with the fragment's next one."""
+    def on_refused(self, push: Push) -> list[Action]:
+        """The global syncer refused a push: its progress and tokens go with the fragment's next one, and
+        the answers held for it go now."""
         self.up.on_refused(push)
         _, back = self.sent.pop(push.seq, (push.fragment, {}))
         for m, (on_time, stale) in back.items():
             kept = self.pending[push.fragment].setdefault(m, [0, 0])
             kept[0], kept[1] = kept[0] + on_time, kept[1] + stale
+        return self._release(push.fragment)
 
     def on_stop(self) -> list[Action | Upstream]:
         """The global syncer's word that the budget is spent: its learners stop and push their last."""

@@ -208,6 +208,9 @@ class FragmentState:
     deadline: float | None = None
     target: float | None = None
     """When this fragment's next round is meant to gather its pushes: the pacing grid."""
+    deferred: dict[int, tuple[int, float | None]] = field(default_factory=dict)
+    """Per learner of a round closed with its answers held back (`SyncerCore.defer`): the push its answer
+    acknowledges and when it should push next. `closing.release` answers them."""
     correction: dict[str, torch.Tensor] | None = None
     """A move of Θ decided elsewhere (a regional syncer's answer from the global one), added to Θ by the
     next round of the fragment, so that it reaches learners as part of a version like any other."""
@@ -222,7 +225,7 @@ class FragmentState:
                 "first_arrival": self.first_arrival, "quorum_at": self.quorum_at, "deadline": self.deadline,
                 "target": self.target, "pending": {m: c.plain() for m, c in self.pending.items()},
                 "sums": self.sums.plain(), "unjudged": self.unjudged, "downlink": self.downlink.plain(),
-                "correction": self.correction}
+                "correction": self.correction, "deferred": {m: list(d) for m, d in self.deferred.items()}}
 
     def load(self, plain: dict) -> None:
         self.version = plain["version"]
@@ -234,3 +237,4 @@ class FragmentState:
         self.unjudged = plain["unjudged"]
         self.downlink.load(plain["downlink"])
         self.correction = plain.get("correction")
+        self.deferred = {m: (d[0], d[1]) for m, d in plain.get("deferred", {}).items()}

@@ -47,7 +47,7 @@ import torch
 
 from diloco.codecs import Codec, get_codec
 from diloco.core.accumulate import Sampler
-from diloco.core.closing import all_finite, answer, answers_lost, close_round, join_round
+from diloco.core.closing import all_finite, answer, answers_lost, close_round, join_round, release
 from diloco.core.downlink import Downlink
 from diloco.core.saving import load_saved_state, saved_state
 from diloco.core.checks import check_progress, check_push
@@ -128,6 +128,9 @@ class SyncerCore:
         """Every learner has left and the last rounds are merged."""
         self._wake_at: float | None = None
         """The liveness check the driver was asked to wake the core for."""
+        self.defer: Callable[[int], bool] | None = None
+        """Asked, as a round of a fragment closes, whether its answers wait for `release` (a regional syncer
+        holds them until the global syncer's answer, so that its learners get the global Θ at once)."""
         self.answers_when_taken = False
         """Publish notices, and make each answer when the driver takes it (`events.AnswerTaken`): the real
         syncer, whose answers wait on streams. The simulator takes answers as rounds close."""
@@ -335,6 +338,13 @@ class SyncerCore:
         self.stopped = True
         return [Stop()]
 
+    @atomic
+    def release(self, fragment: int) -> list[Action]:
+        """Answer the learners of `fragment` whose answers were held back, with the correction waiting for it
+        applied first (`closing.release`)."""
+        published = release(self, self.fragments[fragment])
+        return [] if published is None else [published]
+
     def correct(self, fragment: int, deltas: dict[str, torch.Tensor]) -> None:
         """Add `deltas` to Θ of `fragment` with its next round (`FragmentState.correction`): a move of Θ
         decided elsewhere reaches the learners in a version of its own, so what they hold stays exact."""
@@ -344,7 +354,7 @@ class SyncerCore:
         if not all_finite(deltas.values()):
             raise ProtocolError(f"a correction of fragment {fragment} holds a value that is not finite")
         held = state.correction
-        state.correction = {n: d.to(torch.float32) if held is None else held[n] + d for n, d in deltas.items()}
+        state.correction = {n: d.to(torch.float32, copy=True) if held is None else held[n] + d for n, d in deltas.items()}
 
     # ------------------------------------------------------------ events
 

@@ -38,7 +38,7 @@ def atomic(method: Callable) -> Callable:
 
 
 def snapshot(core: SyncerCore) -> dict:
-    keep = [core.rounds, *core.theta.values(), core.down_codec]
+    keep = [core.rounds, *core.theta.values(), core.down_codec, core.defer]
     for s in core.fragments.values():
         keep += [s.optimizer, s.fragment, s.sampler, *s.sums.tensors(), *s.downlink.tensors(),
                  *(c.sample for c in s.pending.values()),

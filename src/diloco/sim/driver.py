@@ -274,7 +274,7 @@ class Simulation:
         if self.regions and region is None:
             pusher = self.regions[push.learner]
             if pusher.syncer is not None:
-                pusher.syncer.on_refused(push)
+                self._handle(pusher.syncer.on_refused(push), pusher)
             return
         learner = self.learners[push.learner]
         if learner.core is not None and learner.alive:
