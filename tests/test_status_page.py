@@ -254,3 +254,50 @@ def test_page_in_headless_chromium_shows_learners_and_refreshes_itself(tmp_path)
         assert state["calls"] > joined_at, "the page never fetched itself again"
         assert learner_names(dom) == ["learner 0", "learner 1", "learner 2", "learner 3"]
         assert 'id="conn">live<' in dom
+
+
+# ------------------------------------------------------------------ regions
+
+
+def test_with_regions_learners_are_grouped_under_their_region():
+    regions = [{"name": "us-east", "syncer": True, "learners": [0, 1]}, {"name": "eu-west", "learners": [2, 3]},
+               {"name": HOSTILE, "learners": []}]
+    page = render_page(snapshot(5, regions=regions))
+    groups = re.findall(r'<tbody class="region" data-region="([^"]*)">(.*?)</tbody>', page)
+    assert [(name, re.findall(r'<td class="name">([^<]*)</td>', body)) for name, body in groups] == [
+        ("us-east", ["learner 0", "learner 1"]), ("eu-west", ["learner 2", "learner 3"]),
+        ("&lt;script&gt;alert(1)&lt;/script&gt;", []),
+        ("", ["learner 4"])]  # an elastic run's extra learner is in no region: listed last
+    assert ['class="badge syncer"' in body for _, body in groups] == [True, False, False, False]
+    assert ">us-east <" in groups[0][1] and "2 learners" in groups[0][1] and "no region" in groups[3][1]
+    assert learner_names(page) == [f"learner {i}" for i in range(5)]
+    assert HOSTILE not in page
+
+
+def test_without_regions_the_membership_table_is_unchanged():
+    from diloco.status.page import render_content
+
+    plain = render_content(snapshot(3))
+    assert render_content(snapshot(3, regions=[])) == plain
+    assert 'class="region' not in plain and "<tbody><tr class=\"learner\" data-learner=\"0\">" in plain
+    assert learner_names(plain) == ["learner 0", "learner 1", "learner 2"]
+
+
+def test_the_snapshot_groups_by_the_configs_regions():
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from diloco.config import Config, load_config
+    from diloco.runtime.shard_report import region_groups, snapshot_regions
+
+    config = load_config(Path(__file__).resolve().parents[1] / "examples" / "regions.toml")
+    assert region_groups(config) == [
+        {"name": "us-east", "syncer": True, "learners": [0, 1]}, {"name": "us-west", "syncer": False, "learners": [2, 3]},
+        {"name": "eu-west", "syncer": False, "learners": [4, 5]}, {"name": "ap-south", "syncer": False, "learners": [6, 7]}]
+    assert region_groups(Config()) == []
+    assert snapshot_regions(SimpleNamespace(config=config, tier=None)) == region_groups(config)
+    # The regional tier: a region's syncer shows its own region; the global syncer's members are regions' syncers.
+    config.topology = "regional"
+    assert snapshot_regions(SimpleNamespace(config=config, tier=SimpleNamespace(name="eu-west"))) == \
+        [{"name": "eu-west", "syncer": False, "learners": [4, 5]}]
+    assert snapshot_regions(SimpleNamespace(config=config, tier=None)) == []

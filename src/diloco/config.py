@@ -374,6 +374,17 @@ class Config:
         hops = [Hop("lan", f"learner {learner}", home, lan, lan)]
         return hops if self.tiered else hops + self.region_route(home)
 
+    def tier_regions(self) -> list[RegionConfig]:
+        """With the regional tier, the regions that have learners, in order: their syncers are the global
+        syncer's learners, numbered from 0. Empty without the tier."""
+        return [r for r in self.regions if r.speeds] if self.tiered else []
+
+    def region_period(self, region: str) -> int:
+        """A region's pacing period in its fastest learner's steps: H steps of the fastest learner of all,
+        in time, so that every region syncs on the same grid."""
+        speeds, members = self.speeds(), self.learners_of(region)
+        return max(1, round(self.outer.H * max(speeds[m] for m in members) / max(speeds)))
+
     def region_route(self, region: str) -> list[Hop]:
         """The WAN hop from a region to the syncer's region (none from the syncer's own)."""
         syncer = self.syncer_region()

@@ -116,6 +116,17 @@ def links_from_learners(config: Config, reports: list[LearnerReport]) -> list[di
     return [link_entry(hop, up, down) for hop, (up, down) in hops.values()]
 
 
+def links_from_regions(config: Config, region_reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """With the regional tier, each region's WAN link carries its regional syncer's traffic, as its uplink
+    counted it (the learners' own traffic stays on their LANs)."""
+    out = []
+    for report in region_reports:
+        uplink = report.get("uplink", {})
+        for hop in config.region_route(report["region"]):
+            out.append(link_entry(hop, uplink.get("bytes_up", 0), uplink.get("bytes_down", 0)))
+    return out
+
+
 def human_bytes(n: float) -> str:
     """Decimal units, as links are rated: 12.83 MB."""
     for unit in ("B", "KB", "MB", "GB", "TB"):

@@ -67,10 +67,16 @@ class RegionalSyncer:
         """Per fragment and learner, tokens merged here (on time, stale) since the fragment's last push up."""
         self.sent: dict[int, tuple[int, dict[int, list[int]]]] = {}
         """By sequence number of a push on its way up: its fragment and its learners' tokens."""
+        self.sent_total: dict[int, dict[int, list[int]]] = {}
+        """Per learner and fragment, tokens (on time, stale) that went up in this life: what outlives it."""
         self.heard_steps = 0
         self.merged_steps = 0
         self._life_step: dict[int, int] = {}
-        """Per learner, the step of its latest report in this life."""
+        """Per learner, the highest step it reported in this life."""
+        self._life_tokens: dict[int, int] = {}
+        """Per learner, the most tokens it reported in this life."""
+        self._tokens_banked = 0
+        """Tokens its learners reported in their earlier lives."""
         self._forwarded_at = 0
         self._rounds_seen = len(down.rounds)
         self.held_since: dict[int, float] = {}
@@ -81,22 +87,28 @@ class RegionalSyncer:
 
     # ------------------------------------------------------------ counters
 
+    @staticmethod
+    def burst_steps(learners: int, H: int, push_every: int) -> int:
+        """The most one of a region's claims may add at once: a round of every learner's push of a fragment,
+        a few periods each (a learner whose push waited on an answer pushes more steps)."""
+        return 4 * max(1, learners) * H * push_every
+
     @property
     def step(self) -> int:
         """The region's step counter, as the global syncer sees it."""
         return self.heard_steps + self.merged_steps
 
-    def burst_steps(self, learners: int, H: int) -> int:
-        """The most one of its claims may add at once: a round of every learner's push of a fragment, a
-        few periods each (a learner whose push waited on an answer pushes more steps)."""
-        return 4 * max(1, learners) * H * self.push_every
+    def tokens(self) -> int:
+        """The region's tokens as it claims them: each learner's highest report in each of its lives. Reports
+        can arrive out of order; a claim that went down and up again would look like tokens without steps."""
+        return self._tokens_banked + sum(self._life_tokens.values())
 
     def progress(self, now: float) -> Progress:
         down = self.down
         period = down.pacer.sync_period_s(down.alive) if down.pacer is not None else None
         steps = [down.step_time[m] for m in down.alive if m in down.step_time]
         step_time = period / self.global_period if period else (min(steps) if steps else 0.0)
-        return Progress(self.region, self.step, down.tokens_reported(), step_time,
+        return Progress(self.region, self.step, self.tokens(), step_time,
                         tuple(self._due_in(p, now, period) for p in sorted(down.fragments)))
 
     def _due_in(self, p: int, now: float, period: float | None) -> float:
@@ -118,6 +130,7 @@ class RegionalSyncer:
         else:
             rise = max(0, step - last)
         self._life_step[learner] = step if last is None else max(last, step)
+        self._life_tokens[learner] = max(self._life_tokens.get(learner, 0), tokens)
         self.heard_steps += rise
 
     # ------------------------------------------------------------ holding answers for the global one
@@ -145,8 +158,9 @@ class RegionalSyncer:
         """An event from one of its learners (or its own timer), as `SyncerCore.handle` takes it; the
         actions for its learners come back with those for the global syncer (`Upstream`)."""
         actions = self.down.handle(event, now)  # a refused event raises here, with nothing changed
-        if isinstance(event, LearnerRejoined):
+        if isinstance(event, LearnerRejoined):  # a new life: its counters start again
             self._life_step.pop(event.learner, None)
+            self._tokens_banked += self._life_tokens.pop(event.learner, 0)
         elif isinstance(event, ProgressArrived):
             self._hear(event.report.learner, event.report.step, event.report.tokens)
         elif isinstance(event, HeartbeatArrived):
@@ -164,16 +178,14 @@ class RegionalSyncer:
         """Its own heartbeat to the global syncer (every HEARTBEAT_S): the region lives while it does."""
         if self.left:
             return []
-        return [Upstream(HeartbeatArrived(self.region, step=self.step, tokens=self.down.tokens_reported()))]
+        return [Upstream(HeartbeatArrived(self.region, step=self.step, tokens=self.tokens()))]
 
     def _after(self, actions: list[Action], now: float) -> list[Action | Upstream]:
         out: list[Action | Upstream] = []
         over = False
         for action in actions:
-            if isinstance(action, RunOver):
-                over = True
-            else:
-                out.append(action)
+            over |= isinstance(action, RunOver)
+            out.append(action)
         for record in self.down.rounds[self._rounds_seen:]:
             out += self._merged_round(record.fragment, record.participants, record.tokens_each, record.staleness,
                                       record.steps, record.final)
@@ -205,8 +217,12 @@ class RegionalSyncer:
 
     def _sent(self, pushes: list[Push]) -> list[Upstream]:
         for push in pushes:
-            self.sent[push.seq] = (push.fragment, self.pending[push.fragment])
+            carried = self.pending[push.fragment]
+            self.sent[push.seq] = (push.fragment, carried)
             self.pending[push.fragment] = {}
+            for m, (on_time, stale) in carried.items():
+                total = self.sent_total.setdefault(m, {}).setdefault(push.fragment, [0, 0])
+                total[0], total[1] = total[0] + on_time, total[1] + stale
         return [Upstream(PushArrived(push)) for push in pushes]
 
     def _leave(self, now: float) -> list[Upstream]:
@@ -244,6 +260,8 @@ class RegionalSyncer:
         for m, (on_time, stale) in back.items():
             kept = self.pending[push.fragment].setdefault(m, [0, 0])
             kept[0], kept[1] = kept[0] + on_time, kept[1] + stale
+            total = self.sent_total[m][push.fragment]
+            total[0], total[1] = total[0] - on_time, total[1] - stale
         return self._release(push.fragment)
 
     def on_stop(self) -> list[Action | Upstream]:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from diloco.report.compare import compare_runs
 from diloco.report.plots import plot_run
-from diloco.report.records import load_run
+from diloco.report.links import links_table
+from diloco.report.records import Run, load_run
 from diloco.report.table import markdown_table
 
 
@@ -22,13 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plot one run or compare several; print the markdown table, then the paths written."""
+    """Plot one run or compare several; print the markdown table(s), then the paths written."""
     quiet = getattr(args, "quiet", False)
     dirs: list[Path] = args.dirs
     if len(dirs) == 1:
         run_data = load_run(dirs[0], need_summary=False)
         written = plot_run(run_data, args.out)
-        table = markdown_table([run_data]) if run_data.summary is not None else None
+        table = single_run_tables(run_data)
         if table is None:
             print(f"{dirs[0]} has no summary.json (the run did not finish?): plots only", file=sys.stderr)
         if not written:
@@ -42,6 +43,14 @@ def run(args: argparse.Namespace) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+def single_run_tables(run_data: Run) -> str | None:
+    """The run's row and, for a run with regions, its links: what each WAN and LAN link carried. None for
+    a run without summary.json."""
+    if run_data.summary is None:
+        return None
+    return "\n\n".join(filter(None, [markdown_table([run_data]), links_table(run_data.summary)]))
 
 
 def default_compare_out(dirs: list[Path]) -> Path:

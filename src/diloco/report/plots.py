@@ -1,7 +1,7 @@
-"""The plots of one run: loss, per-link bandwidth, round participation, written as PNGs into DIR/plots.
+"""The plots of one run: loss, per-link bandwidth, round participation, regions, written as PNGs into DIR/plots.
 
 Each figure is drawn only when the run recorded its data (a simulator run without metrics.jsonl still
-has its eval curve in summary.json, so it gets loss.png and nothing else).
+has its eval curve in summary.json, so it gets loss.png, and with regions topology.png, and nothing else).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from diloco.report.figures import draw_eval_loss, finish_loss_panels, new_figure, require_matplotlib, save, time_label
 from diloco.report.records import AllLearnersTokens, Record, Run, load_run, number
+from diloco.report.topology import topology_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -128,6 +129,7 @@ PLOTS: dict[str, Callable[[Run], Figure | None]] = {
     "loss.png": loss_figure,
     "bandwidth.png": bandwidth_figure,
     "participation.png": participation_figure,
+    "topology.png": topology_figure,
 }
 
 

@@ -15,7 +15,7 @@ MISSING = "n/a"
 def markdown_table(runs: list[Run]) -> str:
     """The table, header included; every run must have a summary."""
     baseline = number(_summary(runs[0]), "final_eval_loss") if runs else None
-    lines = [_row(COLUMNS), _row(["---", "---"] + ["---:"] * (len(COLUMNS) - 2))]
+    lines = [markdown_row(COLUMNS), markdown_row(["---", "---"] + ["---:"] * (len(COLUMNS) - 2))]
     for index, run in enumerate(runs):
         summary = _summary(run)
         loss = number(summary, "final_eval_loss")
@@ -26,7 +26,7 @@ def markdown_table(runs: list[Run]) -> str:
         else:
             versus = f"{100 * (loss / baseline - 1):+.2f}%"
         up, down = number(summary, "wire_bytes_up"), number(summary, "wire_bytes_down")
-        lines.append(_row([
+        lines.append(markdown_row([
             run.name,
             str(summary.get("strategy", MISSING)),
             _integer(summary, "learners"),
@@ -74,5 +74,6 @@ def _fixed(summary: dict[str, Any], key: str, digits: int) -> str:
     return MISSING if value is None else f"{value:.{digits}f}"
 
 
-def _row(cells: Any) -> str:
+def markdown_row(cells: Any) -> str:
+    """One table line; a `|` inside a cell is escaped so that it stays one cell."""
     return "| " + " | ".join(str(cell).replace("|", "\\|") for cell in cells) + " |"

@@ -263,6 +263,12 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the state a previous process left in --out")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
+    p.add_argument("--region", metavar="NAME",
+                   help="serve as this region's syncer (topology = \"regional\"): its learners sync here, and it "
+                        "syncs with the global syncer at --upstream")
+    p.add_argument("--upstream", metavar="HOST:PORT", help="any global syncer shard (with --region)")
+    p.add_argument("--emulate-link", action="store_true",
+                   help="with --region: shape the traffic to the global syncer as the region's WAN link in the config")
     add_http_arguments(p, default_host="--bind's host")
     p.add_argument("--status-port", type=port_number, metavar="PORT",
                    help="serve the HTML status page on PORT (0: any), on the --http-bind host")
@@ -284,6 +290,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     from diloco.runtime.loop import run_origin
     from diloco.runtime.processes import die_with_parent
     from diloco.runtime.settings import check_shards
+    from diloco.runtime.regional_shard import RegionTier
     from diloco.runtime.syncer import ShardPlan, SyncerShard, parse_shard
 
     die_with_parent()
@@ -292,19 +299,26 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     security = security_from_args(args, role="server")
     index, count = parse_shard(args.shard)
     check_shards(config, count)
+    if bool(args.region) != bool(args.upstream):
+        raise DilocoError("--region and --upstream go together: a region's syncer syncs with the global one")
+    if args.region and (count != 1 or args.resume):
+        raise DilocoError("a region's syncer is one shard and keeps no journal: drop --shard/--shards/--resume")
     addresses = tuple(a.strip() for a in args.shards.split(",")) if args.shards else (args.bind,)
     if len(addresses) != count:
         raise DilocoError(f"--shards lists {len(addresses)} address(es) but --shard says there are {count} shards")
     http = http_exposure(args, _bind_host(args.bind), security)
     stop = stop_on_signals()
     out = output_folder(Path(args.out)) if args.out else None
-    metrics = open_metrics(out / "metrics" if out else None, name=f"syncer-{index}",
+    name = f"region-{args.region}" if args.region else f"syncer-{index}"
+    metrics = open_metrics(out / "metrics" if out else None, name=name,
                            tensorboard=config.metrics.tensorboard, wandb=config.metrics.wandb,
                            prometheus_port=args.metrics_port, http=http, origin=run_origin())
     if args.metrics_port is not None:
         report_port(metrics.prometheus_port, f"shard {index}'s Prometheus metrics", args.metrics_port_file)
+    tier = RegionTier(config, args.region, args.upstream, security_from_args(args, role="client"),
+                      emulate_link=args.emulate_link, out=out) if args.region else None
     shard = SyncerShard(config, ShardPlan(index, count, addresses), metrics,
-                        state_dir=out / "syncer" if out else None, resume=args.resume)
+                        state_dir=out / "syncer" if out and tier is None else None, resume=args.resume, tier=tier)
     server, status = _serve_shard(shard, args, security, http)
     halted = None
     while not stop.wait(METRICS_EVERY_S):
@@ -314,6 +328,8 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
         if shard.store is not None and (halted := shard.store.halted) is not None:
             break  # its journal can take nothing more: stop, and resume from disk once it is fixed
     shard.stop()
+    if tier is not None:
+        tier.close()
     if halted is not None:
         server.stop(grace=2).wait()
         raise DilocoError(f"shard {index} stopped: {halted}; fix the disk, then restart it with --resume")
@@ -321,7 +337,8 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
         shard.save_state()
         with shard.lock:
             report = shard.report()
-        write_output(out / "syncer" / f"shard-{index}.json", json.dumps(report, indent=2) + "\n")
+        write_output(out / "syncer" / f"{'region-' + args.region if args.region else f'shard-{index}'}.json",
+                     json.dumps(report, indent=2) + "\n")
     server.stop(grace=2).wait()
     if status:
         status.close()

@@ -28,6 +28,7 @@ from diloco.metrics.records import learner_lives
 from diloco.outputs import write_output, writing
 from diloco.runtime.loop import ORIGIN_ENV
 from diloco.runtime.ports import read_port_file, wait_for_port
+from diloco.runtime.outages import RegionOutages
 from diloco.runtime.processes import Child, Children
 from diloco.runtime.settings import check_shards, settings_of
 from diloco.strategies import build_strategy
@@ -96,6 +97,9 @@ class Launcher:
         """Where each child writes the ports it got: every server here binds port 0."""
         self.addresses: list[str] = []
         """Each shard's address, once it has reported its port."""
+        self.region_addresses: dict[str, str] = {}
+        """With the regional tier, each region's syncer, once it has reported its port."""
+        self.region_clients: list[ShardClient] = []
         self.started_unix = clock.now()
         self.origin_monotonic = clock.monotonic()
         """The run's time 0 (as the children's metrics count it) on this process's monotonic clock."""
@@ -127,12 +131,16 @@ class Launcher:
     def run(self, on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
         try:
             self._start_syncers()
+            self._start_regions()
             self._start_learners()
+            self.outages = RegionOutages(self)
+            self.outages.start()
             self.training_started = clock.monotonic()
             self._watch(on_progress)
             self.training_s = clock.monotonic() - self.training_started
             self._wait_finished()
             summary = self._summarise()
+            self.children.stop("region", sig=signal.SIGTERM)
             self.children.stop("syncer", sig=signal.SIGTERM)
             self.result.cluster = self.cluster_report(self.result.tokens_merged)  # with the shards' ends
             return {**summary, "cluster": self.result.cluster}
@@ -176,10 +184,13 @@ class Launcher:
     def stop(self) -> None:
         """Learners first (they push what they have and leave), then the shards (they save their state);
         then every process's metrics are merged into one time-ordered metrics.jsonl."""
+        if hasattr(self, "outages"):
+            self.outages.done.set()
         self.children.stop("learner")
+        self.children.stop("region", sig=signal.SIGTERM)
         self.children.stop("syncer", sig=signal.SIGTERM)
         self.children.close()
-        for client in self.clients:
+        for client in self.clients + self.region_clients:
             client.close()
         self.metrics.close()
         merge_metrics(self.shared / "metrics", self.out / "metrics.jsonl")
@@ -209,16 +220,39 @@ class Launcher:
             self.clients.append(ShardClient(self.addresses[-1], self.security))
         self._collect_endpoints()
 
+    def _start_regions(self) -> None:
+        """With the regional tier, a syncer per region with learners, each a learner of the global shards."""
+        for region in self.config.tier_regions():
+            name = f"region-{region.name}"
+            port_file = self.ports / f"{name}.port"
+            host = self._place(name)
+            emulate = ["--emulate-link"] if self.emulate_link else []
+            self.children.start(name, self._python(
+                "syncer", "--region", region.name, "--upstream", self.addresses[0], "--bind", f"{host}:0",
+                "--port-file", str(port_file), "--out", str(self.shared), *emulate,
+                *self._endpoint_args(name)), env=self.env)
+            child = self.children.children[name]
+            port = wait_for_port(port_file, name, gone=lambda child=child: self._why_gone(child),
+                                 timeout_s=STARTUP_TIMEOUT_S)
+            child.set_option("--bind", f"{host}:{port}")  # a restarted region serves where its learners look
+            self.region_addresses[region.name] = f"{host}:{port}"
+            self.region_clients.append(ShardClient(f"{host}:{port}", self.security))
+
     def _start_learners(self) -> None:
         for m in range(self.config.learners.count):
             self._start_learner(m)
+
+    def syncer_of(self, m: int) -> str:
+        """Where learner m syncs: its region's syncer with the regional tier, else the syncer."""
+        region = self.config.region_of(m)
+        return self.region_addresses[region] if region in self.region_addresses else self.addresses[0]
 
     def _start_learner(self, m: int) -> None:
         self._place(f"learner-{m}")
         env = {"OMP_NUM_THREADS": str(self.learner_threads), **self.env}
         emulate = ["--emulate-link"] if self.emulate_link else []
         self.children.start(f"learner-{m}", self._python(
-            "learner", "--syncer", self.addresses[0], "--id", str(m), *emulate,
+            "learner", "--syncer", self.syncer_of(m), "--id", str(m), *emulate,
             "--out", str(self.shared), *self._endpoint_args(f"learner-{m}")), env=env)
 
     def _endpoint_args(self, name: str, status: bool = False) -> list[str]:
@@ -280,14 +314,20 @@ class Launcher:
             clock.sleep(POLL_S)
 
     def _poll_status(self) -> None:
+        """Each learner's tokens as its syncer counts them (its region's, with the regional tier)."""
         rounds = 0
         for client in self.clients:
             status = client.status()
             rounds += status.rounds
-            report = json.loads(status.report_json)
-            for m, tokens in report.get("tokens_reported", {}).items():
-                self.progress.tokens[int(m)] = max(tokens, self.progress.tokens.get(int(m), 0))
+            if not self.region_clients:
+                self._count_tokens(json.loads(status.report_json))
+        for client in self.region_clients:
+            self._count_tokens(json.loads(client.status().report_json))
         self.progress.rounds = rounds
+
+    def _count_tokens(self, report: dict[str, Any]) -> None:
+        for m, tokens in report.get("tokens_reported", {}).items():
+            self.progress.tokens[int(m)] = max(tokens, self.progress.tokens.get(int(m), 0))
 
     def _wait_finished(self) -> None:
         """Every learner has left: each shard merges what is still open; wait for that to be done."""
@@ -300,7 +340,7 @@ class Launcher:
 
     def _all_finished(self) -> bool:
         try:
-            return all(c.status().finished for c in self.clients)
+            return all(c.status().finished for c in self.clients + self.region_clients)
         except DilocoError:
             return False
 
@@ -327,7 +367,7 @@ class Launcher:
         return loss
 
     def _summarise(self) -> dict[str, Any]:
-        from diloco.results import links_from_learners, traffic_fields
+        from diloco.results import links_from_learners, links_from_regions, traffic_fields
 
         self._collect_endpoints()
         loss = self._record_eval()
@@ -335,6 +375,11 @@ class Launcher:
             torch.save(self.model.state_dict(), self.out / "model.pt")
         shards = [json.loads(c.status().report_json) for c in self.clients]
         write_output(self.out / "syncer" / "shards.json", json.dumps(shards, indent=2) + "\n")
+        regions = [json.loads(c.status().report_json) for c in self.region_clients]
+        if regions:
+            write_output(self.out / "syncer" / "regions.json", json.dumps(regions, indent=2) + "\n")
+        learners_syncers = regions or shards
+        """Where the learners' ledgers are: their regions' syncers with the regional tier."""
         lives = learner_lives(self.shared / "metrics")
         learners = []
         for m in self.learner_ids():
@@ -349,11 +394,12 @@ class Launcher:
         parameters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         numel = {int(p): n for shard in shards for p, n in shard.get("fragment_numel", {}).items()}
         rounds = [r for shard in shards for r in shard.get("rounds", [])]
+        learner_rounds = [r for shard in learners_syncers for r in shard.get("rounds", [])]
         totals = {"merged": 0.0, "stale": 0.0, "lost": 0.0}
         reports = []
         for r in learners:
             m = r["learner"]
-            merged, stale = ledger_of(shards, m)
+            merged, stale = ledger_of(learners_syncers, m)
             # A learner that was killed and restarted trained in each of its lives: count them all.
             trained = sum(life["tokens"] for life in lives[m]) if m in lives else r["tokens"]
             restarts = len(lives[m]) - 1 if m in lives else 0
@@ -365,7 +411,7 @@ class Launcher:
                                          busy_fraction=r["busy_fraction"], crashes=restarts,
                                          tokens_lost=tokens["lost"], bytes_up=r["bytes_up"],
                                          bytes_down=r["bytes_down"], eval_loss=r.get("eval_loss"),
-                                         rounds=learner_round_stats(rounds, m)))
+                                         rounds=learner_round_stats(learner_rounds, m)))
         self.eval_curve[-1]["time_s"] = self.training_s
         learner_losses = [r.eval_loss for r in reports if r.eval_loss is not None]
         result = RunResult(
@@ -379,9 +425,9 @@ class Launcher:
             eval_curve=self.eval_curve, config=self.config.to_dict(), round_stats=round_stats(rounds),
             learners_eval_loss_mean=sum(learner_losses) / len(learner_losses) if learner_losses else None,
             clock="real", wall_clock_s=clock.monotonic() - self.started,
-            duplicates=sum(e.get("duplicates", 0) for s in shards for e in s.get("ledger", {}).values()),
+            duplicates=sum(e.get("duplicates", 0) for s in shards + regions for e in s.get("ledger", {}).values()),
             shards=self.shard_count, endpoints=dict(self.endpoints), launcher=self.launcher_name,
             cluster=self.cluster_report(tokens_merged=totals["merged"]),
-            **traffic_fields(links_from_learners(self.config, reports)))
+            **traffic_fields(links_from_learners(self.config, reports) + links_from_regions(self.config, regions)))
         self.result = result
         return result.summary()

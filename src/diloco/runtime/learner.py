@@ -33,7 +33,8 @@ from diloco.errors import DilocoError
 from diloco.fragments import Fragment, embedding_names, partition
 from diloco.core.liveness import HEARTBEAT_S
 from diloco.transport.client import SyncerUnavailable, with_retries
-from diloco.transport.frames import decode, tensor_header
+from diloco.transport.frames import tensor_header
+from diloco.runtime.answers import update_of
 from diloco.runtime.joining import ShardLink, join_run
 from diloco.runtime.settings import spec_of
 from diloco.runtime.staging import DeviceStaging
@@ -373,7 +374,7 @@ class Learner:
                     self._received[header.fragment] = header.version
                     self._inbox.put(self.down.send(nbytes), (update, ready))
                 reason = "the update stream ended"
-            except (SyncerUnavailable, ValueError) as exc:
+            except (SyncerUnavailable, ValueError) as exc:  # ValueError: a LostAnswer, or a bad frame
                 reason = str(exc)
                 shard.client.cancel_updates()
             if self._halt.wait(RECONNECT_S):
@@ -382,24 +383,10 @@ class Learner:
 
     def _decode_update(self, header: pb.UpdateHeader, tensors: dict[str, Encoded], nbytes: int,
                        base: dict[str, torch.Tensor] | None = None) -> tuple[Update, torch.cuda.Event | None]:
-        """A relative update is a difference to the anchor (or to `base`, the answer's differences
-        before it, applied in order as the syncer did), which cannot change meanwhile: the fragment has a
-        push in flight, and its anchor moves only when this answer is merged."""
-        p = header.fragment
-        anchors = self.core.anchors[p] if base is None else base
-        relative = {t.name: t.relative for t in header.tensors}
-        if base is None and any(relative.values()) and header.base_version != self._received[p]:
-            raise ValueError(f"an answer of fragment {p} applies to version {header.base_version}, this learner "
-                             f"holds {self._received[p]}: an answer was lost")
-        values = {}
         with self.staging.side():
-            for name, encoded in tensors.items():
-                value = self.staging.to_device(decode(encoded))
-                values[name] = anchors[name] + value if relative[name] else value  # fp32 adds round alike
+            update = update_of(header, tensors, self.core.anchors[header.fragment], self._received[header.fragment],
+                               nbytes, base, self.staging.to_device)
             ready = self.staging.done()
-        next_push_at = header.next_push_at if header.HasField("next_push_at") else None
-        update = Update(p, header.version, values, ack_seq=header.ack_seq, payload_bytes=nbytes - MESSAGE_HEADER_BYTES,
-                        next_push_at=next_push_at)
         return update, ready
 
     def _heartbeat_loop(self) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from diloco.core.syncer import RoundRecord
 
 if TYPE_CHECKING:
+    from diloco.config import Config
     from diloco.runtime.syncer import SyncerShard
 
 SILENT_AFTER_S = 5.0
@@ -29,6 +30,8 @@ def shard_report(shard: SyncerShard) -> dict:
                          "steps_merged": e.steps_merged, "merged": dict(e.merged), "stale": dict(e.stale)}
                      for m, e in core.ledger.items()}
     out["rounds"] = [round_view(shard, r) for r in core.rounds]
+    if shard.tier is not None:
+        out.update(shard.tier.report(out["ledger"]))
     return out
 
 
@@ -54,7 +57,7 @@ def learner_state(shard: SyncerShard, m: int, now: float) -> str:
 
 
 def snapshot(shard: SyncerShard) -> dict:
-    """Membership, each learner's state and the recent rounds, for the status page."""
+    """Membership, each learner's state, the recent rounds and the regions, for the status page."""
     core, now = shard.core, shard.clock.now()
     learners = {}
     for m in sorted(set(range(shard.settings.learners)) | shard.joined):
@@ -72,4 +75,21 @@ def snapshot(shard: SyncerShard) -> dict:
     return {"shard": shard.plan.index, "shards": shard.plan.count, "strategy": shard.spec.name,
             "uptime_s": now - shard.started, "finished": shard.finished, "fragments": shard.owned,
             "versions": {str(p): s.version for p, s in core.fragments.items()} if core else {},
-            "learners": learners, "rounds": rounds}
+            "learners": learners, "rounds": rounds, "regions": snapshot_regions(shard)}
+
+
+def snapshot_regions(shard: SyncerShard) -> list[dict]:
+    """The regions the status page groups the shard's learners by: every region on a flat run's syncer,
+    its own on a region's syncer; none on the regional tier's global syncer, whose members are the
+    regions' syncers, not learners."""
+    if shard.config.tiered and shard.tier is None:
+        return []
+    own = shard.tier.name if shard.tier is not None else None
+    return region_groups(shard.config, only=own)
+
+
+def region_groups(config: Config, only: str | None = None) -> list[dict]:
+    """Per region (in config order, or just the one named `only`): its name, whether it holds the syncer,
+    and its learners' ids. Empty without regions."""
+    return [{"name": r.name, "syncer": r.syncer, "learners": list(config.learners_of(r.name))}
+            for r in config.regions if only in (None, r.name)]

@@ -36,11 +36,13 @@ from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.clock import SYSTEM_CLOCK, Clock
+from diloco.core.regional import RegionalSyncer, Upstream
 from diloco.runtime.journal import JournalError, JournalHalted, push_of, push_payload
 from diloco.runtime import serving, shard_resume
 from diloco.runtime.answer_slots import AnswerSlots, Slot
 from diloco.runtime.serving import serve
 from diloco.runtime.settings import check_shards, settings_of
+from diloco.runtime.regional_shard import RegionTier
 from diloco.runtime.shard_plan import ShardPlan, fragments_of, parse_shard
 from diloco.runtime.shard_report import shard_report, snapshot
 from diloco.runtime.shard_store import ShardStore, plain_update
@@ -69,10 +71,12 @@ flight is then two fragments in fp32 plus the others as they came, whatever the 
 
 class SyncerShard(pb_grpc.SyncerServicer):
     def __init__(self, config: Config, plan: ShardPlan, metrics: MetricsLog | None = None,
-                 state_dir: Path | None = None, resume: bool = False, clock: Clock = SYSTEM_CLOCK) -> None:
+                 state_dir: Path | None = None, resume: bool = False, clock: Clock = SYSTEM_CLOCK,
+                 tier: RegionTier | None = None) -> None:
         """With a `state_dir`, the shard journals every event and saves its state there now and then;
-        `resume` continues from what a previous process of this shard left there. No thread runs
-        until `start()`."""
+        `resume` continues from what a previous process of this shard left there. With a `tier`, it is a
+        region's syncer (`regional_shard.py`): it journals nothing, and its own Θ starts from the global
+        syncer's when its first learner seeds it. No thread runs until `start()`."""
         check_shards(config, plan.count)
         self.config, self.plan, self.clock = config, plan, clock
         self.spec = build_strategy(config)
@@ -80,6 +84,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.owned = plan.fragments(self.spec.fragments)
         self.lock = threading.RLock()
         self.core: SyncerCore | None = None
+        self.tier = tier
         self.layout: list[pb.FragmentLayout] = []
         self.outboxes: dict[int, queue.Queue[Update]] = {}
         self.streams: dict[int, int] = {}
@@ -134,7 +139,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         if journaled:
             self.store.record(event, now, push_frames)
         try:
-            actions = self.core.handle(event, now)
+            actions = (self.tier.region if self.tier is not None else self.core).handle(event, now)
         except ProtocolError:
             if journaled:
                 self.store.rollback()  # JournalHalted if it cannot be: the shard takes nothing more
@@ -143,8 +148,29 @@ class SyncerShard(pb_grpc.SyncerServicer):
             if journaled:  # the core may be half-changed: journal nothing more, resume from disk instead
                 self._halt_journal(f"the core failed on {type(event).__name__} ({type(exc).__name__}: {exc})")
             raise
+        self.carry_out(actions)
+        if isinstance(event, AnswerTaken):
+            waiting = self.last_updates.get(event.learner, {})
+            if event.fragment in waiting and waiting[event.fragment].ack_seq <= event.ack_seq:
+                del waiting[event.fragment]
+        elif isinstance(event, LearnerLeft):
+            self.left.add(event.learner)
+            self.streams.pop(event.learner, None)
+        elif isinstance(event, LearnerRejoined):
+            self.joined.add(event.learner)
+            self.left.discard(event.learner)
+            self.finished = self.core.over
+        if not self._replaying:
+            self.round_meter.emit(self.core.rounds)
+        return actions
+
+    def carry_out(self, actions: list[Action]) -> None:
+        """The core's actions (under the lock): notices into outboxes, wake-ups, logs, and a regional
+        syncer's events for the global syncer."""
         for action in actions:
-            if isinstance(action, Publish):  # notices: each answer is made when its stream can send it
+            if isinstance(action, Upstream):
+                self.tier.sent(action)
+            elif isinstance(action, Publish):  # notices: each answer is made when its stream can send it
                 for learner, notice in action.updates.items():
                     waiting = self.last_updates.setdefault(learner, {}).get(notice.fragment)
                     if waiting is not None:  # one answer covers both (the stream skips the older notice)
@@ -161,20 +187,6 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 self.finished = True
                 if not self._replaying:
                     log.info("every learner left; last rounds merged (%d rounds in all)", self.core.rounds_closed)
-        if isinstance(event, AnswerTaken):
-            waiting = self.last_updates.get(event.learner, {})
-            if event.fragment in waiting and waiting[event.fragment].ack_seq <= event.ack_seq:
-                del waiting[event.fragment]
-        elif isinstance(event, LearnerLeft):
-            self.left.add(event.learner)
-            self.streams.pop(event.learner, None)
-        elif isinstance(event, LearnerRejoined):
-            self.joined.add(event.learner)
-            self.left.discard(event.learner)
-            self.finished = self.core.over
-        if not self._replaying:
-            self.round_meter.emit(self.core.rounds)
-        return actions
 
     def _take(self, event: SyncerEvent, context: grpc.ServicerContext, push_frames: bytes = b"") -> list[Action]:
         """`apply` for a caller: a refusal (the event itself, or the round it would close) is answered
@@ -217,11 +229,21 @@ class SyncerShard(pb_grpc.SyncerServicer):
             log.warning("refused %s for learner %d from %s: the caller is %s", what, learner, context.peer(), caller)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{caller} may not {what} as learner {learner}")
 
+    def members(self) -> int:
+        """The learners the core counts from the start: the configured ones, or with the regional tier (on
+        the global syncer) the regions' syncers."""
+        return len(self.config.tier_regions()) if self.config.tiered and self.tier is None else self.settings.learners
+
     def _declare(self, learner: int, tokens_per_step: int) -> None:
-        """Hand a learner's declared tokens per step to the core (raises ProtocolError if it refuses)."""
+        """Hand a learner's declared tokens per step to the core (raises ProtocolError if it refuses). With the
+        regional tier the global syncer's learners are regions, whose rounds merge many steps at once."""
         declare = getattr(self.core, "declare", None)  # a core without declarations takes none
-        if declare is not None:
-            declare(learner, tokens_per_step)
+        if declare is None:
+            return
+        regions = self.config.tier_regions() if self.tier is None else []
+        burst = RegionalSyncer.burst_steps(len(self.config.learners_of(regions[learner].name)), self.spec.H,
+                                           self.config.regional.push_every) if learner < len(regions) else 0
+        declare(learner, tokens_per_step, burst)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         if request.learner > MAX_LEARNER_ID:
@@ -236,7 +258,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                 learner = request.learner
             else:  # the lowest configured id that is not taken, else a new one
                 taken = self.joined - self.left
-                learner = next(m for m in range(len(taken) + self.settings.learners + 1) if m not in taken)
+                learner = next(m for m in range(len(taken) + self.members() + 1) if m not in taken)
             if request.tokens_per_step:
                 try:  # checked before anything changes: a refused join changes nothing
                     if self.core is not None:
@@ -272,7 +294,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
         with self.lock:
             if self.core is not None:
                 return pb.InitReply(accepted=False)
-            self.core = self._make_core(values, fragments, embeddings)
+            self.core = self._make_core(values, fragments, embeddings) if self.tier is None else \
+                self.tier.seed(self, values, fragments, embeddings)
             self.layout = list(header.layout)
             for learner, tokens_per_step in self.declared.items():  # those who joined before the seeding
                 try:
@@ -289,7 +312,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
 
     def _make_core(self, values: dict[str, torch.Tensor], fragments: list[Fragment], embeddings: set[str]
                    ) -> SyncerCore:
-        core = self.spec.syncer_core(values, fragments, range(self.settings.learners), embeddings=embeddings)
+        core = self.spec.syncer_core(values, fragments, range(self.members()), embeddings=embeddings)
         core.liveness.start(self.clock.now())  # a learner never heard from is counted on from the seeding
         core.answers_when_taken = True  # answers wait on streams as notices, made when sent
         return core
@@ -447,7 +470,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                     self._take(event, context)
                 self.steps[learner] = request.steps
             total = core.tokens_reported() if core is not None else 0
-            stop = core is not None and core.budget_spent
+            stop = core is not None and (core.budget_spent or core.stopped)
             return pb.HeartbeatReply(stop=stop, tokens_reported=min(total, MAX_TOKENS))
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:

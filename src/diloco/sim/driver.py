@@ -28,7 +28,7 @@ from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, 
 from diloco.core.liveness import HEARTBEAT_S
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, tensors_wire_bytes
 from diloco.core.recovery import restore_plan
-from diloco.core.regional import Upstream
+from diloco.core.regional import RegionalSyncer, Upstream
 from diloco.core.syncer import Action, ProtocolError, Publish, SendState, Stop, SyncerCore, Timer
 from diloco.data import ShardSampler
 from diloco.fragments import Fragment, embedding_names, partition
@@ -120,22 +120,17 @@ class Simulation:
     def _build_regions(self, params: dict[str, torch.Tensor], embeddings: set[str], tokens_per_step: int) -> None:
         """The regional tier: the global syncer's learners are the regions' syncers, each of which starts
         from Θ's first version and is the syncer of its region's learners."""
-        config, speeds = self.config, self.config.speeds()
-        for r in config.regions:
-            members = list(config.learners_of(r.name))
-            if members:
-                period = max(1, round(self.spec.H * max(speeds[m] for m in members) / max(speeds)))
-                self.regions.append(SimRegion(len(self.regions), r.name, members,
-                                              self.network.region_link(r.name), period))
+        for r in self.config.tier_regions():
+            self.regions.append(SimRegion(len(self.regions), r.name, list(self.config.learners_of(r.name)),
+                                          self.network.region_link(r.name), self.config.region_period(r.name)))
         self.syncer = self.spec.syncer_core(params, self.fragments, range(len(self.regions)), embeddings=embeddings)
         self._embeddings = embeddings
         for region in self.regions:
-            self.syncer.declare(region.index, tokens_per_step, self._burst(region))
+            self.syncer.declare(region.index, tokens_per_step, RegionalSyncer.burst_steps(
+                len(region.members), self.spec.H, self.config.regional.push_every))
             values, versions = self.syncer.rejoin_state(region.index, after_seq=0)
             self._start_region(region, values, versions, region.members)
 
-    def _burst(self, region: SimRegion) -> int:
-        return 4 * len(region.members) * self.spec.H * self.config.regional.push_every
 
     def _start_region(self, region: SimRegion, values: dict[str, torch.Tensor], versions: dict[int, int],
                       members: list[int]) -> None:

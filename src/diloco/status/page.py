@@ -13,7 +13,10 @@ Snapshot shape (times in seconds; object keys are strings, as after a JSON round
                         "steps": 120, "pushes": 10, "duplicates": 0, "tokens_merged": 9000,
                         "tokens_stale": 1000, "last_seen_s": 0.4, "held_versions": {"0": 5}}},
      "rounds": [{"fragment": 0, "version": 5, "opened_at": 10.1, "closed_at": 10.3,
-                 "participants": [0, 2], "stale": 1, "staleness": [0, 1], "held_s": 0.2}]}
+                 "participants": [0, 2], "stale": 1, "staleness": [0, 1], "held_s": 0.2}],
+     "regions": [{"name": "us-east", "syncer": True, "learners": [0, 1]}]}
+
+`regions` is optional: with it, the membership table groups learners under their region.
 """
 
 from __future__ import annotations
@@ -110,6 +113,8 @@ td.num, th.num { text-align: right; }
 .state-silent { background: #fde2c8; color: #8a4600; }
 .state-not-joined { background: #eef0f3; color: #7b848d; }
 .finished { background: #d9e8ff; color: #1b4f9c; }
+.syncer { background: #d9e8ff; color: #1b4f9c; }
+tr.region-heading th { color: var(--fg); background: var(--bg); }
 .running { background: #d7f2dd; color: #14632a; }
 .muted { color: var(--muted); }
 .legend span { margin-right: 1rem; }
@@ -200,35 +205,75 @@ def _held(held: Any) -> str:
                                                     key=lambda kv: _int_key(kv[0])))
 
 
+_MEMBERSHIP_COLUMNS = 11
+_NO_LEARNERS = f'<tr><td colspan="{_MEMBERSHIP_COLUMNS}" class="muted">No learners.</td></tr>'
+
+
+def _learner_row(key: str, l: dict) -> str:
+    """One learner's row of the membership table; missing fields show as a dash."""
+    name = l.get("name") or f"learner {key}"
+    state = l.get("state", "unknown")
+    return (
+        f'<tr class="learner" data-learner="{_e(key)}">'
+        f'<td class="name">{_e(name)}</td>'
+        f'<td class="host">{_e(l.get("host", "—"))}</td>'
+        f'<td class="state"><span class="badge state-{_e(_slug(state))}">{_e(state)}</span></td>'
+        f'<td class="num">{_e(_num(l.get("tokens")))}</td>'
+        f'<td class="num">{_e(_num(l.get("steps")))}</td>'
+        f'<td class="num">{_e(_num(l.get("pushes")))}</td>'
+        f'<td class="num">{_e(_num(l.get("duplicates")))}</td>'
+        f'<td class="num">{_e(_num(l.get("tokens_merged")))}</td>'
+        f'<td class="num">{_e(_num(l.get("tokens_stale")))}</td>'
+        f'<td class="num">{_e(_ago(l.get("last_seen_s")))}</td>'
+        f'<td class="held">{_e(_held(l.get("held_versions")))}</td></tr>'
+    )
+
+
+def _region_groups(s: dict, keys: list[str]) -> list[tuple[dict, list[str]]]:
+    """The snapshot's regions (in its order) with the keys of their learners; learners in no region (an
+    elastic run's extras) last, under a group without a name. Empty without regions."""
+    regions = [r for r in (s.get("regions") or []) if isinstance(r, dict)]
+    if not regions:
+        return []
+    groups, placed = [], set()
+    for region in regions:
+        ids = {str(m) for m in (region.get("learners") or [])}
+        mine = [k for k in keys if k in ids and k not in placed]
+        placed.update(mine)
+        groups.append((region, mine))
+    rest = [k for k in keys if k not in placed]
+    return groups + ([({}, rest)] if rest else [])
+
+
+def _region_heading(region: dict, count: int) -> str:
+    """A group's first row: the region's name, `syncer` on the syncer's region, how many learners."""
+    name = region.get("name")
+    title = _e(name) if name is not None else '<span class="muted">no region</span>'
+    syncer = ' <span class="badge syncer">syncer</span>' if region.get("syncer") else ""
+    return (f'<tr class="region-heading"><th colspan="{_MEMBERSHIP_COLUMNS}">{title}{syncer} '
+            f'<span class="muted">{count} learner{"s" if count != 1 else ""}</span></th></tr>')
+
+
 def _membership(s: dict) -> str:
+    """One row per learner; with regions, grouped under their region, each group its own `tbody`."""
     learners = s.get("learners") or {}
-    rows = []
-    for key in sorted(learners, key=_int_key):
-        l = learners[key] or {}
-        name = l.get("name") or f"learner {key}"
-        state = l.get("state", "unknown")
-        rows.append(
-            f'<tr class="learner" data-learner="{_e(key)}">'
-            f'<td class="name">{_e(name)}</td>'
-            f'<td class="host">{_e(l.get("host", "—"))}</td>'
-            f'<td class="state"><span class="badge state-{_e(_slug(state))}">{_e(state)}</span></td>'
-            f'<td class="num">{_e(_num(l.get("tokens")))}</td>'
-            f'<td class="num">{_e(_num(l.get("steps")))}</td>'
-            f'<td class="num">{_e(_num(l.get("pushes")))}</td>'
-            f'<td class="num">{_e(_num(l.get("duplicates")))}</td>'
-            f'<td class="num">{_e(_num(l.get("tokens_merged")))}</td>'
-            f'<td class="num">{_e(_num(l.get("tokens_stale")))}</td>'
-            f'<td class="num">{_e(_ago(l.get("last_seen_s")))}</td>'
-            f'<td class="held">{_e(_held(l.get("held_versions")))}</td></tr>'
-        )
-    body = "".join(rows) or '<tr><td colspan="11" class="muted">No learners.</td></tr>'
+    keys = sorted(learners, key=_int_key)
+    groups = _region_groups(s, keys)
+    if groups:
+        body = "".join(
+            f'<tbody class="region" data-region="{_e(region.get("name", ""))}">{_region_heading(region, len(mine))}'
+            + "".join(_learner_row(k, learners[k] or {}) for k in mine) + "</tbody>"
+            for region, mine in groups)
+    else:
+        rows = "".join(_learner_row(k, learners[k] or {}) for k in keys)
+        body = f"<tbody>{rows or _NO_LEARNERS}</tbody>"
     return (
         '<section><h2>Membership</h2><table id="membership">'
         "<thead><tr><th>learner</th><th>host</th><th>state</th><th class=num>tokens</th>"
         "<th class=num>steps</th><th class=num>pushes</th><th class=num>duplicates</th>"
         "<th class=num>tokens merged</th><th class=num>tokens stale</th><th class=num>last seen</th>"
         "<th>held versions</th></tr></thead>"
-        f"<tbody>{body}</tbody></table></section>"
+        f"{body}</table></section>"
     )
 
 

@@ -103,7 +103,8 @@ class StrategySpec:
 
     def regional_syncer(self, region: int, params: dict[str, torch.Tensor], versions: list[int],
                         fragments: list[Fragment], members: Iterable[int], *, embeddings: Iterable[str],
-                        settings: RegionalConfig, period: int, first_seq: int = 0) -> RegionalSyncer:
+                        settings: RegionalConfig, period: int, first_seq: int = 0, encode_later: bool = False
+                        ) -> RegionalSyncer:
         """A region's syncer (`core/regional.py`), starting from the global Θ at `versions`: its rounds over
         `members` step with `settings.lr`/`momentum` and pace at `period` of its fastest learner's steps;
         its pushes up travel in `settings.codec` (default: the uplink's)."""
@@ -114,7 +115,7 @@ class StrategySpec:
         up = LearnerCore(region, mirror, fragments, Schedule(NEVER_DUE, len(fragments)), tau=0, alpha=0.0,
                          wait_for_updates=False, versions=versions, first_seq=first_seq,
                          codec=get_codec(settings.codec or w.codec_up, w.block), error_feedback=w.error_feedback,
-                         keep_progress=True)
+                         encode_later=encode_later, keep_progress=True)
         return RegionalSyncer(region, down, up, push_every=settings.push_every, global_period=self.H)
 
     def learner_core(self, learner: int, params: dict[str, torch.Tensor], fragments: list[Fragment], *,

@@ -1,0 +1,413 @@
+"""Flat against regional: the regional tier of syncers on four regions, with and without a regional outage.
+
+    python benchmarks/topology.py [--config PATH] [--tokens N] [--seeds S] [--set key=value ...]
+                                  [--json PATH] [--plot PATH] [--runtime [--skip-sim]]
+
+The config (default examples/regions.toml): 4 regions × 2 learners, ap-south on half-speed chips, LAN
+10 Gbit/s, WAN 1 Gbit/s with 30–80 ms, the global syncer in us-east. In the simulator, at equal token
+budget (`--tokens`), for each seed (`--seeds S`: seeds 0 … S-1):
+
+  flat                      every learner syncs with the global syncer, across the WAN outside us-east
+  regional                  `topology = "regional"`: a syncer per region, one push per region per round
+  regional, push_every 2    the same, pushing up after every second regional round of a fragment
+
+each without an outage, then with one of `--outage-region` (default eu-west): its learners crash at
+`--outage-at` × T for `--outage-length` × T (defaults 0.375 and 0.25: a quarter of the run, centred on
+its middle), T being the virtual length of the flat run without outage of the same seed, so that every
+setting sees the same outage.
+
+Per run: final eval loss and its ratio to flat (same outage setting, same seed), WAN bytes and flat's
+over this run's, LAN bytes, virtual time and its ratio to flat, tokens trained / merged / stale / lost,
+the lost tokens of the outage region's learners and of the others, duplicates, each WAN link's bytes, and
+for the outage runs the goodput of the other regions: their learners' busy fraction in the outage run
+over the same learners' busy fraction in the same setting's run without outage (the mean of theirs over
+the mean of theirs, and the lowest learner's own ratio), next to the absolute busy fractions.
+
+Targets (the issue): regional against flat at equal tokens: WAN bytes ≥ 2× fewer, final loss within 1%
+(ratio ≤ 1.01), virtual time no worse (ratio ≤ 1); an outage costs only the outage region's unpushed
+progress (no token lost elsewhere) and the others' goodput ≥ 0.97.
+
+Prints the tables and writes JSON (default benchmarks/results/topology.json) and a plot (default
+benchmarks/results/topology.png: WAN bytes, final loss and the others' goodput per setting). Each
+simulation takes about a minute per 200k tokens on 2 shared cores (the regional tier is slower to
+simulate than flat); the figures are virtual time, so load on the machine does not change them.
+
+`--runtime` adds one real-runtime pair at reduced size (`--runtime-tokens`, default 196608): `diloco run
+CONFIG --set topology=flat|regional` on this machine, same fields from each run's summary.json (time is
+measured there, and `diloco run` ignores regional outages, so the pair has none). Not run by default.
+With `--skip-sim` only that pair runs, and only the `runtime` entry of an existing JSON is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from diloco.config import Config, load_config
+from diloco.sim import simulate
+
+SETTINGS: list[tuple[str, list[str]]] = [
+    ("flat", ["topology=flat"]),
+    ("regional", ["topology=regional", "regional.push_every=1"]),
+    ("regional, push_every 2", ["topology=regional", "regional.push_every=2"]),
+]
+WAN_TARGET = 2.0
+LOSS_TARGET = 1.01
+TIME_TARGET = 1.0
+GOODPUT_TARGET = 0.97
+RUN_TIMEOUT_S = 3600.0
+
+
+# ---------------------------------------------------------------- one run's figures
+
+
+def row_of(name: str, outage: dict[str, Any] | None, seed: int, summary: dict[str, Any], config: Config,
+           host_s: float) -> dict[str, Any]:
+    """The fields the tables and the JSON keep, from a simulator's or a launcher's summary."""
+    down = set(config.learners_of(outage["region"])) if outage else set()
+    lost_region = sum(p["tokens_lost"] for p in summary["per_learner"] if p["learner"] in down)
+    lost_others = sum(p["tokens_lost"] for p in summary["per_learner"] if p["learner"] not in down)
+    return {
+        "setting": name, "outage": outage, "seed": seed,
+        "final_eval_loss": summary["final_eval_loss"],
+        "learners_eval_loss_mean": summary.get("learners_eval_loss_mean"),
+        "wan_bytes": summary["wan_bytes"], "lan_bytes": summary["lan_bytes"],
+        "training_time_s": summary["training_time_s"], "clock": summary.get("clock", "virtual"),
+        "tokens": summary["tokens"], "tokens_merged": summary["tokens_merged"],
+        "tokens_stale": summary["tokens_stale"], "tokens_lost": summary["tokens_lost"],
+        "tokens_lost_outage_region": lost_region, "tokens_lost_others": lost_others,
+        "duplicates": summary.get("duplicates", 0), "rounds": summary["rounds"],
+        "wan_links": {link["name"]: {"bytes_up": link["bytes_up"], "bytes_down": link["bytes_down"],
+                                     "bytes": link["bytes_up"] + link["bytes_down"]}
+                      for link in summary["links"] if link["kind"] == "wan"},
+        "per_learner": [{"learner": p["learner"], "region": config.region_of(p["learner"]),
+                         "busy_fraction": p["busy_fraction"], "tokens": p["tokens"],
+                         "tokens_lost": p["tokens_lost"], "crashes": p.get("crashes", 0),
+                         "down_s": p.get("down_s", 0.0)} for p in summary["per_learner"]],
+        "host_seconds": host_s,
+    }
+
+
+def simulated(config_path: str, name: str, overrides: list[str], outage: dict[str, Any] | None, seed: int,
+              console: Console) -> dict[str, Any]:
+    if outage:
+        overrides = [*overrides, f'failures.outages=[{{region = "{outage["region"]}", at_s = {outage["at_s"]!r}, '
+                                 f'duration_s = {outage["duration_s"]!r}}}]']
+    config = load_config(config_path, [*overrides, f"seed={seed}"])
+    started = time.perf_counter()
+    summary = simulate(config).summary()
+    row = row_of(name, outage, seed, summary, config, time.perf_counter() - started)
+    row["overrides"] = overrides
+    console.print(f"seed {seed} {name}{' + outage' if outage else ''}: loss {row['final_eval_loss']:.4f}, "
+                  f"WAN {row['wan_bytes'] / 1e6:.2f} MB, virtual {row['training_time_s']:.3f} s "
+                  f"({row['host_seconds']:.0f} s on this host)")
+    return row
+
+
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """Each run against flat of the same seed and outage setting; each outage run's other regions against
+    the same setting's run without outage."""
+    def find(setting: str, seed: int, outage: bool) -> dict[str, Any] | None:
+        return next((r for r in rows if r["setting"] == setting and r["seed"] == seed
+                     and bool(r["outage"]) == outage), None)
+
+    for r in rows:
+        flat = find("flat", r["seed"], bool(r["outage"]))
+        r["loss_vs_flat"] = r["final_eval_loss"] / flat["final_eval_loss"] if flat else None
+        r["wan_flat_over_this"] = flat["wan_bytes"] / r["wan_bytes"] if flat and r["wan_bytes"] else None
+        r["time_vs_flat"] = r["training_time_s"] / flat["training_time_s"] if flat else None
+        r["others_busy_fraction"] = r["others_busy_fraction_no_outage"] = None
+        r["outage_region_busy_fraction"] = None
+        r["goodput_others"] = r["goodput_others_min"] = None
+        if not r["outage"]:
+            continue
+        base = find(r["setting"], r["seed"], False)
+        down = r["outage"]["region"]
+        mine = {p["learner"]: p["busy_fraction"] for p in r["per_learner"] if p["region"] != down}
+        theirs = {p["learner"]: p["busy_fraction"] for p in base["per_learner"] if p["region"] != down} if base else {}
+        hit = [p["busy_fraction"] for p in r["per_learner"] if p["region"] == down]
+        r["outage_region_busy_fraction"] = sum(hit) / len(hit) if hit else None
+        r["others_busy_fraction"] = sum(mine.values()) / len(mine)
+        if theirs:
+            r["others_busy_fraction_no_outage"] = sum(theirs.values()) / len(theirs)
+            r["goodput_others"] = r["others_busy_fraction"] / r["others_busy_fraction_no_outage"]
+            r["goodput_others_min"] = min(mine[m] / theirs[m] for m in mine)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each regional run against the issue's targets."""
+    out = []
+    for r in rows:
+        if r["setting"] == "flat":
+            continue
+        checks = {
+            f"WAN bytes flat/this ≥ {WAN_TARGET:g}": (r["wan_flat_over_this"], r["wan_flat_over_this"] is not None
+                                                      and r["wan_flat_over_this"] >= WAN_TARGET),
+            f"loss / flat ≤ {LOSS_TARGET:g}": (r["loss_vs_flat"], r["loss_vs_flat"] is not None
+                                               and r["loss_vs_flat"] <= LOSS_TARGET),
+            f"virtual time / flat ≤ {TIME_TARGET:g}": (r["time_vs_flat"], r["time_vs_flat"] is not None
+                                                       and r["time_vs_flat"] <= TIME_TARGET),
+        }
+        if r["outage"]:
+            checks["tokens lost outside the outage region = 0"] = (r["tokens_lost_others"],
+                                                                   r["tokens_lost_others"] == 0)
+            checks[f"others' goodput ≥ {GOODPUT_TARGET:g}"] = (r["goodput_others"], r["goodput_others"] is not None
+                                                              and r["goodput_others"] >= GOODPUT_TARGET)
+        out.append({"setting": r["setting"], "outage": bool(r["outage"]), "seed": r["seed"],
+                    "checks": {k: {"value": v, "met": met} for k, (v, met) in checks.items()}})
+    return out
+
+
+# ---------------------------------------------------------------- the real runtime (not run by default)
+
+
+def runtime_pair(config_path: str, tokens: int, extra: list[str], work: Path, console: Console) -> list[dict]:
+    """Flat and regional with `diloco run` on this machine, at reduced size; the same fields from each
+    run's summary.json. Raises SystemExit with the run's last output when a run fails."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from children import Processes, diloco, tail  # benchmarks/children.py
+
+    rows = []
+    processes = Processes()
+    try:
+        for name, overrides in SETTINGS[:2]:
+            out = work / f"run-{name}"
+            sets = [*overrides, f"train.tokens={tokens}", *extra]
+            argv = diloco("run", config_path, "--out", str(out), *[x for s in sets for x in ("--set", s)])
+            log = work / f"run-{name}.log"
+            console.print(f"runtime {name}: {' '.join(argv[1:])} (log {log})")
+            started = time.perf_counter()
+            proc = processes.start(argv, log)
+            try:
+                code = proc.wait(timeout=RUN_TIMEOUT_S)
+            except Exception:
+                processes.stop([proc])
+                raise SystemExit(f"runtime {name}: `diloco run` still running after {RUN_TIMEOUT_S:g} s; "
+                                 f"{log} ends:\n{tail(log)}") from None
+            summary_path = out / "summary.json"
+            if code != 0 or not summary_path.exists():
+                raise SystemExit(f"runtime {name}: `{' '.join(argv)}` failed (exit code {code}"
+                                 f"{'' if summary_path.exists() else ', no summary.json'}); the real runtime's "
+                                 f"regional tier may not exist yet. {log} ends:\n{tail(log, 25)}")
+            summary = json.loads(summary_path.read_text())
+            config = load_config(config_path, sets)
+            row = row_of(name, None, config.seed, summary, config, time.perf_counter() - started)
+            row["overrides"] = sets
+            row["out"] = str(out)
+            rows.append(row)
+            console.print(f"runtime {name}: loss {row['final_eval_loss']:.4f}, WAN {row['wan_bytes'] / 1e6:.2f} MB, "
+                          f"training {row['training_time_s']:.1f} s ({row['host_seconds']:.0f} s in all)")
+    finally:
+        processes.stop_all()
+    add_comparisons(rows)
+    flat, regional = rows
+    if regional["wan_bytes"] >= 0.9 * flat["wan_bytes"]:
+        console.print(f"[bold red]warning[/]: the regional run's WAN bytes ({regional['wan_bytes']:,}) are not "
+                      f"below the flat run's ({flat['wan_bytes']:,}): did `diloco run` build the regional tier, "
+                      f"or run flat?")
+    return rows
+
+
+# ---------------------------------------------------------------- tables, plot
+
+
+def label(r: dict[str, Any]) -> str:
+    return r["setting"] + (" + outage" if r["outage"] else "")
+
+
+def fmt(value: Any, spec: str, missing: str = "–") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    return format(value, spec)
+
+
+def print_tables(rows: list[dict[str, Any]], title: str, console: Console, seeds: bool) -> None:
+    main = Table(title=title)
+    for col in (["seed"] if seeds else []) + ["run", "final loss", "/ flat", "WAN MB", "flat / this", "LAN MB",
+                                              "time s", "/ flat", "dup"]:
+        main.add_column(col, justify="left" if col == "run" else "right")
+    for r in rows:
+        main.add_row(*([str(r["seed"])] if seeds else []), label(r), fmt(r["final_eval_loss"], ".4f"),
+                     fmt(r["loss_vs_flat"], ".4f"), fmt(r["wan_bytes"] / 1e6, ".2f"),
+                     fmt(r["wan_flat_over_this"], ".2f"), fmt(r["lan_bytes"] / 1e6, ".2f"),
+                     fmt(r["training_time_s"], ".3f"), fmt(r["time_vs_flat"], ".3f"), str(r["duplicates"]))
+    console.print(main)
+
+    tokens = Table(title="tokens and the outage (lost: outage region / others; busy: others' mean busy fraction, "
+                         "without → with the outage)")
+    for col in (["seed"] if seeds else []) + ["run", "trained", "merged", "stale", "lost", "lost: region / others",
+                                              "outage region busy", "others busy", "others' goodput", "min"]:
+        tokens.add_column(col, justify="left" if col == "run" else "right")
+    for r in rows:
+        busy = (f"{r['others_busy_fraction_no_outage']:.3f} → {r['others_busy_fraction']:.3f}"
+                if r["others_busy_fraction"] is not None and r["others_busy_fraction_no_outage"] is not None else "–")
+        tokens.add_row(*([str(r["seed"])] if seeds else []), label(r), f"{r['tokens']:,}",
+                       f"{r['tokens_merged']:,.0f}", f"{r['tokens_stale']:,.0f}", f"{r['tokens_lost']:,.0f}",
+                       f"{r['tokens_lost_outage_region']:,.0f} / {r['tokens_lost_others']:,.0f}",
+                       fmt(r["outage_region_busy_fraction"], ".3f"), busy, fmt(r["goodput_others"], ".3f"),
+                       fmt(r["goodput_others_min"], ".3f"))
+    console.print(tokens)
+
+    names = list(dict.fromkeys(n for r in rows for n in r["wan_links"]))
+    if names:
+        links = Table(title="bytes per WAN link, both directions (MB)")
+        for col in (["seed"] if seeds else []) + ["run", *names]:
+            links.add_column(col, justify="left" if col == "run" else "right")
+        for r in rows:
+            links.add_row(*([str(r["seed"])] if seeds else []), label(r),
+                          *(fmt(r["wan_links"].get(n, {}).get("bytes", 0) / 1e6, ".2f") for n in names))
+        console.print(links)
+
+
+def print_targets(checks: list[dict[str, Any]], console: Console, seeds: bool) -> None:
+    table = Table(title="targets (regional against flat, same seed and outage setting)")
+    names = list(dict.fromkeys(k for c in checks for k in c["checks"]))
+    for col in (["seed"] if seeds else []) + ["run", *names]:
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for c in checks:
+        cells = []
+        for n in names:
+            got = c["checks"].get(n)
+            if got is None:
+                cells.append("")
+                continue
+            text = fmt(got["value"], ",.0f" if n.startswith("tokens") else ".4f")
+            cells.append(f"{text} [green]met[/]" if got["met"] else f"{text} [red]not met[/]")
+        table.add_row(*([str(c["seed"])] if seeds else []), c["setting"] + (" + outage" if c["outage"] else ""),
+                      *cells)
+    console.print(table)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = [name for name, _ in SETTINGS]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    width = 0.38
+    for i, outage in enumerate((False, True)):
+        def mean(key: str, setting: str) -> float:
+            values = [r[key] for r in rows if r["setting"] == setting and bool(r["outage"]) == outage
+                      and r[key] is not None]
+            return sum(values) / len(values) if values else float("nan")
+
+        xs = [k + (i - 0.5) * width for k in range(len(settings))]
+        name = "with outage" if outage else "no outage"
+        color = "tab:red" if outage else "tab:blue"
+        wan = [mean("wan_bytes", s) / 1e6 for s in settings]
+        axes[0].bar(xs, wan, width, label=name, color=color, alpha=0.8)
+        loss = [mean("final_eval_loss", s) for s in settings]
+        axes[1].bar(xs, loss, width, label=name, color=color, alpha=0.8)
+        for ax, values, spec in ((axes[0], wan, ".1f"), (axes[1], loss, ".4f")):
+            for x, v in zip(xs, values):
+                if not math.isnan(v):
+                    ax.annotate(format(v, spec), (x, v), ha="center", va="bottom", fontsize=7)
+        if outage:
+            good = [mean("goodput_others", s) for s in settings]
+            axes[2].bar(range(len(settings)), good, 0.5, color=color, alpha=0.8, label="mean of others")
+            low = [mean("goodput_others_min", s) for s in settings]
+            axes[2].scatter(range(len(settings)), low, color="black", zorder=3, label="lowest learner")
+            for x, v in enumerate(good):
+                if not math.isnan(v):
+                    axes[2].annotate(f"{v:.3f}", (x, v), ha="center", va="bottom", fontsize=7)
+    axes[0].set_title("WAN bytes (MB, both directions)")
+    axes[1].set_title("final held-out loss")
+    losses = [r["final_eval_loss"] for r in rows]
+    axes[1].set_ylim(min(losses) - 0.05, max(losses) + 0.03)
+    axes[2].set_title("others' goodput in the outage run (busy, outage / none)")
+    axes[2].axhline(GOODPUT_TARGET, color="gray", ls="--", lw=1, label=f"target {GOODPUT_TARGET:g}")
+    axes[2].set_ylim(0.8, 1.05)
+    for ax in axes:
+        ax.set_xticks(range(len(settings)))
+        ax.set_xticklabels(settings, fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="examples/regions.toml", help="TOML config with [[regions]]")
+    parser.add_argument("--tokens", type=int, default=983_040, help="token budget of every simulated run")
+    parser.add_argument("--seeds", type=int, default=1, help="how many seeds (0 … S-1)")
+    parser.add_argument("--outage-region", default="eu-west")
+    parser.add_argument("--outage-at", type=float, default=0.375,
+                        help="the outage's start, as a share of the flat run's virtual time")
+    parser.add_argument("--outage-length", type=float, default=0.25,
+                        help="the outage's duration, as a share of the flat run's virtual time")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for all runs")
+    parser.add_argument("--json", default="benchmarks/results/topology.json", help="JSON file to write")
+    parser.add_argument("--plot", default="benchmarks/results/topology.png", help="PNG file to write")
+    parser.add_argument("--runtime", action="store_true",
+                        help="also one real-runtime pair (flat, regional) with `diloco run` at reduced size")
+    parser.add_argument("--runtime-tokens", type=int, default=196_608, help="token budget of the real-runtime pair")
+    parser.add_argument("--skip-sim", action="store_true", help="with --runtime: only the real-runtime pair")
+    parser.add_argument("--keep", metavar="DIR", help="keep the real runs' folders under DIR")
+    args = parser.parse_args()
+    if args.skip_sim and not args.runtime:
+        parser.error("--skip-sim needs --runtime")
+
+    console = Console(width=max(Console().width, 150))
+    json_path, plot_path = Path(args.json), Path(args.plot)
+    result: dict[str, Any] = json.loads(json_path.read_text()) if args.skip_sim and json_path.exists() else {}
+
+    if not args.skip_sim:
+        load_config(args.config, args.set)  # a bad config or override fails before the first run
+        common = [f"train.tokens={args.tokens}", *args.set]
+        rows: list[dict[str, Any]] = []
+        for seed in range(args.seeds):
+            healthy = [simulated(args.config, name, [*common, *o], None, seed, console) for name, o in SETTINGS]
+            flat_time = healthy[0]["training_time_s"]
+            outage = {"region": args.outage_region, "at_s": round(args.outage_at * flat_time, 4),
+                      "duration_s": round(args.outage_length * flat_time, 4)}
+            console.print(f"seed {seed}: outage of {outage['region']} at {outage['at_s']:.3f} s for "
+                          f"{outage['duration_s']:.3f} s (virtual; the flat run lasted {flat_time:.3f} s)")
+            rows += healthy
+            rows += [simulated(args.config, name, [*common, *o], outage, seed, console) for name, o in SETTINGS]
+        add_comparisons(rows)
+        checks = targets(rows)
+        title = (f"{args.config}, {args.tokens:,} tokens, simulator (virtual time), outage: "
+                 f"{args.outage_region} for {args.outage_length:.0%} of the run from {args.outage_at:.1%}")
+        print_tables(rows, title, console, args.seeds > 1)
+        print_targets(checks, console, args.seeds > 1)
+        result = {"config": args.config, "tokens": args.tokens, "seeds": args.seeds, "overrides": common,
+                  "outage": {"region": args.outage_region, "at_share": args.outage_at,
+                             "length_share": args.outage_length},
+                  "targets": {"wan_flat_over_regional": WAN_TARGET, "loss_ratio_max": LOSS_TARGET,
+                              "time_ratio_max": TIME_TARGET, "goodput_others_min": GOODPUT_TARGET},
+                  "runs": rows, "checks": checks, "runtime": None}
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
+        plot(rows, plot_path, title)
+        console.print(f"plot: {plot_path}")
+
+    if args.runtime:
+        work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="diloco-topology-"))
+        work.mkdir(parents=True, exist_ok=True)
+        pair = runtime_pair(args.config, args.runtime_tokens, args.set, work.resolve(), console)
+        print_tables(pair, f"the real runtime, `diloco run` on this machine, {args.runtime_tokens:,} tokens "
+                           f"(measured time)", console, False)
+        result["runtime"] = {"tokens": args.runtime_tokens, "runs": pair}
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    console.print(f"JSON: {json_path}")
+
+
+if __name__ == "__main__":
+    main()
