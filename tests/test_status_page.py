@@ -292,8 +292,10 @@ def test_the_snapshot_groups_by_the_configs_regions():
 
     config = load_config(Path(__file__).resolve().parents[1] / "examples" / "regions.toml")
     assert region_groups(config) == [
-        {"name": "us-east", "syncer": True, "learners": [0, 1]}, {"name": "us-west", "syncer": False, "learners": [2, 3]},
-        {"name": "eu-west", "syncer": False, "learners": [4, 5]}, {"name": "ap-south", "syncer": False, "learners": [6, 7]}]
+        {"name": "us-east", "syncer": True, "learners": [0, 1]},
+        {"name": "us-west", "syncer": False, "learners": [2, 3]},
+        {"name": "eu-west", "syncer": False, "learners": [4, 5]},
+        {"name": "ap-south", "syncer": False, "learners": [6, 7]}]
     assert region_groups(Config()) == []
     assert snapshot_regions(SimpleNamespace(config=config, tier=None)) == region_groups(config)
     # The regional tier: a region's syncer shows its own region; the global syncer's members are regions' syncers.

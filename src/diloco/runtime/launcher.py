@@ -143,7 +143,8 @@ class Launcher:
             self.children.stop("region", sig=signal.SIGTERM)
             self.children.stop("syncer", sig=signal.SIGTERM)
             self.result.cluster = self.cluster_report(self.result.tokens_merged)  # with the shards' ends
-            return {**summary, "cluster": self.result.cluster}
+            outages = {"outages": self.outages.log} if self.outages.plan else {}
+            return {**summary, "cluster": self.result.cluster, **outages}
         finally:
             self.stop()
 

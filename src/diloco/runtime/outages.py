@@ -1,7 +1,11 @@
 """Regional outages in the real runtime: `failures.outages` naming a region kills the region's processes
-(its learners, and with the regional tier its syncer) with SIGKILL at `at_s` seconds into training, as a
-lost region would, and starts them again `duration_s` later: the region's syncer first (on its port, from
-the global Θ), then its learners, each with its id (from its own checkpoint and the current Θ)."""
+(its learners, and with the regional tier its syncer) with SIGKILL, as a lost region would, and starts them
+again `duration_s` later: the region's syncer first (on its port, from the global Θ), then its learners,
+each with its id (from its own checkpoint and the current Θ).
+
+`at_s` counts from when every learner of the region has trained (the launcher sees its tokens): processes
+take seconds to start, more on a loaded machine, and an outage meant for the middle of a run must not hit
+a region that has not begun."""
 
 from __future__ import annotations
 
@@ -38,7 +42,11 @@ class RegionOutages:
             if self.done.wait(0.1):
                 return
         for at_s, duration_s, region in self.plan:
-            if self.done.wait(max(0.0, launcher.training_started + at_s - clock.monotonic())):
+            members = list(launcher.config.learners_of(region))
+            while not all(launcher.progress.tokens.get(m, 0) > 0 for m in members):
+                if self.done.wait(0.1):
+                    return
+            if self.done.wait(at_s):
                 return
             children = launcher.children.children
             killed = [name for name in self._victims(region)
