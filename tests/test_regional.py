@@ -39,9 +39,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "regions.toml"
 
 SMALL = [o for o in TINY if not o.startswith("learners.speeds")] + ["train.tokens=20480", "outer.H=8"]
 """examples/regions.toml (4 regions x 2 learners, ap-south at half speed) with a tiny model and budget (a run
-of ~12 virtual seconds), in the lockstep timing model. H = 8: the half-speed region's period is a whole number
-of its steps (4), and held answers come back before the learners' next push falls due (a smaller H runs into
-the bugs of the two xfail tests below)."""
+of ~12 virtual seconds), in the lockstep timing model. H = 8: held answers come back before the learners' next
+push falls due (the two tests of late answers and of the grid below take smaller H on purpose)."""
 
 JITTERY = ["learners.jitter=0.1", "learners.drift=0.16", "learners.step_time_s=0.05"]
 """The example's own timing model (noisy steps, drifting speeds, 0.05 s steps: a run of ~2.6 s)."""
@@ -211,10 +210,6 @@ def pairs(region: SimRegion) -> float:
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(strict=True, reason="bug: a learner's progress report, sent before the push it makes at the "
-                   "same step end (an overdue fragment pushed once its late answer is merged, in `poll`), "
-                   "predicts that push a step later; the pacer (the region's here, the flat syncer's too) closes "
-                   "the round without it")
 def test_a_regions_rounds_gather_its_learners_when_held_answers_come_late():
     """Held answers come back after a WAN round trip and a global round, often after the learners' next push
     of the fragment fell due: they push it as soon as they merge the answer. The regional rounds must still
@@ -227,8 +222,6 @@ def test_a_regions_rounds_gather_its_learners_when_held_answers_come_late():
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(strict=True, reason="bug: `Config.region_period` rounds H x v / v_max to whole steps (H = 5, "
-                   "v = 0.5: 2 steps, not 2.5), so a half-speed region syncs every 1.0 s instead of 1.25 s")
 def test_every_region_syncs_on_the_same_grid():
     """`region_period` promises every region syncs on the global grid (H steps of the fastest learner, in
     time): with H = 5 the half-speed region must hold as many regional rounds as the others, not 25% more

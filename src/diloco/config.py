@@ -379,11 +379,12 @@ class Config:
         syncer's learners, numbered from 0. Empty without the tier."""
         return [r for r in self.regions if r.speeds] if self.tiered else []
 
-    def region_period(self, region: str) -> int:
+    def region_period(self, region: str) -> float:
         """A region's pacing period in its fastest learner's steps: H steps of the fastest learner of all,
-        in time, so that every region syncs on the same grid."""
+        in time, so that every region syncs on the same grid (not rounded: a half-speed region with H = 5
+        syncs every 2.5 of its steps, as the others every 5 of theirs)."""
         speeds, members = self.speeds(), self.learners_of(region)
-        return max(1, round(self.outer.H * max(speeds[m] for m in members) / max(speeds)))
+        return self.outer.H * max(speeds[m] for m in members) / max(speeds)
 
     def region_route(self, region: str) -> list[Hop]:
         """The WAN hop from a region to the syncer's region (none from the syncer's own)."""
@@ -545,7 +546,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin is Literal:
         choices = get_args(hint)
         if value not in choices:
-            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(str, choices))}; got {value!r}")
+            named = ", ".join('""' if c == "" else str(c) for c in choices)
+            raise ConfigError(f"config key '{key}' must be one of {named}; got {value!r}")
         return value
     if origin in (list, typing.List):
         (item_hint,) = get_args(hint)

@@ -52,7 +52,7 @@ class Pace:
 
 
 class Pacer:
-    def __init__(self, period: int, grace: float, cap_steps: float) -> None:
+    def __init__(self, period: float, grace: float, cap_steps: float) -> None:
         self.period, self.grace, self.cap_steps = period, grace, cap_steps
         self.paces: dict[int, Pace] = {}
 

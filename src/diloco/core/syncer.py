@@ -77,7 +77,7 @@ class SyncerCore:
                  optimizer: Callable[[], OuterOptimizer], merge_rule: MergeRule, embeddings: Iterable[str] = (),
                  quorum: int | None = None, grace: float = 0.0, grace_cap_steps: float = 2.0,
                  tau: int = 0, participation: bool = False, down_codec: Codec | None = None,
-                 outlier: str = "off", outlier_factor: float = 5.0, pacing: bool = False, period: int = 1,
+                 outlier: str = "off", outlier_factor: float = 5.0, pacing: bool = False, period: float = 1,
                  consolidate: bool = False, stale_weight: str = "full", budget: int | None = None,
                  detect_s: float = 5.0) -> None:
         """`pacing`: wait for the learners about to push and align their next pushes (`period`: H, the

@@ -232,14 +232,17 @@ class Simulation:
         self._meter(learner)
         for push in pushes:
             self._send_push(learner, push)
-        self._send_progress(learner)
         if self.crash_plan.any and learner.replica.steps % self.config.failures.checkpoint_every == 0:
             self._save_checkpoint(learner)
         self._count_tokens(tokens)
         if learner.stop_requested or (not self.spec.shared_budget and learner.replica.steps >= learner.planned_steps):
+            self._send_progress(learner)
             self._finish(learner)
             return
         self._advance(learner)
+        # As a real learner does: after merging what arrived and pushing what fell due meanwhile, so that the
+        # report's predictions count those pushes (`runtime/learner.py`, `Learner.step`).
+        self._send_progress(learner)
 
     def _send_progress(self, learner: SimLearner) -> None:
         """Every step, as the paper's learners do: where it stands, for the syncer's predictions and budget."""

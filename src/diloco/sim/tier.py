@@ -24,7 +24,7 @@ class SimRegion:
     name: str
     members: list[int]
     link: Link | Routes
-    period: int
+    period: float
     """Its rounds' pacing period, in its fastest learner's steps: the global sync period in time."""
     syncer: RegionalSyncer | None = None
     incarnation: int = 0

@@ -88,7 +88,7 @@ class StrategySpec:
 
     def syncer_core(self, params: dict[str, torch.Tensor], fragments: list[Fragment], members: Iterable[int], *,
                     embeddings: Iterable[str], optimizer: Callable[[], OuterOptimizer] | None = None,
-                    period: int | None = None, counts_budget: bool = True) -> SyncerCore:
+                    period: float | None = None, counts_budget: bool = True) -> SyncerCore:
         """The syncer's core for this strategy: the one place its arguments are wired, for both drivers.
         A regional syncer's differs in its outer step, its pacing period and the budget it leaves to the
         global syncer."""
@@ -103,7 +103,7 @@ class StrategySpec:
 
     def regional_syncer(self, region: int, params: dict[str, torch.Tensor], versions: list[int],
                         fragments: list[Fragment], members: Iterable[int], *, embeddings: Iterable[str],
-                        settings: RegionalConfig, period: int, first_seq: int = 0, encode_later: bool = False
+                        settings: RegionalConfig, period: float, first_seq: int = 0, encode_later: bool = False
                         ) -> RegionalSyncer:
         """A region's syncer (`core/regional.py`), starting from the global Θ at `versions`: its rounds over
         `members` step with `settings.lr`/`momentum` and pace at `period` of its fastest learner's steps;
