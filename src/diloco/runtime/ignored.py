@@ -38,18 +38,26 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     return leaves
 
 
-def ignored_keys(config: Config) -> dict[str, str]:
-    """The keys set to something other than their default that the runtime ignores, each with why."""
+READ_BY_THE_LAUNCHER = {"failures.outages"}
+"""What `diloco run` reads itself: a regional outage kills and restarts the region's processes
+(`runtime/outages.py`); an outage of one learner's link stays the simulator's."""
+
+
+def ignored_keys(config: Config, command: str = "") -> dict[str, str]:
+    """The keys set to something other than their default that the runtime (`command`) ignores, each with why."""
     defaults = flatten(Config())
+    read = READ_BY_THE_RUNTIME | (READ_BY_THE_LAUNCHER if command == "run" else set())
     ignored = {}
     for key, value in flatten(config).items():
         reason = SIMULATOR_ONLY.get(key) or SIMULATOR_ONLY.get(key.split(".")[0])
-        if reason and key not in READ_BY_THE_RUNTIME and value != defaults[key]:
+        if reason and key not in read and value != defaults[key]:
             ignored[key] = reason
+    if command == "run" and any(not o.region for o in config.failures.outages):
+        ignored["failures.outages"] = "an outage of one learner's link is the simulator's (a region's is not)"
     return ignored
 
 
 def warn_ignored(config: Config, command: str) -> None:
     """One line on stderr per ignored key: the key, the command that ignores it, and why."""
-    for key, reason in ignored_keys(config).items():
+    for key, reason in ignored_keys(config, command).items():
         print(f"diloco: warning: {key} is ignored by `diloco {command}`: {reason}", file=sys.stderr, flush=True)
