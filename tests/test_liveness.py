@@ -201,9 +201,9 @@ def test_the_simulator_finds_a_crashed_learner_dead_a_detect_s_after_its_last_wo
     deaths = []
     original = sim._handle
 
-    def spy(actions):
+    def spy(actions, region=None):
         deaths.extend((sim.now, a.learner) for a in actions if isinstance(a, LearnerDead))
-        original(actions)
+        original(actions, region)
 
     sim._handle = spy
     sim.run()
