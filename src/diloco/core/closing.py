@@ -175,12 +175,18 @@ def close_round(core: SyncerCore, state: FragmentState, now: float, final: bool 
     if not final and core.defer is not None and core.defer(state.fragment.index):
         state.deferred.update({m: (ack, next_push.get(m)) for m, ack in answered.items()})
         updates = {}
-    elif core.answers_when_taken:
-        updates = {m: Update(state.fragment.index, state.version, {}, ack_seq=ack, next_push_at=next_push.get(m))
-                   for m, ack in answered.items()}
     else:
-        updates = answer(core, state, answered, next_push)
+        updates = _answers(core, state, answered, next_push)
     return Publish(state.fragment.index, state.version, updates)
+
+
+def _answers(core: SyncerCore, state: FragmentState, acks: dict[int, int], next_push: dict[int, float | None]
+             ) -> dict[int, Update]:
+    """The answers to `acks` now: notices for a driver that makes each when its stream takes it, else made."""
+    if core.answers_when_taken:
+        return {m: Update(state.fragment.index, state.version, {}, ack_seq=ack, next_push_at=next_push.get(m))
+                for m, ack in acks.items()}
+    return answer(core, state, acks, next_push)
 
 
 def release(core: SyncerCore, state: FragmentState) -> Publish | None:
@@ -200,12 +206,7 @@ def release(core: SyncerCore, state: FragmentState) -> Publish | None:
     waiting, state.deferred = state.deferred, {}
     acks = {m: ack for m, (ack, _) in waiting.items() if ack > core.session_start.get(m, 0)}
     next_push = {m: at for m, (_, at) in waiting.items()}
-    if core.answers_when_taken:
-        updates = {m: Update(state.fragment.index, state.version, {}, ack_seq=ack, next_push_at=next_push.get(m))
-                   for m, ack in acks.items()}
-    else:
-        updates = answer(core, state, acks, next_push)
-    return Publish(state.fragment.index, state.version, updates)
+    return Publish(state.fragment.index, state.version, _answers(core, state, acks, next_push))
 
 
 def _pace(core: SyncerCore, state: FragmentState, contributions: list[Contribution], now: float
