@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from diloco.errors import DilocoError
 
@@ -38,22 +39,26 @@ def writing(path: Path) -> Iterator[None]:
         raise DilocoError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def write_output(path: Path, text: str, *, durable: bool = False) -> None:
-    """Write one output file, its folder created if needed; a failure names the file.
+@contextlib.contextmanager
+def replacing(path: Path, *, binary: bool = False, durable: bool = False) -> Iterator[IO]:
+    """A file to write that replaces `path` whole when the block ends: a process killed mid-write, or a
+    reader polling it, finds the old contents or the new, never a torn file. `durable` syncs it to disk
+    before the rename, for files a restart reads back. A failure leaves the old file and no partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(partial, "w+b" if binary else "w") as file:
+            yield file
+            if durable:
+                file.flush()
+                os.fsync(file.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
-    The file is replaced whole: a process killed mid-write, or a reader polling it, finds the old text or
-    the new one, never a torn file. `durable` also syncs it to disk before the rename, for files a restart
-    reads back (they must survive a crash of the machine, not only of the process)."""
-    with writing(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(partial, "w") as file:
-                file.write(text)
-                if durable:
-                    file.flush()
-                    os.fsync(file.fileno())
-            os.replace(partial, path)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
+
+def write_output(path: Path, text: str, *, durable: bool = False) -> None:
+    """Write one output file whole (see `replacing`), its folder created if needed; a failure names it."""
+    with writing(path), replacing(path, durable=durable) as file:
+        file.write(text)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from diloco.errors import DilocoError
+from diloco.outputs import replacing
 
 TRAILER = struct.Struct("<8sQ32s")
 TRAILER_MARK = b"DLCSUM01"
@@ -49,22 +50,13 @@ def _digest_of(file, length: int) -> bytes:
 def save_checked(state: dict, path: Path) -> None:
     """`state` at `path`, with its digest, atomically and synced: the old file stays until the new one
     is whole. A failure (a full disk) leaves no temporary file behind and raises OSError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w+b") as file:
-            torch.save(state, file)
-            file.flush()
-            length = file.tell()
-            digest = _digest_of(file, length)
-            file.seek(length)
-            file.write(TRAILER.pack(TRAILER_MARK, length, digest))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replacing(path, binary=True, durable=True) as file:
+        torch.save(state, file)
+        file.flush()
+        length = file.tell()
+        digest = _digest_of(file, length)
+        file.seek(length)
+        file.write(TRAILER.pack(TRAILER_MARK, length, digest))
     _sync_folder(path.parent)
 
 
