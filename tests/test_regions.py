@@ -169,7 +169,7 @@ def test_a_route_is_store_and_forward():
 def test_learners_of_a_region_queue_behind_each_other_on_its_wan_link():
     network = Network(regions_config())
     one, two = network.learner_link(1, []), network.learner_link(2, [])
-    assert one.up.hops[1] is two.up.hops[1] and one.up.hops[0] is not two.up.hops[0]  # shared WAN, own LAN
+    assert one.up.only.hops[1] is two.up.only.hops[1] and one.up.only.hops[0] is not two.up.only.hops[0]  # shared WAN, own LAN
     lan_s = 1e6 / 1e9 + 0.001  # 1 MB over the LAN and its latency
     first = one.up.send(0.0, 1_000_000)
     second = two.up.send(0.0, 1_000_000)
@@ -177,7 +177,7 @@ def test_learners_of_a_region_queue_behind_each_other_on_its_wan_link():
     assert second == pytest.approx(lan_s + 2.0 + 0.040)  # waited for the first on the WAN, not on its LAN
     # Back: over us→eu's WAN first (10 ms), then the learner's LAN.
     assert one.down.send(0.0, 1_000_000) == pytest.approx(1.0 + 0.010 + lan_s)
-    assert (one.up.bytes_sent, two.up.bytes_sent, one.up.hops[1].bytes_sent) == (1_000_000, 1_000_000, 2_000_000)
+    assert (one.up.bytes_sent, two.up.bytes_sent, one.up.only.hops[1].bytes_sent) == (1_000_000, 1_000_000, 2_000_000)
     entries = {e["name"]: e for e in network.link_entries(run_s=4.0)}
     assert entries["eu→us (WAN)"]["utilisation_up"] == pytest.approx(0.5)  # busy 2 s of 4
     assert entries["eu→us (WAN)"]["bytes_down"] == 1_000_000

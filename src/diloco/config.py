@@ -330,6 +330,10 @@ class Config:
     """`flat`: every learner syncs with the syncer. `regional`: with its region's syncer over the LAN, which
     syncs with the global syncer over the WAN (needs regions)."""
     regional: RegionalConfig = field(default_factory=RegionalConfig)
+    placement: Literal["syncer", "links"] = "syncer"
+    """Where fragments' home shards run (needs regions for `links`). `syncer`: all in the syncer's region.
+    `links`: spread over the regions to keep the busiest WAN link, then the WAN bytes, then the round trip
+    least (`placement.py`); the syncer's region is preferred on a tie."""
 
     def speeds(self) -> list[float]:
         return list(self.learners.speeds) or [1.0] * self.learners.count
@@ -363,16 +367,41 @@ class Config:
         """The regional tier is on (`topology = "regional"` with regions)."""
         return self.topology == "regional" and bool(self.regions)
 
-    def route(self, learner: int) -> list[Hop]:
-        """The links a learner's messages cross to its syncer, in order (back: in reverse): its LAN, then,
-        flat and outside the syncer's region, its region's WAN link to the syncer (`region_route`); with
-        the regional tier its syncer is its region's, over the LAN alone. Empty without regions: `link`."""
-        home, syncer = self.region_of(learner), self.syncer_region()
-        if home is None or syncer is None:
+    def route(self, learner: int, home: str | None = None) -> list[Hop]:
+        """The links a learner's messages cross to the shard in region `home` (default: the syncer's), in
+        order (back: in reverse): its LAN, then, flat and outside that region, its region's WAN link there
+        (`region_route`); with the regional tier its syncer is its region's, over the LAN alone. Empty
+        without regions: `link`."""
+        region, syncer = self.region_of(learner), self.syncer_region()
+        if region is None or syncer is None:
             return []
-        lan = next(r.lan for r in self.regions if r.name == home)
-        hops = [Hop("lan", f"learner {learner}", home, lan, lan)]
-        return hops if self.tiered else hops + self.region_route(home)
+        lan = next(r.lan for r in self.regions if r.name == region)
+        hops = [Hop("lan", f"learner {learner}", region, lan, lan)]
+        return hops if self.tiered else hops + self.region_route(region, home)
+
+    def homes(self, fragments: int) -> list[str]:
+        """The regions that home some of `fragments` fragments, in `[[regions]]` order (by default the
+        syncer's alone)."""
+        homes = set(self.fragment_homes(fragments))
+        return [r.name for r in self.regions if r.name in homes]
+
+    def fragment_homes(self, fragments: int) -> list[str]:
+        """The region of each fragment's home shard (empty without regions)."""
+        syncer = self.syncer_region()
+        if syncer is None:
+            return []
+        if self.placement == "syncer":
+            return [syncer] * fragments
+        from diloco.placement import Site, place
+
+        senders = {r.name for r in self.tier_regions()}
+        speeds = self.speeds()
+        sites = [Site(r.name, (1.0 if r.name in senders else 0.0) if self.tiered
+                      else sum(speeds[m] for m in self.learners_of(r.name)),
+                      {o.name: self.wan_link(r.name, o.name).bandwidth_mbit for o in self.regions if o is not r},
+                      {o.name: self.wan_link(r.name, o.name).latency_ms for o in self.regions if o is not r})
+                 for r in self.regions]
+        return place(sites, fragments, preferred=syncer)
 
     def tier_regions(self) -> list[RegionConfig]:
         """With the regional tier, the regions that have learners, in order: their syncers are the global
@@ -386,17 +415,18 @@ class Config:
         speeds, members = self.speeds(), self.learners_of(region)
         return self.outer.H * max(speeds[m] for m in members) / max(speeds)
 
-    def region_route(self, region: str) -> list[Hop]:
-        """The WAN hop from a region to the syncer's region (none from the syncer's own)."""
-        syncer = self.syncer_region()
-        if syncer is None or region == syncer:
+    def region_route(self, region: str, home: str | None = None) -> list[Hop]:
+        """The WAN hop from a region to region `home` (default: the syncer's; none from that region)."""
+        home = home or self.syncer_region()
+        if home is None or region == home:
             return []
-        return [Hop("wan", region, syncer, self.wan_link(region, syncer), self.wan_link(syncer, region))]
+        return [Hop("wan", region, home, self.wan_link(region, home), self.wan_link(home, region))]
 
-    def emulated_link(self, learner: int | None) -> LinkConfig:
-        """One link standing for a learner's route towards the syncer, as the real runtime shapes it: the
-        slowest hop's bandwidth and the sum of the latencies (`link` without regions, or without an id)."""
-        hops = self.route(learner) if learner is not None else []
+    def emulated_link(self, learner: int | None, home: str | None = None) -> LinkConfig:
+        """One link standing for a learner's route towards the shards in region `home` (default: the
+        syncer's), as the real runtime shapes it: the slowest hop's bandwidth and the sum of the latencies
+        (`link` without regions, or without an id)."""
+        hops = self.route(learner, home) if learner is not None else []
         if not hops:
             return self.link
         return LinkConfig(bandwidth_mbit=min(h.up.bandwidth_mbit for h in hops),

@@ -80,11 +80,15 @@ def validate(config: Config) -> None:
 
 
 def _validate_topology(config: Config) -> None:
-    """The regional tier needs regions and a strategy that syncs through a syncer."""
+    """The regional tier and placement by links need regions and a strategy that syncs through a syncer."""
     if config.topology == "regional":
         _require(bool(config.regions), "topology", "may be 'regional' only with [[regions]]", config.topology)
         _require(config.strategy != "ddp", "topology",
                  "must be 'flat' for ddp, which all-reduces gradients and has no syncer", config.topology)
+    if config.placement == "links":
+        _require(bool(config.regions), "placement", "may be 'links' only with [[regions]]", config.placement)
+        _require(config.strategy != "ddp", "placement",
+                 "must be 'syncer' for ddp, which all-reduces gradients and has no syncer", config.placement)
     r = config.regional
     _require(r.push_every >= 1, "regional.push_every", "must be at least 1", r.push_every)
     _require(r.lr > 0, "regional.lr", "must be positive", r.lr)

@@ -43,7 +43,7 @@ from diloco.sim.events import (AllReduceDone, Beat, Crash, Recover, RegionBack, 
                                StateArrives, StepEnds, StopArrives, ToRegion, ToSyncer, UpdateArrives)
 from diloco.sim.failures import CrashPlan, outage_windows
 from diloco.sim.learners import Checkpoint, SimLearner
-from diloco.sim.link import Network
+from diloco.sim.link import Network, Routes
 from diloco.sim.summary import global_model, record_eval, run_result
 from diloco.sim.tier import SimRegion, upstream_bytes
 from diloco.sim.timing import StepTimer
@@ -77,10 +77,12 @@ class Simulation:
         self.queue = EventQueue()
         self.learners: list[SimLearner] = []
         plans = self.spec.planned_steps(speeds, self.budget, tokens_per_step)
+        self.home_of = config.fragment_homes(self.spec.fragments) if self.spec.exchange == "outer" else []
+        """Per fragment, the region of its home shard (`placement`): its pushes and answers go there."""
         for m, (speed, planned) in enumerate(zip(speeds, plans)):
             sampler = ShardSampler(corpus.train, learner=m, learners=count, seq_len=t.seq_len,
                                    batch_size=t.batch_size, seed=config.seed)
-            link = self.network.learner_link(m, outage_windows(config.failures, m))
+            link = self.network.learner_link(m, outage_windows(config.failures, m), self.home_of)
             self.learners.append(SimLearner(
                 index=m, speed=speed, replica=Replica(copy.deepcopy(base), t, sampler, max(1, planned)),
                 timer=StepTimer(config.learners.step_time_s, speed, config.learners.jitter, config.seed, m,
@@ -122,7 +124,8 @@ class Simulation:
         from Θ's first version and is the syncer of its region's learners."""
         for r in self.config.tier_regions():
             self.regions.append(SimRegion(len(self.regions), r.name, list(self.config.learners_of(r.name)),
-                                          self.network.region_link(r.name), self.config.region_period(r.name)))
+                                          self.network.region_link(r.name, self.home_of),
+                                          self.config.region_period(r.name)))
         self.syncer = self.spec.syncer_core(params, self.fragments, range(len(self.regions)), embeddings=embeddings)
         self._embeddings = embeddings
         for region in self.regions:
@@ -311,7 +314,7 @@ class Simulation:
 
     def _send_push(self, learner: SimLearner, push: Push) -> None:
         learner.last_seq = push.seq
-        arrival = learner.link.up.send(self.now, push.wire_bytes())
+        arrival = learner.link.up.send(self.now, push.wire_bytes(), push.fragment)
         self.queue.schedule(arrival, self._to_syncer(learner, PushArrived(push)))
 
     def _handle(self, actions: list[Action | Upstream], region: SimRegion | None = None) -> None:
@@ -336,16 +339,23 @@ class Simulation:
                     learner = self.learners[m]
                     if learner.finished or not learner.alive:
                         continue
-                    arrival = learner.link.down.send(self.now, update.wire_bytes())
+                    arrival = learner.link.down.send(self.now, update.wire_bytes(), update.fragment)
                     self.queue.schedule(arrival, UpdateArrives(m, learner.incarnation, update))
             elif isinstance(action, SendState):
                 learner = self.learners[action.learner]
                 versions = [action.versions[p] for p in range(len(self.fragments))]
-                arrival = learner.link.down.send(self.now, tensors_wire_bytes(action.values))
+                arrival = self._send_state(learner.link, action.values)
                 self.queue.schedule(arrival, StateArrives(learner.index, learner.incarnation,
                                                           (action.values, versions)))
         if self.syncer is not None and region is None:
             self.round_meter.emit(self.syncer.rounds)
+
+    def _send_state(self, link: Routes, values: dict[str, torch.Tensor]) -> float:
+        """Θ for a joining sender: every home shard sends its own fragments' values."""
+        if len(link.down.ways) == 1:
+            return link.down.send(self.now, tensors_wire_bytes(values))
+        return link.down.send_split(self.now, {
+            f.index: tensors_wire_bytes({n: values[n] for n in f.names if n in values}) for f in self.fragments})
 
     # ------------------------------------------------------------ the regional tier
 
@@ -361,17 +371,19 @@ class Simulation:
             for r, update in action.updates.items():
                 region = self.regions[r]
                 if region.alive and not (region.syncer is not None and region.syncer.left):
-                    arrival = region.link.down.send(self.now, update.wire_bytes())
+                    arrival = region.link.down.send(self.now, update.wire_bytes(), update.fragment)
                     self.queue.schedule(arrival, ToRegion(r, region.incarnation, update=update))
         elif isinstance(action, SendState):
             region = self.regions[action.learner]
-            arrival = region.link.down.send(self.now, tensors_wire_bytes(action.values))
+            arrival = self._send_state(region.link, action.values)
             self.queue.schedule(arrival, ToRegion(region.index, region.incarnation,
                                                   state=(action.values, dict(action.versions))))
 
     def _send_up(self, region: SimRegion, event) -> None:
         nbytes = upstream_bytes(event)
-        arrival = region.link.up.signal(self.now) if nbytes is None else region.link.up.send(self.now, nbytes)
+        fragment = event.push.fragment if isinstance(event, PushArrived) else None
+        arrival = (region.link.up.signal(self.now) if nbytes is None
+                   else region.link.up.send(self.now, nbytes, fragment))
         self.queue.schedule(arrival, ToSyncer(event))
 
     def _on_to_region(self, event: ToRegion) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco.core.learner import LearnerCore
-from diloco.sim.link import Link, Routes
+from diloco.sim.link import Routes
 from diloco.sim.timing import StepTimer, Waiting
 from diloco.training import Replica
 
@@ -26,7 +26,7 @@ class SimLearner(Waiting):
     speed: float
     replica: Replica
     timer: StepTimer
-    link: Link | Routes
+    link: Routes
     planned_steps: int
     core: LearnerCore | None = None
     tokens: int = 0

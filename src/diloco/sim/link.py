@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from diloco.config import Config, Hop, LinkConfig
@@ -172,11 +172,70 @@ class Route(Traffic):
 
 
 @dataclass
-class Routes:
-    """A learner's way to the syncer (`up`) and back (`down`) over a network of shared links."""
+class Fanout(Traffic):
+    """A sender's ways, one direction, to every region that homes fragments (one way unless `placement`
+    spreads them). A message about one fragment takes the way to (or from) its home; one meant for every
+    shard (a progress report, leaving, the word to stop) takes each way and has arrived when the last
+    way has carried it. Its own counters are everything its sender sent over all its ways."""
 
-    up: Route
-    down: Route
+    ways: dict[str, Direction | Route]
+    """By home region ("" for a learner's own link without regions)."""
+    home_of: list[str] = field(default_factory=list)
+    """Per fragment, the key of its way (empty: a single way serves every fragment)."""
+
+    def _way(self, fragment: int) -> Direction | Route:
+        return self.ways[self.home_of[fragment]] if self.home_of else self.only
+
+    @property
+    def only(self) -> Direction | Route:
+        """The first way: the one way of a sender whose fragments share a home."""
+        return next(iter(self.ways.values()))
+
+    def send(self, now: float, nbytes: int, fragment: int | None = None) -> float:
+        """When a message of `nbytes` about `fragment` (None: for every home) has arrived."""
+        ways = [self._way(fragment)] if fragment is not None else list(self.ways.values())
+        for _ in ways:
+            super().record(nbytes)
+        return max(way.send(now, nbytes) for way in ways)
+
+    def send_split(self, now: float, nbytes_of: dict[int, int]) -> float:
+        """Each home's share of one message (per fragment, its bytes), sent as one message from each home
+        (a joining learner's Θ: every shard sends its own fragments); arrived when the last share has."""
+        shares: dict[int, int] = {}
+        keys: dict[int, Direction | Route] = {}
+        for fragment, nbytes in nbytes_of.items():
+            way = self._way(fragment)
+            shares[id(way)] = shares.get(id(way), 0) + nbytes
+            keys[id(way)] = way
+        arrivals = []
+        for key, nbytes in shares.items():
+            super().record(nbytes)
+            arrivals.append(keys[key].send(now, nbytes))
+        return max(arrivals, default=now)
+
+    def signal(self, now: float) -> float:
+        return max(way.signal(now) for way in self.ways.values())
+
+    def record(self, nbytes: int) -> None:
+        """Bytes a collective timed as a whole (data-parallel: a single way)."""
+        self.only.record(nbytes)
+        super().record(nbytes)
+
+    @property
+    def bandwidth_bps(self) -> float:
+        return self.only.bandwidth_bps
+
+    @property
+    def latency_s(self) -> float:
+        return self.only.latency_s
+
+
+@dataclass
+class Routes:
+    """A sender's ways to the syncer's shards (`up`) and back (`down`), over a network of shared links."""
+
+    up: Fanout
+    down: Fanout
 
 
 @dataclass
@@ -208,20 +267,30 @@ class Network:
             self._directions[key] = kind(link.bandwidth_mbit * 1e6, link.latency_ms / 1e3, list(outages or []))
         return self._directions[key]
 
-    def learner_link(self, learner: int, outages: list[Window]) -> Link | Routes:
-        """A learner's way to the syncer: without regions its own `Link`, as before; with them its route,
-        the learner's outages on its own LAN link."""
-        hops = self.config.route(learner)
-        if not hops:
-            return Link(self.config.link.bandwidth_mbit, self.config.link.latency_ms, outages)
-        links = [self._hop_link(hop, outages if hop.kind == "lan" else []) for hop in hops]
-        return Routes(Route([h.up for h in links]), Route([h.down for h in reversed(links)]))
+    def learner_link(self, learner: int, outages: list[Window], home_of: list[str] | None = None) -> Routes:
+        """A learner's ways to the syncer's shards, its outages on its own link: without regions its own
+        `Link`; with them its route to each region in `home_of` (per fragment, its home's region; empty:
+        the syncer's region homes every fragment)."""
+        if not self.config.route(learner):
+            link = Link(self.config.link.bandwidth_mbit, self.config.link.latency_ms, outages)
+            return Routes(Fanout({"": link.up}), Fanout({"": link.down}))
+        return self._routes(lambda home: self.config.route(learner, home), home_of or [], outages)
 
-    def region_link(self, region: str) -> Routes:
-        """A regional syncer's way to the global syncer: its region's WAN link (none from the syncer's own
-        region, where both run side by side)."""
-        links = [self._hop_link(hop, []) for hop in self.config.region_route(region)]
-        return Routes(Route([h.up for h in links]), Route([h.down for h in reversed(links)]))
+    def region_link(self, region: str, home_of: list[str] | None = None) -> Routes:
+        """A regional syncer's ways to the global syncer's shards: its region's WAN link to each home
+        (none to its own region, where both run side by side)."""
+        return self._routes(lambda home: self.config.region_route(region, home), home_of or [], [])
+
+    def _routes(self, route_to: Callable[[str | None], list[Hop]], home_of: list[str],
+                outages: list[Window]) -> Routes:
+        homes = list(dict.fromkeys(home_of)) if len(set(home_of)) > 1 else [None]
+        up, down = {}, {}
+        for home in homes:
+            links = [self._hop_link(hop, outages if hop.kind == "lan" else []) for hop in route_to(home)]
+            up[home or ""] = Route([h.up for h in links])
+            down[home or ""] = Route([h.down for h in reversed(links)])
+        spread = home_of if homes != [None] else []
+        return Routes(Fanout(up, spread), Fanout(down, spread))
 
     def _hop_link(self, hop: Hop, outages: list[Window]) -> HopLink:
         if hop.name not in self.hops:
@@ -231,9 +300,16 @@ class Network:
         return self.hops[hop.name]
 
     def link_entries(self, run_s: float) -> list[dict[str, Any]]:
-        """Per hop: bytes each way and the share of the run each direction was busy."""
+        """Per link: bytes each way and the share of the run each direction was busy; a WAN link between
+        two regions once, named the way it was first used."""
         from diloco.results import link_entry
 
-        return [link_entry(h.hop, h.up.bytes_sent, h.down.bytes_sent, *(d.busy_s / run_s if run_s else 0.0
-                                                                         for d in (h.up, h.down)))
-                for h in self.hops.values()]
+        listed: set[tuple[str, str]] = set()
+        entries = []
+        for h in self.hops.values():
+            if (h.hop.far, h.hop.near) in listed:
+                continue  # the other way round of a WAN link already listed: the same two directions
+            listed.add((h.hop.near, h.hop.far))
+            entries.append(link_entry(h.hop, h.up.bytes_sent, h.down.bytes_sent,
+                                      *(d.busy_s / run_s if run_s else 0.0 for d in (h.up, h.down))))
+        return entries

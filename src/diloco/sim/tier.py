@@ -14,7 +14,7 @@ from diloco.core.events import HeartbeatArrived, PushArrived, ProgressArrived, S
 from diloco.core.messages import MESSAGE_HEADER_BYTES
 from diloco.core.regional import RegionalSyncer
 from diloco.core.rounds import RoundRecord
-from diloco.sim.link import Link, Routes
+from diloco.sim.link import Routes
 
 
 @dataclass
@@ -23,7 +23,7 @@ class SimRegion:
     """Its id among the global syncer's learners."""
     name: str
     members: list[int]
-    link: Link | Routes
+    link: Routes
     period: float
     """Its rounds' pacing period, in its fastest learner's steps: the global sync period in time."""
     syncer: RegionalSyncer | None = None
