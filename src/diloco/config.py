@@ -401,7 +401,15 @@ class Config:
                       {o.name: self.wan_link(r.name, o.name).bandwidth_mbit for o in self.regions if o is not r},
                       {o.name: self.wan_link(r.name, o.name).latency_ms for o in self.regions if o is not r})
                  for r in self.regions]
-        return place(sites, fragments, preferred=syncer)
+        return place(sites, fragments, preferred=syncer, answer_ratio=self._answer_ratio())
+
+    def _answer_ratio(self) -> float:
+        """An answer's wire bytes over a push's, for the global syncer's senders (their codecs differ)."""
+        from diloco.codecs.registry import get_codec
+
+        up = self.regional.codec or self.codec.up if self.tiered else self.codec.up
+        numel, block = 1 << 20, self.codec.block
+        return get_codec(self.codec.down, block).wire_bytes(numel, block) / get_codec(up, block).wire_bytes(numel, block)
 
     def tier_regions(self) -> list[RegionConfig]:
         """With the regional tier, the regions that have learners, in order: their syncers are the global
