@@ -1,4 +1,5 @@
-"""Flat against regional: the regional tier of syncers on four regions, with and without a regional outage.
+"""Flat against regional, and fragments homed in one region against homes spread by the links: four regions,
+with and without a regional outage.
 
     python benchmarks/topology.py [--config PATH] [--tokens N] [--seeds S] [--set key=value ...]
                                   [--json PATH] [--plot PATH] [--runtime [--skip-sim]]
@@ -10,6 +11,8 @@ budget (`--tokens`), for each seed (`--seeds S`: seeds 0 … S-1):
   flat                      every learner syncs with the global syncer, across the WAN outside us-east
   regional                  `topology = "regional"`: a syncer per region, one push per region per round
   regional, push_every 2    the same, pushing up after every second regional round of a fragment
+  flat, placement links     flat, fragments' home shards spread over the regions (`placement = "links"`)
+  regional, placement links regional, the global syncer's home shards spread likewise
 
 each without an outage, then with one of `--outage-region` (default eu-west): its learners crash at
 `--outage-at` × T for `--outage-length` × T (defaults 0.375 and 0.25: a quarter of the run, centred on
@@ -21,11 +24,14 @@ over this run's, LAN bytes, virtual time and its ratio to flat, tokens trained /
 the lost tokens of the outage region's learners and of the others, duplicates, each WAN link's bytes, and
 for the outage runs the goodput of the other regions: their learners' busy fraction in the outage run
 over the same learners' busy fraction in the same setting's run without outage (the mean of theirs over
-the mean of theirs, and the lowest learner's own ratio), next to the absolute busy fractions.
+the mean of theirs, and the lowest learner's own ratio), next to the absolute busy fractions; and the
+busiest WAN direction's share of the run spent carrying bytes (the link that decides whether rounds keep
+up: what `placement = "links"` lightens).
 
 Targets (the issue): regional against flat at equal tokens: WAN bytes ≥ 2× fewer, final loss within 1%
 (ratio ≤ 1.01), virtual time no worse (ratio ≤ 1); an outage costs only the outage region's unpushed
-progress (no token lost elsewhere) and the others' goodput ≥ 0.97.
+progress (no token lost elsewhere) and the others' goodput ≥ 0.97. Spread homes: the busiest WAN direction
+lighter than with the same topology's homes in one region, loss within 1% of flat.
 
 Prints the tables and writes JSON (default benchmarks/results/topology.json) and a plot (default
 benchmarks/results/topology.png: WAN bytes, final loss and the others' goodput per setting). Each
@@ -33,9 +39,9 @@ simulation of the default budget takes about 40 s on a quiet 2-core machine (all
 several times that when the cores are shared); the figures are virtual time, so load on the machine does
 not change them (two invocations gave bit-identical figures).
 
-`--runtime` adds one real-runtime pair at reduced size (`--runtime-tokens`, default 196608): `diloco run
-CONFIG --set topology=flat|regional` on this machine, same fields from each run's summary.json (time is
-measured there; the pair runs without outage). Not run by default.
+`--runtime` adds real runs at reduced size (`--runtime-tokens`, default 196608): `diloco run` of each
+setting in `--runtime-settings` (default "flat;regional", semicolon-separated) on this machine, same fields from each run's
+summary.json (time is measured there; they run without outage). Not run by default.
 With `--skip-sim` only that pair runs, and only the `runtime` entry of an existing JSON is replaced.
 """
 
@@ -60,7 +66,10 @@ SETTINGS: list[tuple[str, list[str]]] = [
     ("flat", ["topology=flat"]),
     ("regional", ["topology=regional", "regional.push_every=1"]),
     ("regional, push_every 2", ["topology=regional", "regional.push_every=2"]),
+    ("flat, placement links", ["topology=flat", "placement=links"]),
+    ("regional, placement links", ["topology=regional", "regional.push_every=1", "placement=links"]),
 ]
+SPREAD = "placement links"
 WAN_TARGET = 2.0
 LOSS_TARGET = 1.01
 TIME_TARGET = 1.0
@@ -87,6 +96,9 @@ def row_of(name: str, outage: dict[str, Any] | None, seed: int, summary: dict[st
         "tokens_stale": summary["tokens_stale"], "tokens_lost": summary["tokens_lost"],
         "tokens_lost_outage_region": lost_region, "tokens_lost_others": lost_others,
         "duplicates": summary.get("duplicates", 0), "rounds": summary["rounds"],
+        "wan_busiest": max((u for link in summary["links"] if link["kind"] == "wan"
+                            for u in (link["utilisation_up"], link["utilisation_down"]) if u is not None),
+                           default=None),
         "wan_links": {link["name"]: {"bytes_up": link["bytes_up"], "bytes_down": link["bytes_down"],
                                      "bytes": link["bytes_up"] + link["bytes_down"]}
                       for link in summary["links"] if link["kind"] == "wan"},
@@ -126,6 +138,9 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         r["loss_vs_flat"] = r["final_eval_loss"] / flat["final_eval_loss"] if flat else None
         r["wan_flat_over_this"] = flat["wan_bytes"] / r["wan_bytes"] if flat and r["wan_bytes"] else None
         r["time_vs_flat"] = r["training_time_s"] / flat["training_time_s"] if flat else None
+        together = find(r["setting"].split(",")[0], r["seed"], bool(r["outage"])) if SPREAD in r["setting"] else None
+        r["busiest_vs_together"] = (r["wan_busiest"] / together["wan_busiest"] if together and r["wan_busiest"]
+                                    and together["wan_busiest"] else None)
         r["others_busy_fraction"] = r["others_busy_fraction_no_outage"] = None
         r["outage_region_busy_fraction"] = None
         r["goodput_others"] = r["goodput_others_min"] = None
@@ -145,12 +160,12 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each regional run against the issue's targets."""
+    """Each run but flat against the issue's targets (spread homes: also against the same topology's run)."""
     out = []
     for r in rows:
         if r["setting"] == "flat":
             continue
-        checks = {
+        checks = {} if r["setting"] == f"flat, {SPREAD}" else {
             f"WAN bytes flat/this ≥ {WAN_TARGET:g}": (r["wan_flat_over_this"], r["wan_flat_over_this"] is not None
                                                       and r["wan_flat_over_this"] >= WAN_TARGET),
             f"loss / flat ≤ {LOSS_TARGET:g}": (r["loss_vs_flat"], r["loss_vs_flat"] is not None
@@ -158,6 +173,12 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             f"virtual time / flat ≤ {TIME_TARGET:g}": (r["time_vs_flat"], r["time_vs_flat"] is not None
                                                        and r["time_vs_flat"] <= TIME_TARGET),
         }
+        if r["setting"] == f"flat, {SPREAD}":
+            checks[f"loss / flat ≤ {LOSS_TARGET:g}"] = (r["loss_vs_flat"], r["loss_vs_flat"] is not None
+                                                        and r["loss_vs_flat"] <= LOSS_TARGET)
+        if SPREAD in r["setting"]:
+            checks["busiest WAN direction / homes together < 1"] = (
+                r["busiest_vs_together"], r["busiest_vs_together"] is not None and r["busiest_vs_together"] < 1)
         if r["outage"]:
             checks["tokens lost outside the outage region = 0"] = (r["tokens_lost_others"],
                                                                    r["tokens_lost_others"] == 0)
@@ -171,8 +192,9 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- the real runtime (not run by default)
 
 
-def runtime_pair(config_path: str, tokens: int, extra: list[str], work: Path, console: Console) -> list[dict]:
-    """Flat and regional with `diloco run` on this machine, at reduced size; the same fields from each
+def runtime_pair(config_path: str, tokens: int, extra: list[str], work: Path, console: Console,
+                 names: list[str]) -> list[dict]:
+    """The settings `names` with `diloco run` on this machine, at reduced size; the same fields from each
     run's summary.json. Raises SystemExit with the run's last output when a run fails."""
     sys.path.insert(0, str(Path(__file__).parent))
     from children import Processes, diloco, tail  # benchmarks/children.py
@@ -180,11 +202,11 @@ def runtime_pair(config_path: str, tokens: int, extra: list[str], work: Path, co
     rows = []
     processes = Processes()
     try:
-        for name, overrides in SETTINGS[:2]:
-            out = work / f"run-{name}"
+        for name, overrides in [(n, o) for n, o in SETTINGS if n in names]:
+            out = work / f"run-{name.replace(', ', '-').replace(' ', '-')}"
             sets = [*overrides, f"train.tokens={tokens}", *extra]
             argv = diloco("run", config_path, "--out", str(out), *[x for s in sets for x in ("--set", s)])
-            log = work / f"run-{name}.log"
+            log = out.with_suffix(".log")
             console.print(f"runtime {name}: {' '.join(argv[1:])} (log {log})")
             started = time.perf_counter()
             proc = processes.start(argv, log)
@@ -210,8 +232,8 @@ def runtime_pair(config_path: str, tokens: int, extra: list[str], work: Path, co
     finally:
         processes.stop_all()
     add_comparisons(rows)
-    flat, regional = rows
-    if regional["wan_bytes"] >= 0.9 * flat["wan_bytes"]:
+    flat, regional = rows[0], next((r for r in rows if r["setting"] == "regional"), None)
+    if flat["setting"] == "flat" and regional and regional["wan_bytes"] >= 0.9 * flat["wan_bytes"]:
         console.print(f"[bold red]warning[/]: the regional run's WAN bytes ({regional['wan_bytes']:,}) are not "
                       f"below the flat run's ({flat['wan_bytes']:,}): did `diloco run` build the regional tier, "
                       f"or run flat?")
@@ -234,12 +256,13 @@ def fmt(value: Any, spec: str, missing: str = "–") -> str:
 def print_tables(rows: list[dict[str, Any]], title: str, console: Console, seeds: bool) -> None:
     main = Table(title=title)
     for col in (["seed"] if seeds else []) + ["run", "final loss", "/ flat", "WAN MB", "flat / this", "LAN MB",
-                                              "time s", "/ flat", "dup"]:
+                                              "busiest WAN %", "time s", "/ flat", "dup"]:
         main.add_column(col, justify="left" if col == "run" else "right")
     for r in rows:
+        busiest = r["wan_busiest"] * 100 if r.get("wan_busiest") is not None else None
         main.add_row(*([str(r["seed"])] if seeds else []), label(r), fmt(r["final_eval_loss"], ".4f"),
                      fmt(r["loss_vs_flat"], ".4f"), fmt(r["wan_bytes"] / 1e6, ".2f"),
-                     fmt(r["wan_flat_over_this"], ".2f"), fmt(r["lan_bytes"] / 1e6, ".2f"),
+                     fmt(r["wan_flat_over_this"], ".2f"), fmt(r["lan_bytes"] / 1e6, ".2f"), fmt(busiest, ".2f"),
                      fmt(r["training_time_s"], ".3f"), fmt(r["time_vs_flat"], ".3f"), str(r["duplicates"]))
     console.print(main)
 
@@ -295,7 +318,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     settings = [name for name, _ in SETTINGS]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(20, 5.2))
     width = 0.38
     for i, outage in enumerate((False, True)):
         def mean(key: str, setting: str) -> float:
@@ -331,7 +354,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     axes[2].set_ylim(0.8, 1.05)
     for ax in axes:
         ax.set_xticks(range(len(settings)))
-        ax.set_xticklabels(settings, fontsize=8)
+        ax.set_xticklabels([s.replace(", ", ",\n") for s in settings], fontsize=8)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
@@ -357,12 +380,18 @@ def main() -> None:
     parser.add_argument("--plot", default="benchmarks/results/topology.png", help="PNG file to write")
     parser.add_argument("--runtime", action="store_true",
                         help="also one real-runtime pair (flat, regional) with `diloco run` at reduced size")
-    parser.add_argument("--runtime-tokens", type=int, default=196_608, help="token budget of the real-runtime pair")
+    parser.add_argument("--runtime-tokens", type=int, default=196_608, help="token budget of the real runs")
+    parser.add_argument("--runtime-settings", default="flat;regional",
+                        help=f"semicolon-separated settings for the real runs, of: {'; '.join(n for n, _ in SETTINGS)}")
     parser.add_argument("--skip-sim", action="store_true", help="with --runtime: only the real-runtime pair")
     parser.add_argument("--keep", metavar="DIR", help="keep the real runs' folders under DIR")
     args = parser.parse_args()
     if args.skip_sim and not args.runtime:
         parser.error("--skip-sim needs --runtime")
+    runtime_settings = [n.strip() for n in args.runtime_settings.split(";") if n.strip()]
+    unknown = [n for n in runtime_settings if n not in dict(SETTINGS)]
+    if unknown or not runtime_settings:
+        parser.error(f"--runtime-settings: unknown {unknown}; known: {'; '.join(n for n, _ in SETTINGS)}")
 
     console = Console(width=max(Console().width, 150))
     json_path, plot_path = Path(args.json), Path(args.plot)
@@ -400,7 +429,7 @@ def main() -> None:
     if args.runtime:
         work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="diloco-topology-"))
         work.mkdir(parents=True, exist_ok=True)
-        pair = runtime_pair(args.config, args.runtime_tokens, args.set, work.resolve(), console)
+        pair = runtime_pair(args.config, args.runtime_tokens, args.set, work.resolve(), console, runtime_settings)
         print_tables(pair, f"the real runtime, `diloco run` on this machine, {args.runtime_tokens:,} tokens "
                            f"(measured time)", console, False)
         result["runtime"] = {"tokens": args.runtime_tokens, "runs": pair}

@@ -12,7 +12,7 @@ from diloco.config import config_from_dict, load_config
 from diloco.errors import ConfigError
 from diloco.placement import Site, loads, place
 from diloco.sim import simulate
-from diloco.sim.link import Direction, Fanout, Route
+from diloco.sim.link import Direction, Fanout, Network, Route
 
 TWO_BY_TWO = ('regions=[{name = "home", speeds = [1, 1], syncer = true, '
               'lan = {bandwidth_mbit = 1000, latency_ms = 1}, wan = {bandwidth_mbit = 20, latency_ms = 30}}, '
@@ -148,3 +148,16 @@ def test_the_default_placement_leaves_a_run_as_it_was():
     """`placement = "syncer"` is the layout runs had before placement existed: one way per sender."""
     config = config_from_dict({"placement": "syncer"})
     assert config.fragment_homes(4) == [] and config.homes(4) == []
+
+
+def test_homes_all_in_one_region_that_is_not_the_syncers_are_routed_there():
+    network = Network(tiny_config(TWO_BY_TWO))
+    ways = network.learner_link(0, [], home_of=["away", "away"]).up.ways
+    assert list(ways) == ["away"] and [h.hop.name for h in network.hops.values()] == \
+        ["learner 0 LAN", "home→away (WAN)"]
+
+
+def test_with_the_regional_tier_a_learner_has_one_way_to_its_regions_syncer_whatever_the_homes():
+    network = Network(tiny_config(TWO_BY_TWO, "topology=regional", "placement=links"))
+    assert list(network.learner_link(2, [], home_of=["home", "away"]).up.ways) == [""]
+    assert sorted(network.region_link("away", home_of=["home", "away"]).up.ways) == ["away", "home"]

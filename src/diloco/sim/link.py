@@ -274,7 +274,9 @@ class Network:
         if not self.config.route(learner):
             link = Link(self.config.link.bandwidth_mbit, self.config.link.latency_ms, outages)
             return Routes(Fanout({"": link.up}), Fanout({"": link.down}))
-        return self._routes(lambda home: self.config.route(learner, home), home_of or [], outages)
+        # With the regional tier a learner's one syncer is its region's, over its LAN, whatever the homes.
+        return self._routes(lambda home: self.config.route(learner, home),
+                            [] if self.config.tiered else home_of or [], outages)
 
     def region_link(self, region: str, home_of: list[str] | None = None) -> Routes:
         """A regional syncer's ways to the global syncer's shards: its region's WAN link to each home
@@ -283,13 +285,13 @@ class Network:
 
     def _routes(self, route_to: Callable[[str | None], list[Hop]], home_of: list[str],
                 outages: list[Window]) -> Routes:
-        homes = list(dict.fromkeys(home_of)) if len(set(home_of)) > 1 else [None]
+        homes: list[str | None] = list(dict.fromkeys(home_of)) or [None]  # None: the syncer's region
         up, down = {}, {}
         for home in homes:
             links = [self._hop_link(hop, outages if hop.kind == "lan" else []) for hop in route_to(home)]
             up[home or ""] = Route([h.up for h in links])
             down[home or ""] = Route([h.down for h in reversed(links)])
-        spread = home_of if homes != [None] else []
+        spread = home_of if len(homes) > 1 else []
         return Routes(Fanout(up, spread), Fanout(down, spread))
 
     def _hop_link(self, hop: Hop, outages: list[Window]) -> HopLink:
