@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,3 +255,120 @@ def test_units_read_friendly_sizes():
     assert units.seconds("--latency", "40", "ms") == pytest.approx(0.04)
     assert units.seconds("--step-time", "1500ms") == pytest.approx(1.5)
     assert math.isclose(units.seconds("--latency", "0", "ms", allow_zero=True), 0.0)
+
+
+# ---------------------------------------------------------------- a config's regions: every link, shared
+
+REGIONS = """
+strategy = "streaming"
+[outer]
+fragments = 3
+tau = 2
+H = 4
+[[regions]]
+name = "a"
+syncer = true
+speeds = [1, 1]
+lan = { bandwidth_mbit = 1000, latency_ms = 1 }
+wan = { bandwidth_mbit = 20, latency_ms = 30 }
+[[regions]]
+name = "b"
+speeds = [1, 1]
+lan = { bandwidth_mbit = 1000, latency_ms = 1 }
+wan = { bandwidth_mbit = {b_wan}, latency_ms = 40 }
+wan_to = [{ region = "c", latency_ms = 60 }]
+[[regions]]
+name = "c"
+speeds = [1, 0.5]
+lan = { bandwidth_mbit = 1000, latency_ms = 1 }
+wan = { bandwidth_mbit = 20, latency_ms = 50 }
+"""
+"""Three regions of two learners (0-1 in a, the syncer's, 2-3 in b, 4-5 in c, 5 at half speed), each
+region's learners sharing its WAN links; placement = links homes one of the three fragments in each."""
+
+
+def regions_config(tmp_path, *overrides: str, b_wan: float = 20):
+    from diloco.config import load_config
+
+    path = tmp_path / "regions.toml"
+    path.write_text(REGIONS.replace("{b_wan}", repr(b_wan)))
+    return load_config(path, [*(x for x in TINY if "speeds" not in x), "train.tokens=3072", *overrides])
+
+
+def names_and_bytes(links) -> list[tuple[str, int, int]]:
+    return [(e["name"], e["bytes_up"], e["bytes_down"]) if isinstance(e, dict) else (e.name, e.bytes_up, e.bytes_down)
+            for e in links]
+
+
+@pytest.mark.integration  # two simulated runs
+@pytest.mark.parametrize("placement", ["syncer", "links"])
+def test_each_links_bytes_equal_the_simulators_exactly(tmp_path, placement):
+    """A synchronous run is replayed over the simulator's own network (each learner's LAN, then its
+    region's WAN link to each home), so every link's bytes each way are the simulator's, answers near the
+    end included or not as its timing decides."""
+    from diloco.sim import simulate
+
+    config = regions_config(tmp_path, f"placement={placement}", "learners.jitter=0.1")
+    replayed = replay(config)
+    planned = plan(deployment(config), replayed)
+    simulated = simulate(config)
+    assert names_and_bytes(planned.links) == names_and_bytes(simulated.links) == names_and_bytes(replayed.links)
+    assert all(lk.exact for lk in planned.links)
+    assert len({e["name"] for e in simulated.links if e["kind"] == "wan"}) == (2 if placement == "syncer" else 3)
+
+
+def test_without_a_replay_each_links_bytes_are_its_steady_state_over_the_run(tmp_path):
+    """Without the replay (an asynchronous run, a hypothetical model) a link's bytes are its steady-state
+    rates over the run's time, plus each sender's last push: about the replayed ones, not exactly, for
+    the run's ends are not steady. Its first fragments fall due only part way into the first period, the
+    run ends part way into a period, and the answers to the last τ steps' pushes are never sent, which
+    only the replay's timing tells: here, within a fifth."""
+    config = regions_config(tmp_path, "placement=links", "train.tokens=12288")
+    d = deployment(config)
+    exact, estimate = plan(d, replay(config)), plan(d)
+    assert [lk.name for lk in exact.links] == [lk.name for lk in estimate.links]
+    for e, s in zip(exact.links, estimate.links):
+        assert not s.exact and s.bytes_up == pytest.approx(e.bytes_up, rel=0.2), e.name
+        assert s.bytes_down == pytest.approx(e.bytes_down, rel=0.2), e.name
+
+
+def test_a_regions_wan_link_carries_all_its_learners_traffic(tmp_path):
+    """With every fragment homed at the syncer, b's WAN link carries both its learners' traffic each way,
+    what each one's LAN carries; with placement = links a WAN link joins two regions that are not the
+    syncer's, and carries one's pushes and the other's answers the same way."""
+    syncer = {lk.name: lk for lk in plan(deployment(regions_config(tmp_path))).links}
+    wan = syncer["b→a (WAN)"]
+    assert wan.senders == ("learner 2", "learner 3")
+    assert wan.up_per_s == pytest.approx(syncer["learner 2 LAN"].up_per_s + syncer["learner 3 LAN"].up_per_s)
+    assert wan.down_per_s == pytest.approx(syncer["learner 2 LAN"].down_per_s + syncer["learner 3 LAN"].down_per_s)
+    spread = plan(deployment(regions_config(tmp_path, "placement=links")))
+    assert len(set(spread.homes)) == 3
+    assert {lk.name for lk in spread.links if lk.kind == "wan"} == {"a→b (WAN)", "a→c (WAN)", "b→c (WAN)"}
+    bc = next(lk for lk in spread.links if lk.name == "b→c (WAN)")
+    assert set(bc.senders) == {"learner 2", "learner 3", "learner 4", "learner 5"}
+
+
+def test_a_shared_link_that_one_learner_alone_would_fit_does_not_keep_up(tmp_path):
+    """b's two learners share its WAN link: sized so that each alone would need 80% of it, together they
+    need 160%, and the link (and the plan) does not keep up."""
+    one = next(lk for lk in plan(deployment(regions_config(tmp_path))).links if lk.name == "learner 2 LAN")
+    b_wan = one.up_per_s * 8 / 0.8 / 1e6
+    squeezed = plan(deployment(regions_config(tmp_path, b_wan=b_wan)))
+    wan = next(lk for lk in squeezed.links if lk.name == "b→a (WAN)")
+    assert wan.up_utilisation == pytest.approx(1.6)
+    assert not wan.keeps_up and "160% of the link" in wan.why and not squeezed.keeps_up
+
+
+def test_a_config_with_regions_prints_and_writes_every_link(tmp_path, capsys):
+    example = Path(__file__).resolve().parents[1] / "examples" / "regions.toml"
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(example), "--set", "placement=links", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "per link, all traffic sharing it" in printed and "placement: links" in printed
+    data = json.loads(out.read_text())
+    wan = [lk for lk in data["links"] if lk["kind"] == "wan"]
+    assert data["placement"] == "links" and len(set(data["fragment_homes"])) > 1
+    assert len(wan) > 3 and all(lk["bytes_up"] and lk["bandwidth_up_bps"] == 1e9 for lk in wan)
+    assert [lk["kind"] for lk in data["links"]] == sorted(lk["kind"] for lk in data["links"])  # LAN first
+    assert main(["plan", str(example), "--regions", "us=1"]) == 2
+    assert "has [[regions]] already" in capsys.readouterr().err

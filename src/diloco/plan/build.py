@@ -10,10 +10,10 @@ from diloco.errors import DilocoError
 from diloco.plan import units
 from diloco.plan.deployment import Deployment, Region
 from diloco.plan.layout import Layout, assumed_layout, model_layout
-from diloco.plan.reports import Totals
 
 if TYPE_CHECKING:
     from diloco.config import Config
+    from diloco.plan.replay import ReplayResult
 
 
 def parse_regions(text: str, default_latency_s: float) -> tuple[Region, ...]:
@@ -39,6 +39,8 @@ def build_deployment(config: Config, args: argparse.Namespace) -> Deployment:
 
     fragments = build_strategy(config).fragments
     layout = assumed_layout(units.count("--params", args.params), fragments) if args.params else None
+    if args.regions and config.regions:
+        raise DilocoError("--regions: the config has [[regions]] already; plan one or the other")
     regions = parse_regions(args.regions, config.link.latency_ms / 1e3) if args.regions else ()
     explicit_tokens = args.config is not None or args.tokens is not None or any(
         s.startswith("train.tokens") for s in args.set or [])
@@ -72,19 +74,17 @@ def deployment(config: Config, layout: Layout | None = None, *, regions: tuple[R
         bandwidth_bps=config.link.bandwidth_mbit * 1e6, latency_s=config.link.latency_ms / 1e3,
         codec_up=config.codec.up, codec_down=config.codec.down, block=config.codec.block, optimizer=spec.optimizer,
         merge_rule=spec.merge_rule, consolidate=spec.consolidate, regions=regions, shards=shards,
-        shard_memory_bytes=shard_memory_bytes, tokens_per_step=tokens_per_step or own, tokens=tokens)
+        shard_memory_bytes=shard_memory_bytes, tokens_per_step=tokens_per_step or own, tokens=tokens,
+        network=config if config.regions else None)
 
 
-def exact_totals(config: Config, d: Deployment, args: argparse.Namespace) -> Totals | None:
-    """The simulator's totals, replayed, when the deployment is the config's own run and a synchronous one
-    (or data-parallel) on the real model, with one link per learner."""
+def replayed_run(config: Config, d: Deployment, args: argparse.Namespace) -> ReplayResult | None:
+    """The simulator's run replayed, when the deployment is the config's own run and a synchronous one
+    (or data-parallel) on the real model: its totals and each link's bytes are then exact."""
     from diloco.plan.replay import replay, replay_problem
 
     if d.tokens is None or not d.layout.exact or d.regions or args.step_tokens is not None:
         return None
     if replay_problem(config) is not None:
         return None
-    result = replay(config, d.layout)
-    up, down = result.wire_bytes
-    return Totals(result.steps, result.training_time_s, up, down, True,
-                  "the simulator's schedule replayed: equals `diloco sim`'s wire bytes")
+    return replay(config, d.layout)

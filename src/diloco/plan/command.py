@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     """Build the deployment, plan it, print it (unless --quiet), write --json; DilocoError for bad input."""
     from diloco.config import load_config
     from diloco.outputs import write_output
-    from diloco.plan.build import build_deployment, exact_totals
+    from diloco.plan.build import build_deployment, replayed_run
     from diloco.plan.model import plan
     from diloco.plan.search import advise
     from diloco.plan.tables import print_plan
@@ -59,10 +59,7 @@ def run(args: argparse.Namespace) -> int:
     check_json_path(args.json)
     config = load_config(args.config, [*(args.set or []), *config_overrides(args)])
     deployment = build_deployment(config, args)
-    result = plan(deployment)
-    exact = exact_totals(config, deployment, args)
-    if exact is not None:
-        result = replace(result, totals=exact)
+    result = plan(deployment, replayed_run(config, deployment, args))
     advice = advise(deployment)
     if not args.quiet:
         print_plan(Console(), result, advice, deployment.shard_memory_bytes)

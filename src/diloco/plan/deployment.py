@@ -3,13 +3,17 @@ syncer's shards; and what crosses one learner's link per sync period (`traffic`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from diloco.fragments import Schedule
 from diloco.plan.layout import Layout
 from diloco.plan.links import Site, Traffic
 from diloco.plan.memory import SyncerState
 from diloco.plan.wire import progress_bytes, push_bytes, update_bytes
+
+if TYPE_CHECKING:
+    from diloco.config import Config
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class Deployment:
     """Tokens one learner trains per inner step."""
     tokens: int | None = None
     """The run's token budget, over all learners: totals are given when it is."""
+    network: Config | None = field(default=None, compare=False, repr=False)
+    """A config with `[[regions]]`: its regions, learners, links, topology and placement, which the
+    plan's per-link loads follow (`network.py`); None otherwise."""
 
     @property
     def learners(self) -> int:

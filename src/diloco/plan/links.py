@@ -32,6 +32,15 @@ class Site:
     bandwidth_bps: float
     latency_s: float
     region: str | None = None
+    down_bandwidth_bps: float | None = None
+    """Towards the learner, where it differs from `bandwidth_bps` (a WAN link rated per direction)."""
+    down_latency_s: float | None = None
+
+    @property
+    def down(self) -> tuple[float, float]:
+        """Bandwidth and latency towards the learner."""
+        return (self.bandwidth_bps if self.down_bandwidth_bps is None else self.down_bandwidth_bps,
+                self.latency_s if self.down_latency_s is None else self.down_latency_s)
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,7 @@ def steady_state(sites: list[Site], traffic: Traffic, grid_step_s: float, step_s
     closes = sorted((max(a[(k, p)] for a in arrivals), t, p, k) for t, p, k in pushes)
     states = []
     for site, load in zip(sites, loads):
-        down = Direction(site.bandwidth_bps, site.latency_s)
+        down = Direction(*site.down)
         worst = [0.0] * len(traffic.push)
         for closed, sent, p, _ in closes:
             worst[p] = max(worst[p], down.send(closed, traffic.update[p]) - sent)
@@ -90,10 +99,26 @@ def steady_state(sites: list[Site], traffic: Traffic, grid_step_s: float, step_s
     return states
 
 
+def verdict(state: LinkState, tau: int, budget_s: float) -> tuple[bool, str, int, float]:
+    """Whether a link keeps up (the τ-overlap budget: every fragment's round trip within τ steps), why
+    not, and its worst fragment and that one's round trip."""
+    worst = max(range(len(state.round_trip_s)), key=lambda p: state.round_trip_s[p])
+    rt = state.round_trip_s[worst]
+    if state.saturated:
+        return False, f"needs {max(state.up_utilisation, state.down_utilisation):.0%} of the link", worst, rt
+    if math.isinf(rt):
+        return False, "another learner's link is saturated", worst, rt
+    if tau == 0:
+        return False, "τ = 0: every sync waits for its round trip", worst, rt
+    if rt > budget_s:
+        return False, f"fragment {worst}'s round trip > τ steps", worst, rt
+    return True, "", worst, rt
+
+
 def _utilisation(site: Site, traffic: Traffic, period: float, own_step: float) -> tuple[float, float]:
     """Share of the link's time each direction is busy, on average."""
     up_bits = (sum(traffic.push) + traffic.progress * period / own_step) * 8
-    return up_bits / site.bandwidth_bps / period, sum(traffic.update) * 8 / site.bandwidth_bps / period
+    return up_bits / site.bandwidth_bps / period, sum(traffic.update) * 8 / site.down[0] / period
 
 
 def _send_up(up, pushes: list[tuple[float, int, int]], traffic: Traffic, step_s: float, horizon: float

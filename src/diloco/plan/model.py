@@ -8,14 +8,18 @@ links' timing from `links.py`, the shards' memory from `memory.py`.
 
 from __future__ import annotations
 
-import math
+from typing import TYPE_CHECKING
 
 from diloco.plan.deployment import Deployment, traffic
-from diloco.plan.links import LinkState, Site, Traffic, steady_state
+from diloco.plan.links import LinkState, Site, Traffic, steady_state, verdict
 from diloco.plan.memory import shard_memory, shards_needed
+from diloco.plan.network import network_report
 from diloco.plan.reports import Plan, RegionReport, ShardReport, SiteReport
-from diloco.plan.totals import estimate_totals
+from diloco.plan.totals import estimate_totals, replayed_totals
 from diloco.plan.wire import all_reduce_share
+
+if TYPE_CHECKING:
+    from diloco.plan.replay import ReplayResult
 
 
 def site_reports(d: Deployment) -> list[SiteReport]:
@@ -33,18 +37,7 @@ def _site_report(d: Deployment, t: Traffic, site: Site, state: LinkState) -> Sit
     up = sum(t.push) + round(t.progress * period / own_step)
     down = sum(t.update)
     budget = d.tau * own_step
-    worst = max(range(len(state.round_trip_s)), key=lambda p: state.round_trip_s[p])
-    rt = state.round_trip_s[worst]
-    if state.saturated:
-        keeps_up, why = False, f"needs {max(state.up_utilisation, state.down_utilisation):.0%} of the link"
-    elif math.isinf(rt):
-        keeps_up, why = False, "another learner's link is saturated"
-    elif d.tau == 0:
-        keeps_up, why = False, "τ = 0: every sync waits for its round trip"
-    elif rt > budget:
-        keeps_up, why = False, f"fragment {worst}'s round trip > τ steps"
-    else:
-        keeps_up, why = True, ""
+    keeps_up, why, worst, rt = verdict(state, d.tau, budget)
     stall = sum(max(0.0, r - budget) for r in state.round_trip_s) if d.waits and not keeps_up else 0.0
     return SiteReport(site.name, site.learners, site.speed, site.bandwidth_bps, site.latency_s, up, down,
                       up / period, down / period, max(t.push), max(t.update), rt, worst, budget,
@@ -98,7 +91,8 @@ def shard_reports(d: Deployment, sites: list[SiteReport], shards: int) -> list[S
     return reports
 
 
-def plan(d: Deployment) -> Plan:
+def plan(d: Deployment, replayed: ReplayResult | None = None) -> Plan:
+    """The plan; its totals and links' bytes are the `replayed` run's where given (exact)."""
     sites = site_reports(d)
     numels = tuple(f.numel for f in d.layout.fragments)
     needed, shards = None, []
@@ -108,5 +102,8 @@ def plan(d: Deployment) -> Plan:
                                    d.shard_memory_bytes)
         count = d.shards or needed or 1
         shards = shard_reports(d, sites, min(count, len(numels)))
-    totals = estimate_totals(d, sites) if d.tokens else None
-    return Plan(d, d.period_s, numels, tuple(sites), tuple(region_reports(d, sites)), tuple(shards), needed, totals)
+    totals = replayed_totals(replayed) if replayed else estimate_totals(d, sites) if d.tokens else None
+    network = network_report(d, replayed.links if replayed else None, totals.time_s if totals else None)
+    homes = d.network.fragment_homes(len(numels)) if d.network and d.exchange == "outer" else []
+    return Plan(d, d.period_s, numels, tuple(sites), tuple(region_reports(d, sites)), tuple(shards), needed, totals,
+                network.links, tuple(homes), network.slow_routes)

@@ -13,7 +13,12 @@ same decisions as the learner and syncer cores of a synchronous strategy:
 - a round closes when every learner still in the run has pushed to it; its answers go to those of its
   participants that have not finished.
 
-It covers `diloco` and `streaming` (every learner in every round) and data-parallel, without failures.
+Each learner's messages take its ways to the fragments' homes over the simulator's own network
+(`sim/link.py`'s `Network`: with `[[regions]]` its LAN, then its region's WAN link to each home, shared with
+the region's other learners), so that each link's bytes are the simulator's too (`ReplayResult.links`).
+
+It covers `diloco` and `streaming` (every learner in every round) and data-parallel, without failures,
+and without the regional tier (whose regional syncers decide from timings of their own).
 Asynchronous strategies decide from timings the cores estimate as they go: for them the planner gives
 steady-state rates, not totals.
 """
@@ -26,11 +31,12 @@ from typing import TYPE_CHECKING
 from diloco.errors import DilocoError
 from diloco.plan.layout import Layout, model_layout
 from diloco.plan.wire import LEAVE_BYTES, all_reduce_share, progress_bytes, push_bytes, update_bytes
+from diloco.results import traffic_fields
 from diloco.sim.timing import Waiting
 
 if TYPE_CHECKING:
     from diloco.config import Config
-    from diloco.sim.link import Link
+    from diloco.sim.link import Routes
     from diloco.sim.timing import StepTimer
     from diloco.strategies import StrategySpec
 
@@ -46,6 +52,8 @@ class ReplayResult:
     training_time_s: float
     peak_sync_bytes: int
     steps: int
+    links: list[dict] = field(default_factory=list)
+    """Per link (with regions), as `diloco sim`'s summary lists them: name, kind, bytes each way."""
 
     @property
     def wire_bytes(self) -> tuple[int, int]:
@@ -62,6 +70,8 @@ def replay_problem(config: Config, spec: StrategySpec | None = None) -> str | No
         return "failures are configured (crashes or outages)"
     if spec.exchange == "gradients":
         return None
+    if config.tiered:
+        return "the regional tier's syncers decide from timings of their own"
     if spec.quorum is not None or spec.shared_budget or spec.pacing or not spec.wait_for_updates:
         return f"{spec.name} is asynchronous: its rounds depend on timings the syncer estimates as it goes"
     steps = config.token_budget() // (len(config.speeds()) * config.train.batch_size * config.train.seq_len)
@@ -93,8 +103,9 @@ def replay(config: Config, layout: Layout | None = None) -> ReplayResult:
 
 
 def _data_parallel(config: Config, layout: Layout) -> ReplayResult:
-    """Every step: each learner's step, then a ring all-reduce timed over the slowest link
-    (`sim/data_parallel.py`); its share is counted on every link, both ways."""
+    """Every step: each learner's step, then a ring all-reduce timed over the slowest link (a learner's
+    whole route with regions: `sim/data_parallel.py`); its share is counted on every link, both ways."""
+    from diloco.sim.link import Network
     from diloco.sim.timing import StepTimer
 
     speeds = config.speeds()
@@ -102,7 +113,10 @@ def _data_parallel(config: Config, layout: Layout) -> ReplayResult:
     steps = config.token_budget() // (count * config.train.batch_size * config.train.seq_len)
     grad_bytes = 4 * layout.parameters  # fp32 gradients of every trainable tensor
     share = all_reduce_share(grad_bytes, count)
-    bandwidth, latency = config.link.bandwidth_mbit * 1e6, config.link.latency_ms / 1e3
+    network = Network(config)
+    links = [network.learner_link(m, []) for m in range(count)]
+    bandwidth = min(min(lk.up.bandwidth_bps, lk.down.bandwidth_bps) for lk in links)
+    latency = max(lk.up.latency_s for lk in links)
     duration = 2 * (count - 1) * (latency + grad_bytes / count * 8 / bandwidth) if count >= 2 else 0.0
     timers = [StepTimer(lc.step_time_s, v, lc.jitter, config.seed, m, lc.drift, lc.drift_steps)
               for m, v in enumerate(speeds)]
@@ -113,7 +127,11 @@ def _data_parallel(config: Config, layout: Layout) -> ReplayResult:
         for m, end in enumerate(ends):
             waiting[m] += now - end
     total = steps * share
-    return ReplayResult([total] * count, [total] * count, waiting, now, share, steps)
+    for link in links:  # every step's share, counted at once
+        link.up.record(total)
+        link.down.record(total)
+    return ReplayResult([total] * count, [total] * count, waiting, now, share, steps,
+                        traffic_fields(network.link_entries(now))["links"])
 
 
 # ---------------------------------------------------------------- synchronous outer strategies
@@ -123,7 +141,7 @@ def _data_parallel(config: Config, layout: Layout) -> ReplayResult:
 class _Learner(Waiting):
     index: int
     timer: StepTimer
-    link: Link
+    link: Routes
     next_due: list[int]
     steps_since: list[int]
     in_flight: dict[int, list] = field(default_factory=dict)
@@ -138,7 +156,7 @@ class _SyncReplay:
     def __init__(self, config: Config, spec: StrategySpec, layout: Layout) -> None:
         from diloco.fragments import Schedule
         from diloco.sim.clock import EventQueue
-        from diloco.sim.link import Link
+        from diloco.sim.link import Network
         from diloco.sim.timing import StepTimer
 
         c, lc = config.codec, config.learners
@@ -152,9 +170,11 @@ class _SyncReplay:
         self.steps = config.token_budget() // (len(speeds) * config.train.batch_size * config.train.seq_len)
         self.queue = EventQueue()
         self.schedules = [Schedule(spec.period(m), self.count) for m in range(len(speeds))]
+        self.network = Network(config)
+        home_of = config.fragment_homes(self.count)
         self.learners = [
             _Learner(m, StepTimer(lc.step_time_s, v, lc.jitter, config.seed, m, lc.drift, lc.drift_steps),
-                     Link(config.link.bandwidth_mbit, config.link.latency_ms),
+                     self.network.learner_link(m, [], home_of),
                      [self.schedules[m].next_due(p, 0) for p in range(self.count)], [0] * self.count)
             for m, v in enumerate(speeds)]
         self.alive = set(range(len(speeds)))
@@ -172,7 +192,8 @@ class _SyncReplay:
         return ReplayResult([lr.link.up.bytes_sent for lr in self.learners],
                             [lr.link.down.bytes_sent for lr in self.learners],
                             [lr.waiting_s for lr in self.learners], self.last_event,
-                            max(lr.link.up.peak_message_bytes for lr in self.learners), self.steps)
+                            max(lr.link.up.peak_message_bytes for lr in self.learners), self.steps,
+                            traffic_fields(self.network.link_entries(self.last_event))["links"])
 
     @property
     def now(self) -> float:
@@ -203,7 +224,7 @@ class _SyncReplay:
 
     def _send_push(self, learner: _Learner, p: int) -> None:
         learner.steps_since[p] = 0
-        arrival = learner.link.up.send(self.now, self.push[p])
+        arrival = learner.link.up.send(self.now, self.push[p], p)
         self.queue.schedule(arrival, ("push", learner.index, p))
 
     def _merge_arrived(self, learner: _Learner, due_only: bool) -> None:
@@ -258,6 +279,6 @@ class _SyncReplay:
         for m in sorted(self.pending[p]):
             learner = self.learners[m]
             if not learner.finished:
-                arrival = learner.link.down.send(self.now, self.update[p])
+                arrival = learner.link.down.send(self.now, self.update[p], p)
                 self.queue.schedule(arrival, ("update", m, p))
         self.pending[p] = set()

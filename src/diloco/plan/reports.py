@@ -48,6 +48,37 @@ class RegionReport:
 
 
 @dataclass(frozen=True)
+class LinkReport:
+    """One link of the config's regions (a learner's LAN, a WAN link between two regions), named as
+    `diloco sim`'s summary names it: `up` is the way its name points (towards the syncer, or from the
+    first region to the second), with everything that crosses it from every sender."""
+
+    name: str
+    kind: str
+    """`lan` or `wan`."""
+    senders: tuple[str, ...]
+    """Whose traffic crosses it: learners, or with the regional tier the regions' syncers."""
+    bandwidth_up_bps: float
+    bandwidth_down_bps: float
+    up_per_s: float
+    """Bytes per second, steady state."""
+    down_per_s: float
+    up_utilisation: float
+    down_utilisation: float
+    round_trip_s: float
+    """The longest round trip of a fragment whose traffic crosses it."""
+    budget_s: float
+    """τ steps of the sender whose round trip is the tightest against them."""
+    keeps_up: bool
+    why: str
+    bytes_up: int | None = None
+    """Over the run (with a token budget)."""
+    bytes_down: int | None = None
+    exact: bool = False
+    """The totals are the simulator's schedule replayed (else the steady state over the run's time)."""
+
+
+@dataclass(frozen=True)
 class ShardReport:
     memory: ShardMemory
     in_per_s: float
@@ -77,9 +108,19 @@ class Plan:
     shards: tuple[ShardReport, ...] = ()
     shards_needed: int | None = None
     totals: Totals | None = None
+    links: tuple[LinkReport, ...] = ()
+    """With the config's `[[regions]]`: every link, all traffic that shares it counted."""
+    homes: tuple[str, ...] = ()
+    """With the config's `[[regions]]`: the region homing each fragment (`placement`)."""
+    slow_routes: tuple[str, ...] = ()
+    """Senders' routes that miss τ though each of their links alone keeps up."""
 
     @property
     def keeps_up(self) -> bool:
+        """Every learner's link keeps up; with the config's regions, every one of their links (a learner's
+        own link is then its route, which the links stand for)."""
+        if self.links:
+            return all(lk.keeps_up for lk in self.links) and not self.slow_routes
         return all(s.keeps_up for s in self.sites) and all(r.keeps_up for r in self.regions)
 
     def to_dict(self) -> dict:
@@ -97,4 +138,7 @@ class Plan:
             "learners": [asdict(s) for s in self.sites], "regions": [asdict(r) for r in self.regions],
             "shards": [{**asdict(s.memory), "peak_bytes": s.memory.peak_bytes, "in_per_s": s.in_per_s,
                         "out_per_s": s.out_per_s} for s in self.shards],
-            "shards_needed": self.shards_needed, "totals": asdict(self.totals) if self.totals else None}
+            "shards_needed": self.shards_needed, "totals": asdict(self.totals) if self.totals else None,
+            "placement": d.network.placement if d.network else None, "fragment_homes": list(self.homes),
+            "slow_routes": list(self.slow_routes),
+            "links": [asdict(lk) for lk in self.links]}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from diloco.plan.deployment import Deployment
 from diloco.plan.model import site_reports
+from diloco.plan.network import network_report
 
 H_MAX = 1_000_000
 FRAGMENTS_MAX = 1024
@@ -33,7 +34,17 @@ class Advice:
 
 
 def keeps_up(d: Deployment) -> bool:
+    """Every learner's link keeps up; with the config's regions, every link and route of theirs."""
+    if d.network is not None and d.exchange == "outer":
+        return network_report(d).keeps_up
     return all(s.keeps_up for s in site_reports(d))
+
+
+def round_trips(d: Deployment) -> list[tuple[str, float, float]]:
+    """Each learner's (with the config's regions: each route's) longest round trip and its τ budget."""
+    if d.network is not None and d.exchange == "outer":
+        return [(r.name, r.round_trip_s, r.budget_s) for r in network_report(d).routes]
+    return [(s.name, s.round_trip_s, s.budget_s) for s in site_reports(d)]
 
 
 def smallest_H(d: Deployment) -> int | None:
@@ -61,11 +72,10 @@ def least_codec(d: Deployment) -> str | None:
 
 def smallest_tau(d: Deployment) -> int | None:
     """τ steps of every site must cover its longest round trip (which does not depend on τ)."""
-    probe = replace(d, tau=1)
-    reports = site_reports(probe)
-    if any(math.isinf(s.round_trip_s) for s in reports):
+    reports = round_trips(replace(d, tau=1))
+    if any(math.isinf(rt) for _, rt, _ in reports):
         return None
-    tau = max(1, *(math.ceil(s.round_trip_s / s.budget_s) for s in reports))  # budget_s: one step at τ = 1
+    tau = max(1, *(math.ceil(rt / budget) for _, rt, budget in reports))  # budget: one step at τ = 1
     return tau if tau < d.H and keeps_up(replace(d, tau=tau)) else None
 
 
@@ -79,11 +89,10 @@ def fewest_fragments(d: Deployment) -> int | None:
 
 def _bare_round_trip(d: Deployment) -> str:
     """Why no H helps: a fragment's round trip with nothing queued ahead of it (as at a huge H)."""
-    worst = max(site_reports(replace(d, H=H_MAX)), key=lambda s: s.round_trip_s / s.budget_s)
-    if worst.round_trip_s <= worst.budget_s:
+    name, rt, budget = max(round_trips(replace(d, H=H_MAX)), key=lambda r: r[1] / r[2])
+    if rt <= budget:
         return ""
-    return (f" (at any H, a fragment's round trip from {worst.name} takes {worst.round_trip_s:.3g} s, "
-            f"τ steps {worst.budget_s:.3g} s)")
+    return f" (at any H, a fragment's round trip from {name} takes {rt:.3g} s, τ steps {budget:.3g} s)"
 
 
 def advise(d: Deployment) -> Advice:

@@ -5,6 +5,7 @@ second, memory in GiB."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from rich.console import Console
 from rich.table import Table
@@ -56,11 +57,25 @@ def deployment_table(p: Plan) -> Table:
     speeds = sorted(set(d.speeds))
     rows += [("step time", f"{seconds(d.step_time_s)} at speed 1"
               + (f"; speeds {', '.join(f'{v:g}' for v in speeds)}" if len(speeds) > 1 else "")),
-             ("links", ", ".join(f"{r.name} {bits(r.bandwidth_bps)} {r.latency_s * 1e3:g} ms" for r in d.regions)
-              if d.regions else f"{bits(d.bandwidth_bps)} per learner, {d.latency_s * 1e3:g} ms")]
+             ("links", _links_setting(p))]
+    if p.homes:
+        homed = Counter(p.homes)
+        rows.append((f"placement: {d.network.placement}", ", ".join(f"{name} {n}" for name, n in homed.items())
+                     + " fragment(s) homed"))
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _links_setting(p: Plan) -> str:
+    d = p.deployment
+    if d.network is not None:
+        regions = d.network.regions
+        return (f"{len(regions)} regions ({', '.join(f'{r.name} {len(r.speeds)}' for r in regions)} learners), "
+                f"topology {d.network.topology}: see per link")
+    if d.regions:
+        return ", ".join(f"{r.name} {bits(r.bandwidth_bps)} {r.latency_s * 1e3:g} ms" for r in d.regions)
+    return f"{bits(d.bandwidth_bps)} per learner, {d.latency_s * 1e3:g} ms"
 
 
 def learners_table(p: Plan) -> Table:
@@ -86,6 +101,41 @@ def links_table(p: Plan) -> Table:
         table.add_row(s.name or "each", bits(s.bandwidth_bps), bits(s.up_per_s * 8), bits(s.down_per_s * 8),
                       "unbounded" if math.isinf(s.round_trip_s) else seconds(s.round_trip_s), seconds(s.budget_s),
                       verdict)
+    return table
+
+
+def network_table(p: Plan) -> Table:
+    """The config's regions: every link with everything that crosses it, each way (`up`: the way its name
+    points), against the τ budget of the sender it is tightest for. Why a link falls short is printed
+    under the table (`link_problems`), to keep the table narrow."""
+    table = Table(title="per link, all traffic sharing it (up: the way the name points)")
+    for col in ("link", "bandwidth", "up", "down", "use", "round trip", "τ budget", "keeps up"):
+        table.add_column(col, justify="right")
+    for lk in p.links:
+        same = lk.bandwidth_up_bps == lk.bandwidth_down_bps
+        table.add_row(lk.name, bits(lk.bandwidth_up_bps) if same else
+                      f"{bits(lk.bandwidth_up_bps)} / {bits(lk.bandwidth_down_bps)}",
+                      bits(lk.up_per_s * 8), bits(lk.down_per_s * 8),
+                      f"{max(lk.up_utilisation, lk.down_utilisation):.1%}", seconds(lk.round_trip_s),
+                      seconds(lk.budget_s), "[green]yes[/]" if lk.keeps_up else "[red]no[/]")
+    return table
+
+
+def link_problems(p: Plan) -> list[str]:
+    """Why each link that falls short does, and the routes that miss τ though each of their links alone
+    keeps up (their latencies add up)."""
+    return ([f"[red]{lk.name}[/] does not keep up: {lk.why}" for lk in p.links if not lk.keeps_up]
+            + [f"[red]route too slow[/]: {route}" for route in p.slow_routes])
+
+
+def link_totals_table(p: Plan) -> Table:
+    exact = all(lk.exact for lk in p.links)
+    table = Table(title="per link over the run" + (" (exact: replayed)" if exact else " (estimate: steady state)"))
+    for col in ("link", "bytes up", "bytes down"):
+        table.add_column(col, justify="right")
+    for lk in p.links:
+        table.add_row(lk.name, f"{human_bytes(lk.bytes_up)} ({lk.bytes_up:,})",
+                      f"{human_bytes(lk.bytes_down)} ({lk.bytes_down:,})")
     return table
 
 
@@ -133,7 +183,12 @@ def totals_table(p: Plan) -> Table:
 def print_plan(console: Console, p: Plan, advice: Advice, memory_limit: float | None) -> None:
     console.print(deployment_table(p))
     console.print(learners_table(p))
-    console.print(links_table(p))
+    if p.links:  # a learner's own link is then its route: the links it crosses, shared
+        console.print(network_table(p))
+        for line in link_problems(p):
+            console.print(line)
+    else:
+        console.print(links_table(p))
     if p.regions:
         console.print(regions_table(p))
     if p.shards:
@@ -144,6 +199,8 @@ def print_plan(console: Console, p: Plan, advice: Advice, memory_limit: float | 
             console.print(f"shards needed: {needed}")
     if p.totals is not None:
         console.print(totals_table(p))
+        if p.links:
+            console.print(link_totals_table(p))
     verdict = "[green]keeps up[/]" if p.keeps_up else "[red]does not keep up[/]"
     console.print(f"verdict: {verdict}")
     for line in advice.lines:

@@ -6,11 +6,23 @@ real model); these are for the rest: a hypothetical model (`--params`), asynchro
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from diloco.fragments import Schedule
 from diloco.plan.deployment import Deployment, traffic
 from diloco.plan.links import Traffic
 from diloco.plan.reports import SiteReport, Totals
 from diloco.plan.wire import LEAVE_BYTES
+
+if TYPE_CHECKING:
+    from diloco.plan.replay import ReplayResult
+
+
+def replayed_totals(result: ReplayResult) -> Totals:
+    """The replayed run's totals: the simulator's, exactly."""
+    up, down = result.wire_bytes
+    return Totals(result.steps, result.training_time_s, up, down, True,
+                  "the simulator's schedule replayed: equals `diloco sim`'s wire bytes")
 
 
 def estimate_totals(d: Deployment, sites: list[SiteReport]) -> Totals:
@@ -27,10 +39,11 @@ def estimate_totals(d: Deployment, sites: list[SiteReport]) -> Totals:
         return _synchronous_totals(d, t, sites)
     time_s = d.tokens / (sum(d.speeds) * d.tokens_per_step / d.step_time_s)  # every learner at its own speed
     syncs = time_s / d.period_s
-    up = sum(s.learners * (sum(t.push) * syncs + t.progress * time_s * s.speed / d.step_time_s) for s in sites)
+    last = sum(t.push) + LEAVE_BYTES  # at the end: a push of what no push carried, and the leaving
+    up = sum(s.learners * (sum(t.push) * syncs + t.progress * time_s * s.speed / d.step_time_s + last) for s in sites)
     down = sum(s.learners * sum(t.update) * syncs for s in sites)
     return Totals(round(time_s / d.step_time_s), time_s, round(up), round(down), False,
-                  "asynchronous: steady-state rates over the run's time at full speed")
+                  "asynchronous: steady-state rates over the run's time at full speed, and the last pushes")
 
 
 def _synchronous_totals(d: Deployment, t: Traffic, sites: list[SiteReport]) -> Totals:

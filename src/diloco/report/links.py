@@ -1,7 +1,9 @@
 """The links table of a run with regions: what each WAN and LAN link carried and how busy it was, with totals.
 
 Read from summary.json's `links` (both drivers write them, `results.link_entry`); a run without regions has
-none, and gets no table.
+none, and gets no table. A link's `up` is the way its name points: a LAN link's and a region's WAN link to
+the syncer's region towards the syncer; with `placement = "links"` a WAN link may join any two regions, and
+its `up` is then from the first region named to the second (`A→B (WAN)`: bytes up A→B, bytes down B→A).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def summary_links(summary: dict[str, Any], kind: LinkKind) -> list[dict[str, Any
 
 
 def link_bytes(entry: dict[str, Any]) -> tuple[int, int]:
-    """(towards the syncer, back): a missing count is 0, as a link that carried nothing."""
+    """(the way the link's name points, back): a missing count is 0, as a link that carried nothing."""
     return int(number(entry, "bytes_up") or 0), int(number(entry, "bytes_down") or 0)
 
 
