@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -103,28 +104,55 @@ def traffic_fields(links: list[dict[str, Any]]) -> dict[str, Any]:
             "wan_bytes": total("wan")}
 
 
-def links_from_learners(config: Config, reports: list[LearnerReport]) -> list[dict[str, Any]]:
-    """Each link's bytes as the learners' own counters assign them: a learner's traffic crosses every hop
-    of its route (its LAN; outside the syncer's region, its region's WAN link too). A learner outside the
-    regions (an elastic run's extra one) is on no listed link."""
-    hops: dict[str, tuple[Hop, list[int]]] = {}
-    for report in reports:
-        for hop in config.route(report.learner):
-            counted = hops.setdefault(hop.name, (hop, [0, 0]))[1]
-            counted[0] += report.bytes_up
-            counted[1] += report.bytes_down
-    return [link_entry(hop, up, down) for hop, (up, down) in hops.values()]
+def links_from_learners(config: Config, reports: list[LearnerReport],
+                        by_home: dict[int, dict[str, tuple[int, int]]] | None = None) -> list[dict[str, Any]]:
+    """Each link's bytes as the learners' own counters assign them: a learner's traffic with the shards of
+    a home region crosses every hop of its route there (its LAN; flat and outside that region, the WAN
+    link between the two). `by_home`: per learner, its bytes (up, down) per home region (`sent_by_home`);
+    a learner without them sent everything to the syncer's region. A learner outside the regions (an
+    elastic run's extra one) is on no listed link."""
+    return listed_links(
+        (config.route(report.learner, home), up, down) for report in reports
+        for home, (up, down) in ((by_home or {}).get(report.learner)
+                                 or {None: (report.bytes_up, report.bytes_down)}).items())
 
 
-def links_from_regions(config: Config, region_reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """With the regional tier, each region's WAN link carries its regional syncer's traffic, as its uplink
-    counted it (the learners' own traffic stays on their LANs)."""
-    out = []
+def links_from_regions(config: Config, region_reports: list[dict[str, Any]], order: Sequence[str] = ()
+                       ) -> list[dict[str, Any]]:
+    """With the regional tier, the WAN links carry the regional syncers' traffic, as their uplinks counted
+    it: per home region (`order`, see `sent_by_home`) when the global shards run in several, else all to
+    the syncer's region (the learners' own traffic stays on their LANs)."""
+    routes = []
     for report in region_reports:
         uplink = report.get("uplink", {})
-        for hop in config.region_route(report["region"]):
-            out.append(link_entry(hop, uplink.get("bytes_up", 0), uplink.get("bytes_down", 0)))
-    return out
+        homes = (sent_by_home(uplink["bytes_by_home"], order) if "bytes_by_home" in uplink
+                 else {None: (uplink.get("bytes_up", 0), uplink.get("bytes_down", 0))})
+        routes += [(config.region_route(report["region"], home), up, down) for home, (up, down) in homes.items()]
+    return listed_links(routes)
+
+
+def sent_by_home(counted: dict[str, dict[str, int]], order: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """A sender's per-home counters (its report's `bytes_by_home`) as (up, down), in `order`: the order the
+    fragments first name their homes (`dict.fromkeys(config.fragment_homes(F))`), the simulator's."""
+    return {home: (counted[home]["bytes_up"], counted[home]["bytes_down"]) for home in order if home in counted}
+
+
+def listed_links(routes: Iterable[tuple[list[Hop], int, int]]) -> list[dict[str, Any]]:
+    """Each hop's bytes from routes and what crossed them (up, down), in the order first used. A WAN link
+    between two regions is listed once, named the way it was first used, as the simulator lists it:
+    traffic the other way round is that link's other direction."""
+    links: dict[tuple[str, str], tuple[Hop, list[int]]] = {}
+    for hops, up, down in routes:
+        for hop in hops:
+            if (hop.far, hop.near) in links:  # the reverse of a listed link: its directions swapped
+                counted = links[(hop.far, hop.near)][1]
+                counted[0] += down
+                counted[1] += up
+                continue
+            counted = links.setdefault((hop.near, hop.far), (hop, [0, 0]))[1]
+            counted[0] += up
+            counted[1] += down
+    return [link_entry(hop, up, down) for hop, (up, down) in links.values()]
 
 
 def human_bytes(n: float) -> str:

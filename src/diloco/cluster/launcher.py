@@ -30,6 +30,7 @@ from diloco.cluster.placement import Demand, Fleet, Node, add, choose_nodes, lea
 from diloco.config import Config
 from diloco.errors import DilocoError
 from diloco.runtime.launcher import Launcher
+from diloco.runtime.shard_plan import placed_shard_count
 from diloco.runtime.ports import read_port_file
 from diloco.transport.settings import SECRET_ENV
 
@@ -75,7 +76,7 @@ class RayLauncher(Launcher):
 
     def __init__(self, config: Config, config_args: list[str], out: Path, *, address: str, shards: int = 1,
                  **options: Any) -> None:
-        self.connected = connect(address, config, shards)
+        self.connected = connect(address, config, placed_shard_count(config, shards))
         if SECRET_ENV in os.environ:  # a node's processes see that node's environment, not this one's
             options["env"] = {SECRET_ENV: os.environ[SECRET_ENV], **(options.get("env") or {})}
         try:

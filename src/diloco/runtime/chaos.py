@@ -23,6 +23,7 @@ from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.metrics.records import learner_lives
 from diloco.outputs import write_output
 from diloco.runtime.launcher import Launcher
+from diloco.runtime.shard_plan import placed_shard_count
 
 
 @dataclass
@@ -101,6 +102,7 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
               seed: int, restart_after_s: float, shards: int = 1, **launcher_options) -> dict[str, Any]:
     """The fault-free run, then the faulty one; their comparison (also written to OUT/chaos.json)."""
     args = [*config_args, "--set", "metrics.every_steps=1"]  # every step recorded: tokens are accounted exactly
+    shards = placed_shard_count(config, shards)  # spread homes: a shard per home region, any of them a victim
     clean = Launcher(config, args, out / "clean", shards=shards, **launcher_options).run()
     faulty_launcher = Launcher(config, args, out / "faulty", shards=shards, **launcher_options)
     kills = plan_kills(random.Random(seed), config.learners.count, shards, kill_learners, kill_syncer,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -291,6 +292,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     from diloco.runtime.processes import die_with_parent
     from diloco.runtime.settings import check_shards
     from diloco.runtime.regional_shard import RegionTier
+    from diloco.runtime.shard_plan import global_shard_plan
     from diloco.runtime.syncer import ShardPlan, SyncerShard, parse_shard
 
     die_with_parent()
@@ -306,6 +308,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     addresses = tuple(a.strip() for a in args.shards.split(",")) if args.shards else (args.bind,)
     if len(addresses) != count:
         raise DilocoError(f"--shards lists {len(addresses)} address(es) but --shard says there are {count} shards")
+    plan = ShardPlan(index, count, addresses) if args.region else global_shard_plan(config, index, count, addresses)
     http = http_exposure(args, _bind_host(args.bind), security)
     stop = stop_on_signals()
     out = output_folder(Path(args.out)) if args.out else None
@@ -317,7 +320,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
         report_port(metrics.prometheus_port, f"shard {index}'s Prometheus metrics", args.metrics_port_file)
     tier = RegionTier(config, args.region, args.upstream, security_from_args(args, role="client"),
                       emulate_link=args.emulate_link, out=out) if args.region else None
-    shard = SyncerShard(config, ShardPlan(index, count, addresses), metrics,
+    shard = SyncerShard(config, plan, metrics,
                         state_dir=out / "syncer" if out and tier is None else None, resume=args.resume, tier=tier)
     server, status = _serve_shard(shard, args, security, http)
     halted = None
@@ -356,7 +359,7 @@ def _serve_shard(shard: SyncerShard, args: argparse.Namespace, security: Transpo
     """Serve the shard and its status page, report their ports, then complete the shard map learners
     get at Join: its own address, and the ports other shards report. Joins take the shard's lock, held
     until the map is complete, so no learner is ever given an address still unknown."""
-    from diloco.runtime.syncer import ShardPlan, serve
+    from diloco.runtime.syncer import serve
 
     plan, host = shard.plan, args.bind.rsplit(":", 1)[0]
     with shard.lock:
@@ -367,7 +370,7 @@ def _serve_shard(shard: SyncerShard, args: argparse.Namespace, security: Transpo
             print(f"status page: {status.url}", flush=True)
             write_port_file(args.status_port_file, status.port)
         write_port_file(args.port_file, port)
-        shard.plan = ShardPlan(plan.index, plan.count, tuple(
+        shard.plan = dataclasses.replace(plan, addresses=tuple(
             f"{host}:{port}" if i == plan.index and args.bind.endswith(":0") else
             resolve_address(address, f"syncer shard {i}") for i, address in enumerate(plan.addresses)))
     print(f"diloco syncer shard {plan.index}/{plan.count} listening on {host}:{port} ({security.describe()})",

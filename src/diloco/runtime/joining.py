@@ -3,6 +3,7 @@ and Θ itself, one fragment at a time. A learner refused on the way leaves every
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -10,7 +11,7 @@ import torch
 
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
-from diloco.runtime.shard_plan import ShardPlan
+from diloco.runtime.shard_plan import check_shard_map
 from diloco.transport.client import ShardClient, with_retries
 from diloco.transport.security import TransportSecurity
 from diloco.v1 import diloco_pb2 as pb
@@ -37,13 +38,16 @@ class Joined:
 
 def join_run(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
              partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
-             tokens_per_step: int = 0) -> Joined:
+             tokens_per_step: int = 0, owners: Sequence[int] | None = None) -> Joined:
     """Join every shard as `learner` (None: the syncer picks, or the one the learner's own credential
     names), declaring `tokens_per_step` (0: not known). Every call after the first join carries the
-    joined learner's own credential: the shards bind learner calls to it."""
+    joined learner's own credential: the shards bind learner calls to it. `owners`: per fragment, the
+    shard this learner's config says owns it (`shard_plan.fragment_owners`); every shard's map must say
+    the same (None: the first shard's map, which every other shard's must match)."""
     joined: list[tuple[ShardClient, int]] = []
     try:
-        return _join_all(address, learner, timeout_s, host, params, partition, security, joined, tokens_per_step)
+        return _join_all(address, learner, timeout_s, host, params, partition, security, joined, tokens_per_step,
+                         owners)
     except DilocoError:
         for client, me in joined:  # a refused learner must not stay counted as alive
             try:
@@ -56,7 +60,7 @@ def join_run(address: str, learner: int | None, timeout_s: float, host: str, par
 
 def _join_all(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
               partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
-              joined: list[tuple[ShardClient, int]], tokens_per_step: int) -> Joined:
+              joined: list[tuple[ShardClient, int]], tokens_per_step: int, owners: Sequence[int] | None) -> Joined:
     first = ShardClient(address, security)
     first.wait_ready(timeout_s)
     reply = with_retries(lambda: first.join(learner, host, tokens_per_step), what="join")
@@ -64,6 +68,9 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
     joined.append((first, me))
     fragments = partition(settings.fragments)
     replies = {reply.shard: (first, reply)}
+    expected = ({i: [p for p, owner in enumerate(owners) if owner == i] for i in sorted(set(owners))}
+                if owners is not None else {int(info.index): sorted(info.fragments) for info in reply.shards})
+    check_shard_map(reply.shards, expected, address)  # before joining any other shard
     for info in reply.shards:
         if info.index in replies:
             continue
@@ -74,7 +81,8 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
         joined.append((client, me))
     last_seq, shards = 0, []
     for index, (client, shard_reply) in sorted(replies.items()):
-        owned = ShardPlan(index, len(replies), ()).fragments(len(fragments))
+        check_shard_map(shard_reply.shards, expected, client.address)
+        owned = expected[index]
         if shard_reply.layout:
             _check_layout(list(shard_reply.layout), [fragments[p] for p in owned], params, client.address)
         else:

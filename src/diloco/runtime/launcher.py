@@ -31,6 +31,7 @@ from diloco.runtime.ports import read_port_file, wait_for_port
 from diloco.runtime.outages import RegionOutages
 from diloco.runtime.processes import Child, Children
 from diloco.runtime.settings import check_shards, settings_of
+from diloco.runtime.shard_plan import placed_shard_count
 from diloco.strategies import build_strategy
 from diloco.training import evaluate
 from diloco.transport.client import ShardClient
@@ -84,6 +85,7 @@ class Launcher:
         also makes them require the shared secret."""
         """`config_args` are the CONFIG path and --set options, passed on to every child as given."""
         settings_of(config)  # refuses a strategy the real runtime cannot run, with the reason
+        shards = placed_shard_count(config, shards)  # with `placement = "links"`, one per home region
         check_shards(config, shards)
         self.config, self.out, self.shard_count = config, out, shards
         self.shared = self.shared_folder(config, out)
@@ -347,6 +349,11 @@ class Launcher:
 
     # ------------------------------------------------------------ evaluation and the summary
 
+    def home_order(self) -> list[str]:
+        """The home regions in the order the fragments first name them: the simulator lists a sender's
+        routes to them, so their links, in that order."""
+        return list(dict.fromkeys(self.config.fragment_homes(build_strategy(self.config).fragments)))
+
     def pull_theta(self) -> dict[str, torch.Tensor]:
         theta: dict[str, torch.Tensor] = {}
         for client in self.clients:
@@ -368,7 +375,7 @@ class Launcher:
         return loss
 
     def _summarise(self) -> dict[str, Any]:
-        from diloco.results import links_from_learners, links_from_regions, traffic_fields
+        from diloco.results import links_from_learners, links_from_regions, sent_by_home, traffic_fields
 
         self._collect_endpoints()
         loss = self._record_eval()
@@ -414,6 +421,8 @@ class Launcher:
                                          bytes_down=r["bytes_down"], eval_loss=r.get("eval_loss"),
                                          rounds=learner_round_stats(learner_rounds, m)))
         self.eval_curve[-1]["time_s"] = self.training_s
+        order = self.home_order()
+        by_home = {r["learner"]: sent_by_home(r["bytes_by_home"], order) for r in learners if "bytes_by_home" in r}
         learner_losses = [r.eval_loss for r in reports if r.eval_loss is not None]
         result = RunResult(
             strategy=self.config.strategy, learners=len(reports), tokens=sum(r.tokens for r in reports),
@@ -429,6 +438,7 @@ class Launcher:
             duplicates=sum(e.get("duplicates", 0) for s in shards + regions for e in s.get("ledger", {}).values()),
             shards=self.shard_count, endpoints=dict(self.endpoints), launcher=self.launcher_name,
             cluster=self.cluster_report(tokens_merged=totals["merged"]),
-            **traffic_fields(links_from_learners(self.config, reports) + links_from_regions(self.config, regions)))
+            **traffic_fields(links_from_learners(self.config, reports, by_home)
+                             + links_from_regions(self.config, regions, order)))
         self.result = result
         return result.summary()

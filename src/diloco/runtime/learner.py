@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,9 @@ from diloco.transport.security import TransportSecurity
 from diloco.transport.shaping import DeliveryQueue, ShapedDirection
 from diloco.v1 import diloco_pb2 as pb
 
+if TYPE_CHECKING:
+    from diloco.config import LinkConfig
+
 log = logging.getLogger("diloco.learner")
 
 
@@ -60,6 +64,46 @@ class LinkShape:
     latency_ms: float
 
 
+@dataclass(frozen=True)
+class HomeLink:
+    """Where one syncer shard runs (a region's name, for the report's per-home bytes) and the emulated link
+    a learner's traffic with it crosses (None: the network as it is)."""
+
+    home: str
+    shape: LinkShape | None
+
+
+class ShardWays:
+    """One direction of a sender's traffic with the syncer's shards: a single shaped link all shards share
+    (they run in one place), or one per shard (`placement = "links"` homes them in different regions). A
+    message about one fragment takes its shard's way; one meant for every shard crosses each way once. The
+    counters are the totals over the ways."""
+
+    def __init__(self, links: Sequence[LinkShape | LinkConfig | None], per_shard: bool) -> None:
+        self.ways = [ShapedDirection(link.bandwidth_mbit if link else None, link.latency_ms if link else 0.0)
+                     for link in links]
+        self.per_shard = per_shard
+
+    def to(self, shard: int) -> ShapedDirection:
+        return self.ways[shard] if self.per_shard else self.ways[0]
+
+    def send_to_all(self, nbytes: int) -> float:
+        """A message for every shard (a progress report): when it has arrived over the slowest way."""
+        return max(way.send(nbytes) for way in self.ways)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(way.bytes_sent for way in self.ways)
+
+    @property
+    def messages(self) -> int:
+        return sum(way.messages for way in self.ways)
+
+    @property
+    def peak_message_bytes(self) -> int:
+        return max(way.peak_message_bytes for way in self.ways)
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """The module whose parameter names both ends agree on (DDP adds a `module.` prefix)."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
@@ -68,12 +112,17 @@ def _unwrap(model: nn.Module) -> nn.Module:
 class Learner:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, syncer: str,
                  learner: int | None = None, link: LinkShape | None = None, connect_timeout_s: float = 30.0,
-                 host: str = "", security: TransportSecurity | None = None, tokens_per_step: int | None = None
-                 ) -> None:
+                 host: str = "", security: TransportSecurity | None = None, tokens_per_step: int | None = None,
+                 homes: Sequence[HomeLink] | None = None, owners: Sequence[int] | None = None) -> None:
         """Join the run served at `syncer` (any shard's HOST:PORT) and load its current Θ into `model`.
         `learner` asks for an id (a restart keeps its own); by default the syncer picks one, or the one
         named by the learner's own credential (`security`, or $DILOCO_LEARNER_TOKEN). `tokens_per_step`:
-        what one inner step trains on this rank (batch × sequence), declared to the syncer at join."""
+        what one inner step trains on this rank (batch × sequence), declared to the syncer at join.
+        `homes`: per shard, where it runs and the link to it, when the shards run in different regions
+        (`placement = "links"`): each shard's traffic is shaped and counted on its own link, instead of
+        all on `link` (give `owners` with it: their shard indices are the same). `owners`: per fragment,
+        the shard the learner's config says owns it; a run whose shards say otherwise is refused (None:
+        the shards' own map)."""
         self.model = model
         self.optimizer = optimizer
         self.module = _unwrap(model)
@@ -84,8 +133,10 @@ class Learner:
         self.world = dist.get_world_size() if distributed else 1
         self.link = link
         self.security = security
-        self.up = ShapedDirection(link.bandwidth_mbit if link else None, link.latency_ms if link else 0.0)
-        self.down = ShapedDirection(link.bandwidth_mbit if link else None, link.latency_ms if link else 0.0)
+        self.homes = list(homes) if homes is not None else None
+        links = [h.shape for h in self.homes] if self.homes is not None else [link]
+        self.up, self.down = (ShardWays(links, per_shard=self.homes is not None) for _ in range(2))
+        self.owners = owners
         self.tokens = self.steps = self.merges = 0
         self.busy_s = self.waiting_s = 0.0
         self._stop_requested = False
@@ -123,7 +174,7 @@ class Learner:
     def _connect(self, address: str, learner: int | None, timeout_s: float, host: str) -> None:
         """Join every shard, seed or check Θ's layout, take Θ, and build this learner's core."""
         joined = join_run(address, learner, timeout_s, host, self.params,
-                          self._partition, self.security, self.declared_tokens_per_step)
+                          self._partition, self.security, self.declared_tokens_per_step, self.owners)
         self.id, self.settings, self.shards = joined.learner, joined.settings, joined.shards
         with torch.no_grad():
             for name, value in joined.theta.items():
@@ -261,7 +312,15 @@ class Learner:
                 "merge_lag_steps": sum(core.merge_lags) / len(core.merge_lags) if core and core.merge_lags else None,
                 "bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent,
                 "messages_up": self.up.messages, "messages_down": self.down.messages,
-                "peak_message_bytes_up": self.up.peak_message_bytes}
+                "peak_message_bytes_up": self.up.peak_message_bytes, **self._bytes_by_home()}
+
+    def _bytes_by_home(self) -> dict[str, Any]:
+        """With shards in several regions, the bytes to and from each: what each of its links carried."""
+        if self.homes is None:
+            return {}
+        return {"bytes_by_home": {h.home: {"bytes_up": self.up.to(i).bytes_sent,
+                                           "bytes_down": self.down.to(i).bytes_sent}
+                                  for i, h in enumerate(self.homes)}}
 
     # ------------------------------------------------------------ background threads
 
@@ -296,10 +355,10 @@ class Learner:
             kind, payload = item
             if kind == "leave":
                 for shard in self.shards:
-                    self._wire.put(self.up.send(MESSAGE_HEADER_BYTES), ("leave", shard, payload, None))
+                    self._wire.put(self.up.to(shard.index).send(MESSAGE_HEADER_BYTES), ("leave", shard, payload, None))
                 continue
             if kind == "progress":
-                self._wire.put(self.up.send(payload.wire_bytes()), ("progress", None, payload, None))
+                self._wire.put(self.up.send_to_all(payload.wire_bytes()), ("progress", None, payload, None))
                 continue
             push, handed_off = payload
             with self.staging.side(handed_off):  # encoded on the device, then copied to the host
@@ -310,7 +369,8 @@ class Learner:
                                    tensors=[tensor_header(n, e) for n, e in encoded.items()], step=push.step,
                                    final=push.final)
             nbytes = MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in encoded.values())
-            self._wire.put(self.up.send(nbytes), ("push", self._shard_of[push.fragment], header, (encoded, push)))
+            shard = self._shard_of[push.fragment]
+            self._wire.put(self.up.to(shard.index).send(nbytes), ("push", shard, header, (encoded, push)))
         self._wire.close()
 
     def _deliver_loop(self) -> None:
@@ -372,7 +432,7 @@ class Learner:
                         partial[header.fragment] = (update.values, nbytes)
                         continue
                     self._received[header.fragment] = header.version
-                    self._inbox.put(self.down.send(nbytes), (update, ready))
+                    self._inbox.put(self.down.to(shard.index).send(nbytes), (update, ready))
                 reason = "the update stream ended"
             except (SyncerUnavailable, ValueError) as exc:  # ValueError: a LostAnswer, or a bad frame
                 reason = str(exc)

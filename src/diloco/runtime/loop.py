@@ -29,8 +29,9 @@ from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
 from diloco.runtime.checkpoints import read_checkpoint, write_checkpoint
-from diloco.runtime.learner import Learner, LinkShape
+from diloco.runtime.learner import HomeLink, Learner, LinkShape
 from diloco.runtime.ports import report_port
+from diloco.runtime.shard_plan import fragment_owners
 from diloco.status.endpoint import LOOPBACK, HttpExposure
 from diloco.strategies import build_strategy
 from diloco.training import Replica, evaluate, resolve_device
@@ -204,13 +205,23 @@ def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int
         if learner is None:
             raise DilocoError("a learner that does not sync needs its id (--id)")
         return Standalone(learner)
-    # With regions: the learner's whole route as one link (the slowest hop, the latencies summed). Unlike
-    # the simulator, learners of a region do not queue behind each other on its WAN link.
-    shape = config.emulated_link(learner)
-    link = LinkShape(shape.bandwidth_mbit, shape.latency_ms) if emulate_link else None
+    # With regions: the learner's whole route as one link (the slowest hop, the latencies summed), one per
+    # home region when `placement = "links"` spreads the shards over the regions (with the regional tier
+    # the learner syncs with its region's one syncer). Unlike the simulator, learners of a region do not
+    # queue behind each other on its WAN link.
+    link = _link_shape(config, learner, None) if emulate_link else None
+    owners = None if config.tiered else fragment_owners(config)
+    homes = None if owners is None else [HomeLink(home, _link_shape(config, learner, home) if emulate_link else None)
+                                         for home in config.homes(len(owners))]
     return Learner(replica.model, replica.optimizer, syncer=syncer, learner=learner, link=link,
                    connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security,
-                   tokens_per_step=config.train.batch_size * config.train.seq_len)
+                   tokens_per_step=config.train.batch_size * config.train.seq_len, homes=homes, owners=owners)
+
+
+def _link_shape(config: Config, learner: int | None, home: str | None) -> LinkShape:
+    """The learner's route to the shards in region `home` (None: the syncer's) as one emulated link."""
+    shape = config.emulated_link(learner, home)
+    return LinkShape(shape.bandwidth_mbit, shape.latency_ms)
 
 
 def _place(config: Config, replica: Replica, tokens: Any, m: int, rank: int, world: int) -> tuple[float, int]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diloco.config import Config
+from diloco.config import Config, LinkConfig
 from diloco.core.events import PushArrived, SyncerEvent
 from diloco.core.messages import Push, Update
 from diloco.core.regional import RegionalSyncer, Upstream
@@ -28,7 +28,8 @@ from diloco.core.syncer import SyncerCore
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.outputs import write_output
-from diloco.runtime.uplink import Uplink, UplinkHandlers
+from diloco.runtime.shard_plan import fragment_owners
+from diloco.runtime.uplink import HomeRoute, Uplink, UplinkHandlers
 from diloco.transport.security import TransportSecurity
 
 if TYPE_CHECKING:
@@ -46,13 +47,21 @@ class RegionTier:
         if name not in names:
             raise DilocoError(f"--region {name!r} is not a region with learners ({', '.join(names)})")
         self.config, self.name, self.index = config, name, names.index(name)
-        hops = config.region_route(name)
-        up, down = (hops[0].up, hops[0].down) if hops and emulate_link else (None, None)
-        self.uplink = Uplink(upstream, self.index, security, up=up, down=down)
+        up, down = self._wan_link(None, emulate_link)
+        owners = fragment_owners(config)
+        homes = None if owners is None else [HomeRoute(home, *self._wan_link(home, emulate_link))
+                                             for home in config.homes(len(owners))]
+        self.uplink = Uplink(upstream, self.index, security, up=up, down=down, homes=homes, owners=owners)
         self.region: RegionalSyncer | None = None
         self.ledger_path = out / "syncer" / f"region-{name}.ledger.json" if out is not None else None
         self.banked = self._load_banked()
         """Per learner and fragment, tokens (on time, stale) earlier lives sent up."""
+
+    def _wan_link(self, home: str | None, emulate: bool) -> tuple[LinkConfig | None, LinkConfig | None]:
+        """The region's WAN link to the shards in region `home` (None: the syncer's), each way, to emulate
+        (none from that region itself, or without emulation)."""
+        hops = self.config.region_route(self.name, home)
+        return (hops[0].up, hops[0].down) if hops and emulate else (None, None)
 
     def _load_banked(self) -> dict[int, dict[int, list[int]]]:
         if self.ledger_path is None or not self.ledger_path.is_file():

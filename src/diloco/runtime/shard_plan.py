@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from diloco.config import Config
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.transport.frames import FrameError
+from diloco.v1 import diloco_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -17,12 +20,71 @@ class ShardPlan:
     count: int
     addresses: tuple[str, ...]
     """Every shard's address, by index: the map learners get when they join."""
+    owners: tuple[int, ...] | None = None
+    """Per fragment, the shard that owns it (`placement = "links"`: shard i homes the fragments of the
+    config's i-th home region); None: fragment p is shard p mod count's."""
+
+    def owner(self, fragment: int) -> int:
+        return self.owners[fragment] if self.owners is not None else fragment % self.count
 
     def owns(self, fragment: int) -> bool:
-        return fragment % self.count == self.index
+        return self.owner(fragment) == self.index
 
     def fragments(self, total: int) -> list[int]:
-        return [p for p in range(total) if self.owns(p)]
+        return self.owned_by(self.index, total)
+
+    def owned_by(self, shard: int, total: int) -> list[int]:
+        """The fragments shard `shard` owns: what a learner's shard map says of it."""
+        return [p for p in range(total) if self.owner(p) == shard]
+
+
+def fragment_owners(config: Config) -> tuple[int, ...] | None:
+    """Per fragment, the index of its home shard when `placement = "links"` spreads the homes over the
+    regions (shard i runs for `config.homes(F)[i]`); None otherwise (the modulo rule, any shard count).
+    Every shard and learner derives it from the config alone, so all agree without asking."""
+    if config.placement != "links":
+        return None
+    from diloco.strategies import build_strategy
+
+    count = build_strategy(config).fragments
+    homes = config.homes(count)
+    return tuple(homes.index(home) for home in config.fragment_homes(count))
+
+
+def placed_shard_count(config: Config, asked: int) -> int:
+    """How many global shards the run has: `asked`, or with `placement = "links"` one per home region
+    (`asked` may then be left at 1 or match it)."""
+    owners = fragment_owners(config)
+    if owners is None:
+        return asked
+    homes = max(owners) + 1
+    if asked not in (1, homes):
+        raise DilocoError(f'placement = "links" runs one syncer shard per home region ({homes}), not {asked}: '
+                          f"drop --shards")
+    return homes
+
+
+def global_shard_plan(config: Config, index: int, count: int, addresses: tuple[str, ...]) -> ShardPlan:
+    """Shard `index` of the run's `count` global shards, owning what the config's placement gives it."""
+    owners = fragment_owners(config)
+    if owners is not None and count != max(owners) + 1:
+        raise DilocoError(f'placement = "links" homes fragments in {max(owners) + 1} regions '
+                          f"({', '.join(config.homes(len(owners)))}): run that many shards, not {count}")
+    return ShardPlan(index, count, addresses, owners)
+
+
+def check_shard_map(reported: Sequence[pb.ShardInfo], expected: dict[int, list[int]], address: str) -> None:
+    """A learner's check of the shard map a shard sent at join (`ShardInfo`s) against its own: shards that
+    disagree with it on who owns what would each miss pushes the others got."""
+    theirs = {int(info.index): sorted(info.fragments) for info in reported}
+    if theirs != expected:
+        raise DilocoError(f"the shard map from {address} ({shard_map_text(theirs)}) disagrees with this learner's "
+                          f"({shard_map_text(expected)}): every shard and learner must run the same config "
+                          f"(placement, outer.fragments)")
+
+
+def shard_map_text(owned: dict[int, list[int]]) -> str:
+    return "; ".join(f"shard {i}: fragments {owned[i]}" for i in sorted(owned))
 
 
 def parse_shard(text: str) -> tuple[int, int]:

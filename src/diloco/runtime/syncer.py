@@ -1,6 +1,7 @@
 """A syncer shard: the sans-I/O syncer core for some fragments, served over gRPC on the real clock.
 
-Shard i of N owns the fragments p with p mod N = i (`ShardPlan`). It does not need the model: the first
+Shard i of N owns the fragments p with p mod N = i, or with `placement = "links"` those homed in the
+config's i-th home region (`ShardPlan`). It does not need the model: the first
 learner to join seeds Θ of the shard's fragments (`Init`), and every learner after it must bring the same
 layout. Each RPC turns into one of the core's typed events (`core/events.py`), handed to the core under
 the shard's lock by `apply`, which journals it first (`shard_store.py`) and carries out the core's
@@ -272,8 +273,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
             self.hosts[learner] = request.host or context.peer()
             last_seq = self.core.ledger[learner].last_seq if self.core and learner in self.core.ledger else 0
             log.info("learner %d joined from %s", learner, request.host or context.peer())
-            shards = [pb.ShardInfo(index=i, address=a, fragments=ShardPlan(i, self.plan.count, ()).fragments(
-                self.spec.fragments)) for i, a in enumerate(self.plan.addresses)]
+            shards = [pb.ShardInfo(index=i, address=a, fragments=self.plan.owned_by(i, self.spec.fragments))
+                      for i, a in enumerate(self.plan.addresses)]
             return pb.JoinReply(learner=learner, settings=self.settings, shard=self.plan.index, shards=shards,
                                 layout=self.layout, last_seq=last_seq)
 

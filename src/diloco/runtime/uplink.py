@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -28,10 +29,11 @@ from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.runtime.answers import update_of
 from diloco.runtime.joining import Joined, ShardLink, join_run
+from diloco.runtime.learner import ShardWays
 from diloco.transport.client import SyncerUnavailable, with_retries
 from diloco.transport.frames import tensor_header
 from diloco.transport.security import TransportSecurity
-from diloco.transport.shaping import DeliveryQueue, ShapedDirection
+from diloco.transport.shaping import DeliveryQueue
 from diloco.v1 import diloco_pb2 as pb
 
 log = logging.getLogger("diloco.uplink")
@@ -55,15 +57,31 @@ class UplinkHandlers:
     beat: Callable[[], list[SyncerEvent]]
 
 
+@dataclass(frozen=True)
+class HomeRoute:
+    """Where one global shard runs (a region's name, for the report's per-home bytes) and the WAN link to
+    it each way (None: none to emulate, e.g. from the region's own)."""
+
+    home: str
+    up: LinkConfig | None
+    down: LinkConfig | None
+
+
 class Uplink:
     def __init__(self, address: str, region: int, security: TransportSecurity | None, *,
                  up: LinkConfig | None = None, down: LinkConfig | None = None, host: str = "",
-                 connect_timeout_s: float = 60.0) -> None:
-        """`up`/`down`: the WAN link to emulate each way (None: the network as it is)."""
+                 connect_timeout_s: float = 60.0, homes: Sequence[HomeRoute] | None = None,
+                 owners: Sequence[int] | None = None) -> None:
+        """`up`/`down`: the WAN link to emulate each way (None: the network as it is). `homes`: per global
+        shard, where it runs and the link to it, when the shards run in different regions (`placement =
+        "links"`): each shard's traffic shaped and counted on its own, instead of all on `up`/`down`.
+        `owners`: per fragment, the global shard the config says owns it (checked at join)."""
         self.address, self.region, self.security = address, region, security
         self.host, self.connect_timeout_s = host, connect_timeout_s
-        self.up = ShapedDirection(up.bandwidth_mbit if up else None, up.latency_ms if up else 0.0)
-        self.down = ShapedDirection(down.bandwidth_mbit if down else None, down.latency_ms if down else 0.0)
+        self.homes, self.owners = (list(homes) if homes is not None else None), owners
+        per_shard = self.homes is not None
+        self.up = ShardWays([h.up for h in self.homes] if per_shard else [up], per_shard)
+        self.down = ShardWays([h.down for h in self.homes] if per_shard else [down], per_shard)
         self.shards: list[ShardLink] = []
         self._outbox: queue.Queue[SyncerEvent | None] = queue.Queue()
         self._wire: DeliveryQueue[tuple[str, object]] = DeliveryQueue()
@@ -76,7 +94,8 @@ class Uplink:
     def join(self, values: dict[str, torch.Tensor], fragments: list[Fragment], tokens_per_step: int) -> Joined:
         """Join every global shard as the region, seed or check Θ with `values`, take the global Θ."""
         joined = join_run(self.address, self.region, self.connect_timeout_s, self.host, values,
-                          lambda count: self._fragments(fragments, count), self.security, tokens_per_step)
+                          lambda count: self._fragments(fragments, count), self.security, tokens_per_step,
+                          self.owners)
         self.shards = joined.shards
         self._shard_of = {p: shard for shard in self.shards for p in shard.fragments}
         self._received = dict(joined.versions)
@@ -122,9 +141,12 @@ class Uplink:
         for thread in self._threads:
             thread.join(timeout=5)
 
-    def report(self) -> dict[str, int]:
+    def report(self) -> dict[str, Any]:
+        by_home = {} if self.homes is None else {"bytes_by_home": {
+            h.home: {"bytes_up": self.up.to(i).bytes_sent, "bytes_down": self.down.to(i).bytes_sent}
+            for i, h in enumerate(self.homes)}}
         return {"bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent, "messages_up": self.up.messages,
-                "messages_down": self.down.messages}
+                "messages_down": self.down.messages, **by_home}
 
     # ------------------------------------------------------------ threads
 
@@ -148,13 +170,14 @@ class Uplink:
                                        tensors=[tensor_header(n, e) for n, e in encoded.items()], step=push.step,
                                        final=push.final)
                 nbytes = MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in encoded.values())
-                self._wire.put(self.up.send(nbytes), ("push", (header, encoded, push)))
-            elif isinstance(event, ProgressArrived):
-                self._wire.put(self.up.send(event.report.wire_bytes()), ("progress", event.report))
+                way = self.up.to(self._shard_of[push.fragment].index)
+                self._wire.put(way.send(nbytes), ("push", (header, encoded, push)))
+            elif isinstance(event, ProgressArrived):  # for every shard: once over each way
+                self._wire.put(self.up.send_to_all(event.report.wire_bytes()), ("progress", event.report))
             elif isinstance(event, LearnerLeft):
-                self._wire.put(self.up.send(MESSAGE_HEADER_BYTES), ("leave", event.finished))
+                self._wire.put(self.up.send_to_all(MESSAGE_HEADER_BYTES), ("leave", event.finished))
             elif isinstance(event, HeartbeatArrived):  # behind the reports sent before it: claims stay in order
-                self._wire.put(self.up.send(0), ("beat", event))
+                self._wire.put(self.up.send_to_all(0), ("beat", event))
         self._wire.close()
 
     def _deliver_loop(self) -> None:
@@ -213,7 +236,7 @@ class Uplink:
                         partial[header.fragment] = (update.values, nbytes)
                         continue
                     self._received[header.fragment] = header.version
-                    self._inbox.put(self.down.send(nbytes), update)
+                    self._inbox.put(self.down.to(shard.index).send(nbytes), update)
                 reason = "the update stream ended"
             except (SyncerUnavailable, ValueError) as exc:  # ValueError: a lost answer, or a bad frame
                 reason = str(exc)
