@@ -13,6 +13,7 @@ from diloco.errors import ConfigError
 from diloco.placement import Site, loads, place
 from diloco.sim import simulate
 from diloco.sim.link import Direction, Fanout, Network, Route
+from diloco.sim.ordering import InOrder
 
 TWO_BY_TWO = ('regions=[{name = "home", speeds = [1, 1], syncer = true, '
               'lan = {bandwidth_mbit = 1000, latency_ms = 1}, wan = {bandwidth_mbit = 20, latency_ms = 30}}, '
@@ -130,6 +131,8 @@ def test_spreading_the_homes_lightens_the_busiest_wan_direction_and_accounts_eve
     assert config.fragment_homes(2) == ["home", "away"]
     for result in runs.values():
         assert result.tokens_merged + result.tokens_stale + result.tokens_lost == pytest.approx(result.tokens)
+        # No crash: nothing lost, and no push that overtook an earlier one on another route taken for a retry.
+        assert (result.tokens_lost, result.duplicates) == (0, 0)
         assert [e["name"] for e in result.links if e["kind"] == "wan"] in (["away→home (WAN)"], ["home→away (WAN)"])
 
     def busiest(result) -> float:
@@ -161,3 +164,13 @@ def test_with_the_regional_tier_a_learner_has_one_way_to_its_regions_syncer_what
     network = Network(tiny_config(TWO_BY_TWO, "topology=regional", "placement=links"))
     assert list(network.learner_link(2, [], home_of=["home", "away"]).up.ways) == [""]
     assert sorted(network.region_link("away", home_of=["home", "away"]).up.ways) == ["away", "home"]
+
+
+def test_a_push_that_overtakes_an_earlier_one_waits_for_it():
+    order: InOrder[str] = InOrder()
+    for seq in (1, 2, 3):
+        order.sent(7, seq)
+    assert order.arrived(7, 2, "second") == [] and order.holding == 1  # 1 is still on its way
+    assert order.arrived(7, 1, "first") == ["first", "second"]
+    assert order.arrived(7, 3, "third") == ["third"] and order.holding == 0
+    assert order.arrived(8, 5, "unannounced") == ["unannounced"]  # another sender's, not tracked: at once

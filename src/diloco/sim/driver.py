@@ -44,6 +44,7 @@ from diloco.sim.events import (AllReduceDone, Beat, Crash, Recover, RegionBack, 
 from diloco.sim.failures import CrashPlan, outage_windows
 from diloco.sim.learners import Checkpoint, SimLearner
 from diloco.sim.link import Network, Routes
+from diloco.sim.ordering import InOrder
 from diloco.sim.summary import global_model, record_eval, run_result
 from diloco.sim.tier import SimRegion, upstream_bytes
 from diloco.sim.timing import StepTimer
@@ -101,6 +102,8 @@ class Simulation:
         self._eval_marks = [self.budget * k // t.eval_points for k in range(1, t.eval_points)]
         self.last_event_s = 0.0
         self._gradients_in: dict[int, float] = {}
+        self._in_order = InOrder()
+        """The global core takes each sender's pushes in the order they were numbered (see `InOrder`)."""
 
     def _build_cores(self, base: nn.Module) -> None:
         spec = self.spec
@@ -265,11 +268,15 @@ class Simulation:
                 self.regions[origin].alive if self.regions and region is None else self.learners[origin].alive):
             return  # sent by a process that has crashed since: its life's counters are gone with it
         core = self.syncer if region is None else region.syncer
-        try:
-            self._handle(core.handle(event, self.now), region)
-        except ProtocolError:  # a refused push (an outlier): its sender sends that progress again later
-            if isinstance(event, PushArrived):
-                self._refused(event.push, region)
+        events = [event]
+        if region is None and isinstance(event, PushArrived):
+            events = self._in_order.arrived(event.push.learner, event.push.seq, event)
+        for event in events:
+            try:
+                self._handle(core.handle(event, self.now), region)
+            except ProtocolError:  # a refused push (an outlier): its sender sends that progress again later
+                if isinstance(event, PushArrived):
+                    self._refused(event.push, region)
 
     def _refused(self, push: Push, region: SimRegion | None) -> None:
         if self.regions and region is None:
@@ -314,6 +321,8 @@ class Simulation:
 
     def _send_push(self, learner: SimLearner, push: Push) -> None:
         learner.last_seq = push.seq
+        if self._home(learner) is None:
+            self._in_order.sent(learner.index, push.seq)
         arrival = learner.link.up.send(self.now, push.wire_bytes(), push.fragment)
         self.queue.schedule(arrival, self._to_syncer(learner, PushArrived(push)))
 
@@ -381,7 +390,10 @@ class Simulation:
 
     def _send_up(self, region: SimRegion, event) -> None:
         nbytes = upstream_bytes(event)
-        fragment = event.push.fragment if isinstance(event, PushArrived) else None
+        fragment = None
+        if isinstance(event, PushArrived):
+            fragment = event.push.fragment
+            self._in_order.sent(region.index, event.push.seq)
         arrival = (region.link.up.signal(self.now) if nbytes is None
                    else region.link.up.send(self.now, nbytes, fragment))
         self.queue.schedule(arrival, ToSyncer(event))
