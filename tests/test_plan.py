@@ -348,6 +348,18 @@ def test_a_regions_wan_link_carries_all_its_learners_traffic(tmp_path):
     assert set(bc.senders) == {"learner 2", "learner 3", "learner 4", "learner 5"}
 
 
+def test_with_spread_homes_the_shards_are_one_per_home_region_as_diloco_run_starts_them(tmp_path):
+    from diloco.runtime.shard_plan import fragment_owners
+
+    config = regions_config(tmp_path, "placement=links", "outer.fragments=3")
+    owners = fragment_owners(config)
+    for shards in (None, 3):
+        assert [s.memory.fragments for s in plan(deployment(config, shards=shards)).shards] == \
+            [tuple(p for p, o in enumerate(owners) if o == i) for i in range(3)]
+    with pytest.raises(DilocoError, match=r'placement = "links" runs one syncer shard per home region \(3\), not 5'):
+        plan(deployment(config, shards=5))
+
+
 def test_a_shared_link_that_one_learner_alone_would_fit_does_not_keep_up(tmp_path):
     """b's two learners share its WAN link: sized so that each alone would need 80% of it, together they
     need 160%, and the link (and the plan) does not keep up."""

@@ -20,8 +20,9 @@ The placement chooses how many fragments each region homes, keeping, in this ord
 
 It starts greedy, one fragment at a time, then moves single fragments while a move does better.
 
-Fragments count as equal in size: the partition makes them near equal, and every shard can compute the
-same placement from the config and the fragment count alone, before any tensor exists.
+Fragments count as equal in size, so that every shard and learner computes the same placement from the
+config and the fragment count alone, before any tensor exists. They are only roughly equal (on the
+default model the smallest holds 0.56× the parameters of the largest), so the loads are approximate.
 """
 
 from __future__ import annotations

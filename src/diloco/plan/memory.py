@@ -1,6 +1,7 @@
 """What a syncer shard holds, and how many shards a memory size calls for.
 
-Shard i of S owns the fragments p with p mod S = i (`runtime/shard_plan.py`). Per owned fragment, in fp32
+Shard i of S owns the fragments p with p mod S = i, or with homes spread over regions (`placement = "links"`)
+the fragments homed in its region (`runtime/shard_plan.py`). Per owned fragment, in fp32
 copies of its parameters:
 
 - Θ itself: 1;
@@ -21,6 +22,7 @@ downlink, of the largest fragment owned.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diloco.core.downlink import CHAIN_SHARE
@@ -68,14 +70,18 @@ class ShardMemory:
         return self.resident_bytes + self.transient_bytes
 
 
-def owned(fragments: int, shards: int) -> list[tuple[int, ...]]:
-    return [tuple(p for p in range(fragments) if p % shards == i) for i in range(shards)]
+def owned(fragments: int, shards: int, owners: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+    """Each shard's fragments: by `owners` (per fragment, its shard: homes spread over regions), else
+    p mod S."""
+    return [tuple(p for p in range(fragments) if (owners[p] if owners is not None else p % shards) == i)
+            for i in range(shards)]
 
 
-def shard_memory(numels: list[int], embedding: list[bool], shards: int, state: SyncerState) -> list[ShardMemory]:
+def shard_memory(numels: list[int], embedding: list[bool], shards: int, state: SyncerState,
+                 owners: Sequence[int] | None = None) -> list[ShardMemory]:
     """Each shard's fragments and memory, for fragments of `numels` elements."""
     result = []
-    for i, mine in enumerate(owned(len(numels), shards)):
+    for i, mine in enumerate(owned(len(numels), shards, owners)):
         resident = sum(FP32 * numels[p] * state.resident_copies(embedding[p]) for p in mine)
         transient = FP32 * state.transient_copies * max((numels[p] for p in mine), default=0)
         result.append(ShardMemory(i, mine, sum(numels[p] for p in mine), round(resident), transient))

@@ -8,6 +8,7 @@ links' timing from `links.py`, the shards' memory from `memory.py`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from diloco.plan.deployment import Deployment, traffic
@@ -16,6 +17,7 @@ from diloco.plan.memory import shard_memory, shards_needed
 from diloco.plan.network import network_report
 from diloco.plan.reports import Plan, RegionReport, ShardReport, SiteReport
 from diloco.plan.totals import estimate_totals, replayed_totals
+from diloco.runtime.shard_plan import placed_shard_count
 from diloco.plan.wire import all_reduce_share
 
 if TYPE_CHECKING:
@@ -77,14 +79,15 @@ def region_reports(d: Deployment, sites: list[SiteReport]) -> list[RegionReport]
     return reports
 
 
-def shard_reports(d: Deployment, sites: list[SiteReport], shards: int) -> list[ShardReport]:
+def shard_reports(d: Deployment, sites: list[SiteReport], shards: int, owners: Sequence[int] | None = None
+                  ) -> list[ShardReport]:
     """Each shard's memory, and the bytes per second its fragments bring in and send out."""
     t = traffic(d)
     learners = sum(s.learners for s in sites)
     fragments = d.layout.fragments
     reports = []
     for mem in shard_memory([f.numel for f in fragments], [f.embedding for f in fragments], shards,
-                            d.syncer_state()):
+                            d.syncer_state(), owners):
         pushes = sum(t.push[p] for p in mem.fragments) * learners
         answers = sum(t.update[p] for p in mem.fragments) * learners
         reports.append(ShardReport(mem, pushes / d.period_s, answers / d.period_s))
@@ -96,7 +99,15 @@ def plan(d: Deployment, replayed: ReplayResult | None = None) -> Plan:
     sites = site_reports(d)
     numels = tuple(f.numel for f in d.layout.fragments)
     needed, shards = None, []
-    if d.exchange == "outer":
+    homes = d.network.fragment_homes(len(numels)) if d.network and d.exchange == "outer" else []
+    if d.exchange == "outer" and d.network is not None and d.network.placement == "links":
+        # One shard per home region, owning the fragments homed there, as `diloco run` starts them.
+        regions = d.network.homes(len(numels))
+        placed_shard_count(d.network, d.shards or 1)  # another count is refused, as `diloco run` refuses it
+        shards = shard_reports(d, sites, len(regions), [regions.index(h) for h in homes])
+        if d.shard_memory_bytes is not None and all(s.memory.peak_bytes <= d.shard_memory_bytes for s in shards):
+            needed = len(regions)
+    elif d.exchange == "outer":
         if d.shard_memory_bytes is not None:
             needed = shards_needed(list(numels), [f.embedding for f in d.layout.fragments], d.syncer_state(),
                                    d.shard_memory_bytes)
@@ -104,6 +115,5 @@ def plan(d: Deployment, replayed: ReplayResult | None = None) -> Plan:
         shards = shard_reports(d, sites, min(count, len(numels)))
     totals = replayed_totals(replayed) if replayed else estimate_totals(d, sites) if d.tokens else None
     network = network_report(d, replayed.links if replayed else None, totals.time_s if totals else None)
-    homes = d.network.fragment_homes(len(numels)) if d.network and d.exchange == "outer" else []
     return Plan(d, d.period_s, numels, tuple(sites), tuple(region_reports(d, sites)), tuple(shards), needed, totals,
                 network.links, tuple(homes), network.slow_routes)
