@@ -196,24 +196,26 @@ class LearnerCore:
         arrived is merged first, without waiting out τ (no step is left to overlap it with): the last
         push is then based on the newest version, and the final consolidation lands on the learners'
         own models rather than on an outer step they never merged."""
-        if now is not None:
-            self.now = now
-        for p, flight in sorted(self.in_flight.items()):
-            if flight.update is not None:
-                self._merge(p, flight)
-                del self.in_flight[p]
-        pushes = []
-        for p in range(len(self.fragments)):
-            if self.steps_since[p] == 0:
-                continue
-            flight = self.in_flight.get(p)
-            if flight is None:
-                pushes.append(self._push(p, final=True))
-            else:
-                deltas = {n: d - flight.sent_deltas[n] for n, d in self._deltas(p).items()}
-                pushes.append(self._make_push(p, flight.push.base_version, deltas, final=True))
+        pushes = [push for p in range(len(self.fragments)) for push in self.finish_fragment(p, now)]
         self.finished = True
         return pushes
+
+    def finish_fragment(self, p: int, now: float | None = None) -> list[Push]:
+        """`finish` for fragment p alone (a regional syncer whose last round of p has closed, while its
+        other fragments' go on): its last push, marked final, unless no progress is left to carry."""
+        if now is not None:
+            self.now = now
+        flight = self.in_flight.get(p)
+        if flight is not None and flight.update is not None:
+            self._merge(p, flight)
+            del self.in_flight[p]
+            flight = None
+        if self.steps_since[p] == 0:
+            return []
+        if flight is None:
+            return [self._push(p, final=True)]
+        deltas = {n: d - flight.sent_deltas[n] for n, d in self._deltas(p).items()}
+        return [self._make_push(p, flight.push.base_version, deltas, final=True)]
 
     def on_refused(self, push: Push) -> None:
         """The syncer refused `push` (an outlier, a non-finite value): its progress is not merged. The

@@ -188,7 +188,7 @@ class RegionalSyncer:
             out.append(action)
         for record in self.down.rounds[self._rounds_seen:]:
             out += self._merged_round(record.fragment, record.participants, record.tokens_each, record.staleness,
-                                      record.steps, record.final)
+                                      record.steps, record.final, now)
         self._rounds_seen = len(self.down.rounds)
         for p, state in self.down.fragments.items():
             if state.deferred and p not in self.held_since:
@@ -199,10 +199,11 @@ class RegionalSyncer:
         return out
 
     def _merged_round(self, p: int, participants: tuple[int, ...], tokens: tuple[int, ...],
-                      staleness: tuple[int, ...], steps: int, final: bool) -> list[Upstream]:
+                      staleness: tuple[int, ...], steps: int, final: bool, now: float) -> list[Upstream]:
         """A regional round of fragment p closed: Θ_r moved, the region's progress grew. The region's last
-        round of p (`final`) is pushed up when the region leaves, marked final like a learner's last push,
-        so that the global syncer's last round of p gathers every region's."""
+        round of p (`final`) goes up at once, marked final like a learner's last push, so that the global
+        syncer's last round of p gathers every region's as soon as each has it (not when the region's
+        other fragments are done too and it leaves)."""
         for m, t, behind in zip(participants, tokens, staleness):
             self.pending[p].setdefault(m, [0, 0])[1 if behind else 0] += t
         self.merged_steps += steps
@@ -213,7 +214,10 @@ class RegionalSyncer:
         due = self.rounds_since[p] >= self.push_every and not final
         if due:
             self.rounds_since[p] = 0
-        return self._sent(self.up.credit(p, sum(tokens), steps, self.step, due=due))
+        pushes = self.up.credit(p, sum(tokens), steps, self.step, due=due)
+        if final:
+            pushes += self.up.finish_fragment(p, now)
+        return self._sent(pushes)
 
     def _sent(self, pushes: list[Push]) -> list[Upstream]:
         for push in pushes:
