@@ -5,6 +5,8 @@ by the core's own accounting, which is checked against it.
 """
 
 import dataclasses
+import gc
+import weakref
 import time
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from conftest import tiny_config
 from diloco.codecs import get_codec
 from diloco.core import Push, SyncerCore
+from diloco.core import downlink as downlink_module
 from diloco.core.downlink import CHAIN_SHARE
 from diloco.fragments import Fragment
 from diloco.outer import Nesterov
@@ -211,4 +214,41 @@ def test_anchors_match_bit_for_bit_over_the_wire_and_across_a_shard_crash(tmp_pa
         for learner in learners:
             learner.close()
         (second or first).stop()
+        server.stop(0)
+
+
+@pytest.mark.integration  # a live shard over real gRPC
+def test_an_update_stream_waiting_for_its_next_answer_keeps_nothing_of_the_last_alive(monkeypatch):
+    """A whole answer is a fragment in fp32: an idle stream that kept its last one would hold a copy per
+    learner, the growth with learners that the shard's memory must not have."""
+    made: list[weakref.ref] = []  # every whole answer encoded (a dict: referenced weakly, not hashed)
+
+    class TrackedMessage(downlink_module.Message):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    def alive() -> int:
+        gc.collect()
+        return sum(ref() is not None for ref in made)
+
+    monkeypatch.setattr(downlink_module, "Message", TrackedMessage)
+    config = tiny_config("learners.count=2", "outer.fragments=2", "outer.H=2", "outer.tau=1", "codec.down=fp32",
+                         "strategy=async")
+    shard = SyncerShard(config, ShardPlan(0, 1, ("",)))
+    server, port = serve(shard, "127.0.0.1:0")
+    learners = [Learner(tiny_model(), syncer=f"127.0.0.1:{port}", learner=m) for m in range(2)]
+    optimizers = [torch.optim.SGD(lr.model.parameters(), lr=0.05) for lr in learners]
+    try:
+        train(learners, optimizers, 6)
+        settle(learners)
+        assert len(made) >= 2  # answers were made and sent
+        deadline = time.monotonic() + 10
+        while alive() and time.monotonic() < deadline:  # the last frames may still be on their way
+            time.sleep(0.05)
+        assert alive() == 0, f"{alive()} of {len(made)} whole answers still held after they were sent"
+    finally:
+        for learner in learners:
+            learner.close()
+        shard.stop()
         server.stop(0)

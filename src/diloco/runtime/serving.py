@@ -4,14 +4,17 @@ What a shard can be made to spend is bounded before anyone is authenticated: the
 every call the configured learners may hold at once (`CallLimits`) and no more calls run than that
 (gRPC refuses the excess at once with RESOURCE_EXHAUSTED instead of queuing it); a refused call holds no
 thread; connections that never finish their handshake, or sit idle, are closed; and the shard may open
-as many files as the host allows (`raise_open_file_limit`).
+as many files as the host allows (`raise_open_file_limit`). Its memory does not grow with the threads
+that serve learners (`limit_malloc_arenas`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
+import platform
 import resource
 import socket
 from concurrent import futures
@@ -67,6 +70,24 @@ def raise_open_file_limit() -> int:
     return soft
 
 
+MALLOC_ARENAS = 2
+"""glibc gives every thread that allocates an arena of its own (up to eight per core), and what is freed in
+an arena stays with it. A shard serves each learner's calls on their own threads, so the buffers of pushes
+received and answers sent left its memory growing with its learners; two arenas keep it flat."""
+M_ARENA_MAX = -8  # mallopt's parameter number, from glibc's malloc.h
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas for the threads that allocate from now on; whether the cap is in force.
+    Left alone where MALLOC_ARENA_MAX says otherwise, and off glibc."""
+    if "MALLOC_ARENA_MAX" in os.environ or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return ctypes.CDLL(None).mallopt(M_ARENA_MAX, arenas) == 1
+    except (OSError, AttributeError):
+        return False
+
+
 INIT_LIMIT_BYTES = 1 << 38
 """The largest Θ a shard accepts to be seeded with (256 GiB of fp32), whatever the host."""
 
@@ -92,6 +113,7 @@ def init_limit_bytes() -> int:
     refused from the header, before any data is read."""
     return min(INIT_LIMIT_BYTES, available_memory_bytes() // 2)
 
+
 def serve(shard: SyncerShard, bind: str, workers: int | None = None,
           security: TransportSecurity | None = None, limits: CallLimits | None = None) -> tuple[grpc.Server, int]:
     """Start serving `shard` on `bind` (HOST:PORT; port 0 picks a free one); return the server and its
@@ -101,6 +123,7 @@ def serve(shard: SyncerShard, bind: str, workers: int | None = None,
     limits = limits or CallLimits()
     workers = workers or pool_size(max(shard.settings.learners, shard.config.learners.bounds()[1]), limits)
     raise_open_file_limit()
+    limit_malloc_arenas()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="syncer-rpc"),
                          interceptors=server_interceptors(security, limits), options=SERVER_OPTIONS,
                          maximum_concurrent_rpcs=workers)

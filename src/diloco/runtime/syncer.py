@@ -20,6 +20,7 @@ import json
 import logging
 import queue
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -418,15 +419,10 @@ class SyncerShard(pb_grpc.SyncerServicer):
                     continue
                 if not update.relative:
                     slot.hold_until_sent(update.wire_bytes(), context.cancel)
-                for index, message in enumerate(update.wire):
-                    header = pb.UpdateHeader(
-                        fragment=update.fragment, version=update.version, ack_seq=update.ack_seq,
-                        tensors=[tensor_header(n, e, update.relative) for n, e in message.items()],
-                        next_push_at=update.next_push_at, continued=index < len(update.wire) - 1,
-                        base_version=update.base_version + index)
-                    yield from message_frames(pb.Frame(update=header), message)
+                yield from update_frames(update)
             finally:
                 slot.release()
+                update = None  # a stream waiting for its next notice keeps nothing of the last answer alive
 
     def _stream_opened(self, learner: int, holds: tuple[tuple[int, int], ...], context: grpc.ServicerContext
                        ) -> None:
@@ -541,3 +537,15 @@ class SyncerShard(pb_grpc.SyncerServicer):
         except JournalHalted:
             return  # halted already, and said so
         self.store.halt(why)
+
+
+def update_frames(update: Update) -> Iterator[pb.Frame]:
+    """An answer on the stream: one message per encoded difference (or one whole), in order. Its own
+    generator, so that what it references is let go as soon as the last frame is sent."""
+    for index, message in enumerate(update.wire):
+        header = pb.UpdateHeader(
+            fragment=update.fragment, version=update.version, ack_seq=update.ack_seq,
+            tensors=[tensor_header(n, e, update.relative) for n, e in message.items()],
+            next_push_at=update.next_push_at, continued=index < len(update.wire) - 1,
+            base_version=update.base_version + index)
+        yield from message_frames(pb.Frame(update=header), message)
