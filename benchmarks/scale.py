@@ -103,12 +103,12 @@ BASE_RSS_BYTES = 256 << 20
 """A shard's RSS before Θ: the interpreter, torch, gRPC (240 MiB measured)."""
 LEARNER_RSS_BYTES = 250 << 20
 """A synthetic learner's RSS (it imports torch through the client; most of it shared libraries)."""
-DEFAULT_BYTES_PER_PARAM = (40.0, 8.0)
+DEFAULT_BYTES_PER_PARAM = (28.0, 1.0)
 """(a, b): a shard's peak RSS ≈ BASE + P_shard x (a + b x learners) bytes, before any run of this
-invocation measured better. Measured here (int4 both ways, 2026-12-02, the syncer of commit b0961c6):
-55 + 6.7 per learner bytes per parameter at 20M parameters, 33 + 3.4 per learner at 100M. The Init
-holds several copies of Θ at once, and the shard keeps Θ, the outer optimizer's two buffers, Θ's first
-version (a relative downlink) and an fp32 copy of what each answered learner holds (b)."""
+invocation measured better. Measured here (int4 both ways, 4 fragments, 2026-12-03): 24.5 bytes per
+parameter with one learner at 100M parameters, 26.8 with sixteen. The Init holds several copies of Θ at
+once; the shard keeps Θ, the outer optimizer's two buffers and the published copy (a lossy downlink),
+plus about one fragment per answer or push in flight. b is kept above what was measured, to plan by."""
 DRAIN_S = 30.0
 """After its last push was taken, how long a learner waits for the answers to its pushes of the window."""
 PUSH_BOUND_S = 900.0
