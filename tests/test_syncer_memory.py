@@ -6,8 +6,8 @@ by the core's own accounting, which is checked against it.
 
 import dataclasses
 import gc
-import weakref
 import time
+import weakref
 
 import pytest
 import torch
