@@ -45,7 +45,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from diloco.transport.client import ShardClient
+from diloco.transport.calls import ShardClient
 from diloco.transport.frames import encode_fp32, message_frames, tensor_header
 from diloco.transport.security import TransportSecurity, learner_security, make_channel
 from diloco.v1 import diloco_pb2 as pb

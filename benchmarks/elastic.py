@@ -42,9 +42,9 @@ from ray.cluster_utils import Cluster
 from rich.console import Console
 from rich.table import Table
 
-from diloco.cluster.launcher import RayLauncher
+from diloco.cluster.ray_launcher import RayLauncher
 from diloco.config import load_config
-from diloco.runtime.chaos import account
+from diloco.launch.chaos import account
 
 ELASTIC = ["learners.min=2", "learners.max=4", "metrics.every_steps=1",
            "cluster.syncer_labels={role = 'syncer'}", "cluster.learner_labels={role = 'learner'}"]

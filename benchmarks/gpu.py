@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from diloco.config import load_config  # noqa: E402
 from diloco.models.gpt import GPT, GPTConfig  # noqa: E402
-from diloco.runtime.learner import Learner  # noqa: E402
-from diloco.runtime.syncer import ShardPlan, SyncerShard, serve  # noqa: E402
+from diloco.client.learner_client import Learner  # noqa: E402
+from diloco.shard.server import ShardPlan, SyncerShard, serve  # noqa: E402
 from diloco.training import make_optimizer  # noqa: E402
 
 GPT2_VOCAB = 50257

@@ -152,8 +152,8 @@ class GrpcPath:
 
         from diloco.codecs import get_codec
         from diloco.errors import DilocoError
-        from diloco.runtime.ports import wait_for_port
-        from diloco.transport.client import ShardClient
+        from diloco.transport.ports import wait_for_port
+        from diloco.transport.calls import ShardClient
         from diloco.transport.frames import tensor_header
         from diloco.v1 import diloco_pb2 as pb
 

@@ -140,8 +140,8 @@ def model_layout(params: int, fragments: int, max_tensor: int) -> list[list[Tens
 
 
 def shard_fragments(fragments: int, shards: int) -> list[list[int]]:
-    """Fragment p belongs to shard p mod N (runtime/shard_plan.py)."""
-    from diloco.runtime.shard_plan import ShardPlan
+    """Fragment p belongs to shard p mod N (shard/ownership.py)."""
+    from diloco.shard.ownership import ShardPlan
 
     return [ShardPlan(i, shards, ()).fragments(fragments) for i in range(shards)]
 
@@ -269,7 +269,7 @@ def worker(spec_path: str) -> None:
 
     from diloco.codecs import Encoded
     from diloco.errors import DilocoError
-    from diloco.transport.client import ShardClient, SyncerUnavailable, with_retries
+    from diloco.transport.calls import ShardClient, SyncerUnavailable, with_retries
     from diloco.transport.frames import tensor_header
     from diloco.transport.security import PLAINTEXT, TransportSecurity, learner_security
     from diloco.v1 import diloco_pb2 as pb
@@ -588,8 +588,8 @@ class Run:
         self.procs.kill(self.learner_procs + self.shard_procs)
 
     def start_shards(self) -> None:
-        from diloco.runtime.ports import wait_for_port
-        from diloco.transport.client import ShardClient
+        from diloco.transport.ports import wait_for_port
+        from diloco.transport.calls import ShardClient
         from diloco.transport.security import PLAINTEXT, TransportSecurity
 
         n = self.combo.shards

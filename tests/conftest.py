@@ -66,7 +66,7 @@ def free_port_for_torchrun() -> int:
 def retire_update_stream(shard, learner: int) -> None:
     """End a halted learner's update stream on the shard's side, so that answers stay queued as notices
     (nothing takes them): what a test sends is then all the shard journals."""
-    from diloco.runtime.syncer import OUTBOX_POLL_S
+    from diloco.shard.server import OUTBOX_POLL_S
 
     wait_for(lambda: learner in shard.streams, 10, f"learner {learner}'s update stream")
     with shard.lock:

@@ -23,10 +23,10 @@ from diloco.config import load_config
 from diloco.errors import ConfigError
 from diloco.metrics import MetricsLog
 from diloco.metrics.sinks import PrometheusSink
-from diloco.runtime.ports import wait_for_port
+from diloco.transport.ports import wait_for_port
 from diloco.status.endpoint import MAX_CONNECTIONS, credentials_for
 from diloco.status.server import StatusServer
-from diloco.transport.settings import secret_token
+from diloco.transport.security_settings import secret_token
 
 SECRET = b"correct horse battery staple"
 

@@ -18,11 +18,11 @@ from conftest import TINY, retire_update_stream, tiny_config
 from diloco.core.events import PushArrived, TimerFired
 from diloco.core.rounds import ProtocolError
 from diloco.errors import DilocoError
-from diloco.runtime import journal as journal_module
-from diloco.runtime.checkpoints import read_checkpoint
-from diloco.runtime.journal import (RECORD_HEADER, Journal, JournalCorrupt, JournalHalted, JournalWriteFailed,
+from diloco.shard import journal as journal_module
+from diloco.client.checkpoints import read_checkpoint
+from diloco.shard.journal import (RECORD_HEADER, Journal, JournalCorrupt, JournalHalted, JournalWriteFailed,
                                     push_of, push_payload)
-from diloco.runtime.state_files import TRAILER, save_checked
+from diloco.state_files import TRAILER, save_checked
 
 integration = pytest.mark.integration  # live shards over real gRPC, or diloco as a process
 
@@ -152,9 +152,9 @@ class SeededShard:
     """Not killed yet: a test that fails half-way leaves no server behind (`_no_shard_left`)."""
 
     def __init__(self, state_dir: Path, resume: bool = False, address: str | None = None) -> None:
-        from diloco.runtime.learner import Learner
-        from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
-        from diloco.transport.client import ShardClient
+        from diloco.client.learner_client import Learner
+        from diloco.shard.server import ShardPlan, SyncerShard, serve
+        from diloco.transport.calls import ShardClient
 
         self.config = tiny_config("learners.count=1", "outer.fragments=1", "outer.H=4")
         self.shard = SyncerShard(self.config, ShardPlan(0, 1, ("",)), state_dir=state_dir, resume=resume)
@@ -263,7 +263,7 @@ def journal_a_refused_push(seeded: SeededShard, then_more: bool) -> None:
 
 @integration
 def test_a_refused_last_record_on_replay_is_dropped(tmp_path, caplog):
-    from diloco.runtime.syncer import ShardPlan, SyncerShard
+    from diloco.shard.server import ShardPlan, SyncerShard
 
     seeded = SeededShard(tmp_path)
     journal_a_refused_push(seeded, then_more=False)
@@ -279,7 +279,7 @@ def test_a_refused_last_record_on_replay_is_dropped(tmp_path, caplog):
 
 @integration
 def test_a_refused_record_in_the_middle_of_a_replay_stops_the_resume(tmp_path):
-    from diloco.runtime.syncer import ShardPlan, SyncerShard
+    from diloco.shard.server import ShardPlan, SyncerShard
 
     seeded = SeededShard(tmp_path)
     journal_a_refused_push(seeded, then_more=True)
@@ -290,7 +290,7 @@ def test_a_refused_record_in_the_middle_of_a_replay_stops_the_resume(tmp_path):
 
 @integration
 def test_a_torn_journal_tail_is_reported_and_what_was_acknowledged_is_kept(tmp_path, caplog):
-    from diloco.runtime.syncer import ShardPlan, SyncerShard
+    from diloco.shard.server import ShardPlan, SyncerShard
 
     seeded = SeededShard(tmp_path)
     seeded.client.push(*seeded.push_message(1))
@@ -322,7 +322,7 @@ def saved_state(tmp_path) -> tuple[Path, object]:
 
 
 def resume_error(state_dir: Path, config, shards: int = 1) -> str:
-    from diloco.runtime.syncer import ShardPlan, SyncerShard
+    from diloco.shard.server import ShardPlan, SyncerShard
 
     with pytest.raises(DilocoError) as caught:
         SyncerShard(config, ShardPlan(0, shards, ("",) * shards), state_dir=state_dir, resume=True)
@@ -384,7 +384,7 @@ def test_a_state_file_of_another_config_or_shard_count_is_refused(saved_state):
 
 @integration
 def test_resume_with_nothing_to_resume_is_an_error_but_a_shard_never_seeded_starts_fresh(tmp_path):
-    from diloco.runtime.syncer import ShardPlan, SyncerShard
+    from diloco.shard.server import ShardPlan, SyncerShard
 
     config = tiny_config("learners.count=1", "outer.fragments=1")
     assert "holds no saved state" in resume_error(tmp_path / "empty", config)

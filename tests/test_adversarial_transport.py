@@ -16,11 +16,11 @@ import torch
 
 from conftest import tiny_config, wait_for
 from diloco.errors import DilocoError
-from diloco.runtime import serving as serving_module
-from diloco.runtime.learner import Learner
-from diloco.runtime.shard_waker import Waker
-from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
-from diloco.transport.client import ShardClient
+from diloco.shard import serving as serving_module
+from diloco.client.learner_client import Learner
+from diloco.shard.waker import Waker
+from diloco.shard.server import ShardPlan, SyncerShard, serve
+from diloco.transport.calls import ShardClient
 from diloco.transport.frames import encode_fp32, message_frames, tensor_header
 from diloco.transport.security import (BUSY, REFUSED, ClientIdentity, LearnerCredential, TransportSecurity,
                                        learner_security, make_channel)

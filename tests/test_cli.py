@@ -74,7 +74,7 @@ def test_verbose_shows_the_traceback(tmp_path):
 
 def test_the_runtime_ignores_the_simulators_failure_plan_and_step_time_model_when_set():
     from diloco.config import load_config
-    from diloco.runtime.ignored import ignored_keys
+    from diloco.launch.ignored_keys import ignored_keys
 
     assert ignored_keys(load_config()) == {}
     assert ignored_keys(load_config(None, ["failures.detect_s=5.0", "learners.jitter=0.23"])) == {}  # the defaults

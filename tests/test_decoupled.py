@@ -8,12 +8,12 @@ import torch
 from conftest import computed, tiny_config
 from diloco.core import Push, SyncerCore, Timer
 from diloco.core.closing import judge_unjudged
-from diloco.core.learner import LearnerCore
-from diloco.core.syncer import ProtocolError, token_weight
+from diloco.core.learner_core import LearnerCore
+from diloco.core.syncer_core import ProtocolError, token_weight
 from diloco.fragments import Fragment, Schedule
 from diloco.outer import DelayedNesterov, Nesterov
 from diloco.sim.driver import Simulation
-from diloco.sim.link import Direction
+from diloco.network.links import Direction
 from diloco.strategies import build_strategy
 
 FRAGMENT = [Fragment(0, ("w",), 2, False)]

@@ -10,7 +10,7 @@ from conftest import tiny_config
 from diloco.data import ShardSampler, load_corpus
 from diloco.errors import DilocoError
 from diloco.models.factory import build_model
-from diloco.runtime.staging import DeviceStaging
+from diloco.client.staging import DeviceStaging
 from diloco.training import Replica, make_optimizer, resolve_device
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import retire_update_stream, tiny_config, wait_for
-from diloco.runtime.learner import Learner
-from diloco.runtime.loop import run_learner
-from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
+from diloco.client.learner_client import Learner
+from diloco.client.builtin_loop import run_learner
+from diloco.shard.server import ShardPlan, SyncerShard, serve
 
 pytestmark = pytest.mark.integration  # live shards over real gRPC, learner threads and a syncer process
 
@@ -93,7 +93,7 @@ def test_a_syncer_killed_mid_run_restarts_from_its_journal_and_counts_every_toke
     import signal
     import subprocess
 
-    from diloco.transport.client import ShardClient
+    from diloco.transport.calls import ShardClient
     from test_runtime import sets, started_syncer
     from conftest import TINY
 
@@ -283,7 +283,7 @@ def test_a_client_sending_one_byte_at_a_time_does_not_hold_up_anyone():
 
 
 def test_a_push_cut_off_mid_stream_changes_nothing_and_its_retry_counts():
-    from diloco.transport.client import ShardClient
+    from diloco.transport.calls import ShardClient
     from diloco.transport.frames import encode_fp32, message_frames, tensor_header
     from diloco.v1 import diloco_pb2 as pb
 
@@ -340,7 +340,7 @@ def test_diloco_chaos_kills_and_restarts_and_counts_no_token_twice(tmp_path):
 def test_a_shard_that_dies_right_after_a_merge_comes_back_with_it_and_answers_again(tmp_path):
     """Kill at merge: the round closed and its answer was queued, then the process died before saving
     anything more. The restarted shard replays its journal to the same state and sends the answer."""
-    from diloco.transport.client import ShardClient
+    from diloco.transport.calls import ShardClient
     from diloco.transport.frames import encode_fp32, tensor_header
     from diloco.v1 import diloco_pb2 as pb
 

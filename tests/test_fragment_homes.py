@@ -10,9 +10,9 @@ import pytest
 from conftest import tiny_config
 from diloco.config import config_from_dict, load_config
 from diloco.errors import ConfigError
-from diloco.placement import Site, loads, place
+from diloco.network.homes import Site, loads, place
 from diloco.sim import simulate
-from diloco.sim.link import Direction, Fanout, Network, Route
+from diloco.network.links import Direction, Fanout, Network, Route
 from diloco.sim.ordering import InOrder
 
 TWO_BY_TWO = ('regions=[{name = "home", speeds = [1, 1], syncer = true, '

@@ -57,9 +57,9 @@ import torch
 from conftest import tiny_config, wait_for
 from diloco.codecs import CODEC_NAMES, DEFAULT_BLOCK, get_codec
 from diloco.fragments import embedding_names, partition
-from diloco.runtime.learner import Learner
-from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
-from diloco.transport.client import ShardClient
+from diloco.client.learner_client import Learner
+from diloco.shard.server import ShardPlan, SyncerShard, serve
+from diloco.transport.calls import ShardClient
 from diloco.transport.frames import data_frames, decode, encode_fp32, read_message, tensor_header
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc

@@ -14,7 +14,7 @@ import pytest
 
 from diloco.errors import DilocoError
 from diloco.goodput import GoodputParams, Policy, calibrate, data_parallel_closed_form, simulate, sweep
-from diloco.goodput.command import add_arguments, run
+from diloco.goodput.goodput_cli import add_arguments, run
 from diloco.goodput.engine import durable_work
 from diloco.goodput.params import CALIBRATED_RESTART_S
 from diloco.goodput.policies import checkpoint_interval

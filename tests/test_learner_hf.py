@@ -14,8 +14,8 @@ import torch
 
 from conftest import tiny_config
 from diloco.errors import DilocoError
-from diloco.runtime.learner import Learner
-from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
+from diloco.client.learner_client import Learner
+from diloco.shard.server import ShardPlan, SyncerShard, serve
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing is downloaded
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

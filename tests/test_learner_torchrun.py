@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import free_port_for_torchrun, tiny_config
-from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
+from diloco.shard.server import ShardPlan, SyncerShard, serve
 
 WORKER = Path(__file__).parent / "workers" / "ddp_learner.py"
 RANKS, STEPS, BATCH, SEQ = 2, 24, 4, 16

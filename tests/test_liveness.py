@@ -17,8 +17,8 @@ from diloco.core.recovery import restore_plan
 from diloco.core.rounds import LearnerDead, ProtocolError, Publish, RunOver, SendState
 from diloco.fragments import Fragment
 from diloco.outer import Nesterov
-from diloco.runtime.journal import decode_event, encode_event, push_payload
-from diloco.runtime.syncer import ShardPlan, SyncerShard
+from diloco.shard.journal import decode_event, encode_event, push_payload
+from diloco.shard.server import ShardPlan, SyncerShard
 from diloco.sim.driver import Simulation
 from diloco.transport.frames import encode_fp32, tensor_header
 from diloco.v1 import diloco_pb2 as pb
@@ -175,7 +175,7 @@ def test_the_shard_waker_thread_fires_the_cores_timers_on_an_injected_clock():
     clock = ManualClock()
     fired = []
     condition = threading.Condition(threading.RLock())
-    from diloco.runtime.shard_waker import Waker
+    from diloco.shard.waker import Waker
 
     waker = Waker(condition, fired.append, clock=clock)
     waker.start()

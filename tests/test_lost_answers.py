@@ -11,14 +11,14 @@ import torch
 from conftest import tiny_config
 from diloco.core import Push, ProtocolError
 from diloco.core.events import StreamOpened
-from diloco.runtime import answer_slots
-from diloco.runtime import syncer as syncer_module
-from diloco.runtime.answer_slots import AnswerSlots
-from diloco.runtime.journal import decode_event, encode_event
-from diloco.runtime.learner import Learner
-from diloco.runtime.serving import serve
-from diloco.runtime.shard_plan import ShardPlan
-from diloco.runtime.syncer import SyncerShard
+from diloco.shard import answer_slots
+from diloco.shard import server as syncer_module
+from diloco.shard.answer_slots import AnswerSlots
+from diloco.shard.journal import decode_event, encode_event
+from diloco.client.learner_client import Learner
+from diloco.shard.serving import serve
+from diloco.shard.ownership import ShardPlan
+from diloco.shard.server import SyncerShard
 from test_syncer_memory import SIZE, anchors_checked, core_with, settle, tiny_model, train
 
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 
 THREADS_ALLOCATING = """
 import ctypes, sys, threading
-from diloco.runtime.serving import limit_malloc_arenas
+from diloco.shard.serving import limit_malloc_arenas
 print(limit_malloc_arenas() if sys.argv[1] == "limit" else "unlimited", flush=True)
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -47,7 +47,7 @@ def test_threads_of_a_shard_allocate_from_two_arenas_where_they_would_take_one_e
 
 
 def test_the_cap_is_left_to_the_operator_who_set_one(monkeypatch):
-    from diloco.runtime.serving import limit_malloc_arenas
+    from diloco.shard.serving import limit_malloc_arenas
 
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     assert limit_malloc_arenas() is False

@@ -55,7 +55,7 @@ def test_simulated_metrics_add_up_to_what_was_trained_sent_and_merged(tmp_path):
 
 
 def test_round_cosine_is_one_for_identical_learners_and_the_norm_is_the_step():
-    from diloco.core.syncer import mean_cosine
+    from diloco.core.syncer_core import mean_cosine
 
     import torch
     same = torch.tensor([1.0, 2.0])

@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_config
 from diloco.core import Push, SyncerCore, Timer
-from diloco.core.learner import LearnerCore
+from diloco.core.learner_core import LearnerCore
 from diloco.core.messages import Progress, Update
 from diloco.core.rounds import ProtocolError, Publish, Stop
 from diloco.fragments import Fragment, Schedule

@@ -1,4 +1,4 @@
-"""Where `diloco run --ray` puts learners and shards, decided without a cluster (`cluster/placement.py`)."""
+"""Where `diloco run --ray` puts learners and shards, decided without a cluster (`cluster/node_choice.py`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import child_env, tiny_config
-from diloco.cluster.placement import Demand, Fleet, Node, choose_nodes, learner_demand, live_nodes, syncer_demand
+from diloco.cluster.node_choice import Demand, Fleet, Node, choose_nodes, learner_demand, live_nodes, syncer_demand
 from diloco.errors import ConfigError
 
 
@@ -83,7 +83,7 @@ def test_bad_cluster_settings_are_refused_with_their_key(override, message):
 
 
 def test_import_diloco_never_imports_ray_and_run_without_ray_says_what_to_install(tmp_path):
-    code = ("import sys\nimport diloco, diloco.cli, diloco.runtime.launcher, diloco.runtime.commands\n"
+    code = ("import sys\nimport diloco, diloco.cli, diloco.launch.launcher, diloco.launch.runtime_cli\n"
             "assert 'ray' not in sys.modules, 'ray imported'\n"
             "sys.modules['ray'] = None  # as if Ray were not installed\n"
             "from diloco.cli import main\n"

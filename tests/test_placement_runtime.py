@@ -16,9 +16,9 @@ from diloco.config import load_config
 from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.errors import DilocoError
 from diloco.results import LearnerReport, links_from_learners, traffic_fields
-from diloco.runtime.learner import Learner, LinkShape, ShardWays
-from diloco.runtime.shard_plan import ShardPlan, fragment_owners, global_shard_plan, placed_shard_count
-from diloco.runtime.syncer import SyncerShard, serve
+from diloco.client.learner_client import Learner, LinkShape, ShardWays
+from diloco.shard.ownership import ShardPlan, fragment_owners, global_shard_plan, placed_shard_count
+from diloco.shard.server import SyncerShard, serve
 from diloco.strategies import build_strategy
 
 EXAMPLE = "examples/regions.toml"
@@ -167,7 +167,7 @@ def test_diloco_run_homes_fragments_per_region_and_lists_the_simulators_links(tm
 
 def sim_link_names(config) -> list[str]:
     """The links the simulator lists for `config`, in its order: its network, built as its driver does."""
-    from diloco.sim.link import Network
+    from diloco.network.links import Network
 
     network = Network(config)
     homes = config.fragment_homes(build_strategy(config).fragments)

@@ -18,7 +18,7 @@ from diloco.errors import DilocoError
 from diloco.plan import units
 from diloco.plan.build import deployment, parse_regions
 from diloco.plan.layout import assumed_layout
-from diloco.plan.model import plan
+from diloco.plan.plan_model import plan
 from diloco.plan.replay import predicted_wire_bytes, replay, replay_problem
 from diloco.plan.search import keeps_up, smallest_H, smallest_tau
 from diloco.plan.wire import push_bytes, update_bytes
@@ -349,7 +349,7 @@ def test_a_regions_wan_link_carries_all_its_learners_traffic(tmp_path):
 
 
 def test_with_spread_homes_the_shards_are_one_per_home_region_as_diloco_run_starts_them(tmp_path):
-    from diloco.runtime.shard_plan import fragment_owners
+    from diloco.shard.ownership import fragment_owners
 
     config = regions_config(tmp_path, "placement=links", "outer.fragments=3")
     owners = fragment_owners(config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diloco.errors import DilocoError
-from diloco.runtime.ports import read_port_file, resolve_address, wait_for_port, write_port_file
+from diloco.transport.ports import read_port_file, resolve_address, wait_for_port, write_port_file
 
 
 def test_a_port_file_is_written_whole_and_replaced_whole(tmp_path):

@@ -25,7 +25,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import TINY, child_env, tiny_config, wait_for  # noqa: E402
 from diloco.core.accounting import ledger_of  # noqa: E402
-from diloco.runtime.chaos import account  # noqa: E402
+from diloco.launch.chaos import account  # noqa: E402
 from test_runtime import sets  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ def cluster():
 def run(out: Path, *overrides: str, during: Callable | None = None) -> tuple[dict, object]:
     """A run on the cluster this process is connected to, in a thread; `during(launcher)` acts on the
     cluster meanwhile from this thread (Ray changes nodes from the main thread only)."""
-    from diloco.cluster.launcher import RayLauncher
+    from diloco.cluster.ray_launcher import RayLauncher
 
     config = tiny_config(*RUN[len(TINY):], *overrides)
     launcher = RayLauncher(config, sets(*RUN, *overrides), out, address="auto")

@@ -18,7 +18,7 @@ from diloco.errors import ConfigError
 from diloco.results import links_from_learners, traffic_fields
 from diloco.sim import simulate
 from diloco.sim.driver import Simulation
-from diloco.sim.link import Direction, Network, Route
+from diloco.network.links import Direction, Network, Route
 
 LAN = {"bandwidth_mbit": 8000, "latency_ms": 1}  # 1e9 bytes/s
 WAN = {"bandwidth_mbit": 8, "latency_ms": 10}  # 1e6 bytes/s

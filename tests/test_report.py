@@ -14,10 +14,10 @@ import pytest
 from conftest import tiny_config
 
 from diloco.errors import DilocoError
-from diloco.report.command import add_arguments, default_compare_out, run
+from diloco.report.report_cli import add_arguments, default_compare_out, run
 from diloco.report.compare import compare_runs
 from diloco.report.plots import link_rate, smooth, write_run_plots
-from diloco.report.records import AllLearnersTokens, load_run, read_metrics
+from diloco.report.run_records import AllLearnersTokens, load_run, read_metrics
 
 matplotlib_image = pytest.importorskip("matplotlib.image")
 

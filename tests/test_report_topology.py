@@ -12,11 +12,11 @@ import pytest
 from test_report import assert_png, parse, summary, write_run
 
 from diloco.config import load_config
-from diloco.report.command import run
-from diloco.report.links import links_table, summary_links, total_bytes
+from diloco.report.report_cli import run
+from diloco.report.link_figures import links_table, summary_links, total_bytes
 from diloco.report.plots import write_run_plots
-from diloco.report.records import load_run
-from diloco.report.topology import (clearance, homes, region_label, regions_config, ring_positions,
+from diloco.report.run_records import load_run
+from diloco.report.topology_picture import (clearance, homes, region_label, regions_config, ring_positions,
                                     topology_figure, wan_edges, wan_labels)
 from diloco.results import LearnerReport, human_bytes, link_entry, links_from_learners, traffic_fields
 from diloco.strategies import build_strategy

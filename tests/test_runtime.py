@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import TINY, free_port_for_torchrun, tiny_config, wait_for
-from diloco.runtime.ports import wait_for_port
+from diloco.transport.ports import wait_for_port
 from diloco.sim.driver import Simulation
 
 pytestmark = pytest.mark.integration  # every test runs diloco as processes

@@ -15,7 +15,7 @@ import torch
 
 from conftest import tiny_config
 from diloco.errors import DilocoError
-from diloco.runtime.syncer import ShardPlan, SyncerShard
+from diloco.shard.server import ShardPlan, SyncerShard
 from diloco.transport.frames import encode_fp32, message_frames, tensor_header
 from diloco.transport.security import (
     METADATA_KEY, REFUSED, SECRET_ENV, TransportSecurity, add_security_arguments, learner_security, load_security,

@@ -288,7 +288,7 @@ def test_the_snapshot_groups_by_the_configs_regions():
     from types import SimpleNamespace
 
     from diloco.config import Config, load_config
-    from diloco.runtime.shard_report import region_groups, snapshot_regions
+    from diloco.shard.snapshot import region_groups, snapshot_regions
 
     config = load_config(Path(__file__).resolve().parents[1] / "examples" / "regions.toml")
     assert region_groups(config) == [

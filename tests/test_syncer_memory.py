@@ -19,10 +19,10 @@ from diloco.core import downlink as downlink_module
 from diloco.core.downlink import CHAIN_SHARE
 from diloco.fragments import Fragment
 from diloco.outer import Nesterov
-from diloco.runtime.learner import Learner
-from diloco.runtime.serving import serve
-from diloco.runtime.shard_plan import ShardPlan
-from diloco.runtime.syncer import SyncerShard
+from diloco.client.learner_client import Learner
+from diloco.shard.serving import serve
+from diloco.shard.ownership import ShardPlan
+from diloco.shard.server import SyncerShard
 
 SIZE = 1 << 16
 NAMES = ("a", "b", "c", "d")

@@ -8,9 +8,9 @@ import torch
 from conftest import tiny_config, wait_for
 from diloco.codecs import Encoded, get_codec
 from diloco.errors import DilocoError
-from diloco.runtime.learner import Learner
-from diloco.runtime.syncer import ShardPlan, SyncerShard, serve
-from diloco.transport.client import ShardClient
+from diloco.client.learner_client import Learner
+from diloco.shard.server import ShardPlan, SyncerShard, serve
+from diloco.transport.calls import ShardClient
 from diloco.transport.frames import FRAME_BYTES, FrameError, encode_fp32, message_frames, read_message, tensor_header
 from diloco.v1 import diloco_pb2 as pb
 

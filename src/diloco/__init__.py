@@ -9,7 +9,7 @@ __all__ = ["Learner", "LinkShape", "__version__"]
 def __getattr__(name: str) -> Any:
     """`diloco.Learner` without importing torch and gRPC for `import diloco` alone (the CLI's --help)."""
     if name in ("Learner", "LinkShape"):
-        from diloco.runtime import learner
+        from diloco.client import learner_client
 
-        return getattr(learner, name)
+        return getattr(learner_client, name)
     raise AttributeError(f"module 'diloco' has no attribute {name!r}")

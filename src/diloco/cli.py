@@ -16,12 +16,12 @@ from diloco import __version__
 from diloco.config import load_config
 from diloco.console import learners_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
-from diloco.goodput.command import add_arguments as add_goodput_arguments
+from diloco.goodput.goodput_cli import add_arguments as add_goodput_arguments
 from diloco.outputs import output_folder, write_output, writing
-from diloco.plan.command import add_arguments as add_plan_arguments
-from diloco.report.command import add_arguments as add_report_arguments
-from diloco.transport.token_command import add_arguments as add_token_arguments
-from diloco.runtime.commands import (add_chaos_arguments, add_config_arguments, add_learner_arguments,
+from diloco.plan.plan_cli import add_arguments as add_plan_arguments
+from diloco.report.report_cli import add_arguments as add_report_arguments
+from diloco.transport.token_cli import add_arguments as add_token_arguments
+from diloco.launch.runtime_cli import (add_chaos_arguments, add_config_arguments, add_learner_arguments,
                                      add_run_arguments, add_syncer_arguments, cmd_chaos, cmd_learner, cmd_run,
                                      cmd_syncer)
 
@@ -60,25 +60,25 @@ def _simulate(config, metrics, quiet: bool):
 
 
 def cmd_token(args: argparse.Namespace, console: Console) -> int:
-    from diloco.transport.token_command import run
+    from diloco.transport.token_cli import run
 
     return run(args)
 
 
 def cmd_goodput(args: argparse.Namespace, console: Console) -> int:
-    from diloco.goodput.command import run
+    from diloco.goodput.goodput_cli import run
 
     return run(args)
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    from diloco.plan.command import run
+    from diloco.plan.plan_cli import run
 
     return run(args)
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
-    from diloco.report.command import run
+    from diloco.report.report_cli import run
 
     return run(args)
 

@@ -333,7 +333,7 @@ class Config:
     placement: Literal["syncer", "links"] = "syncer"
     """Where fragments' home shards run (needs regions for `links`). `syncer`: all in the syncer's region.
     `links`: spread over the regions to keep the busiest WAN link, then the WAN bytes, then the round trip
-    least (`placement.py`); the syncer's region is preferred on a tie."""
+    least (`network/homes.py`); the syncer's region is preferred on a tie."""
 
     def speeds(self) -> list[float]:
         return list(self.learners.speeds) or [1.0] * self.learners.count
@@ -392,7 +392,7 @@ class Config:
             return []
         if self.placement == "syncer":
             return [syncer] * fragments
-        from diloco.placement import Site, place
+        from diloco.network.homes import Site, place
 
         senders = {r.name for r in self.tier_regions()}
         speeds = self.speeds()

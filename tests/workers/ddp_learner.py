@@ -17,7 +17,7 @@ from torch import nn
 
 from diloco.config import load_config
 from diloco.models.factory import build_model
-from diloco.runtime.learner import Learner
+from diloco.client.learner_client import Learner
 
 VOCAB = 64
 

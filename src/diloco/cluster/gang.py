@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from diloco.runtime.processes import PARENT_ENV, die_with_parent
+from diloco.launch.processes import PARENT_ENV, die_with_parent
 
 
 def main(argv: list[str]) -> None:

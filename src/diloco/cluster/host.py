@@ -25,9 +25,9 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from diloco.clock import SYSTEM_CLOCK as clock
-from diloco.cluster.placement import Demand, Node
+from diloco.cluster.node_choice import Demand, Node
 from diloco.errors import DilocoError
-from diloco.runtime.processes import Children, Started
+from diloco.launch.processes import Children, Started
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import dataclasses
 from collections import Counter
 from typing import Any, Iterable, Mapping
 
-from diloco.core.syncer import RoundRecord
+from diloco.core.syncer_core import RoundRecord
 
 
 def by_parameters(per_fragment: Mapping[int, int], numel: Mapping[int, int], parameters: int) -> float:

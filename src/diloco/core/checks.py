@@ -18,7 +18,7 @@ from diloco.core.messages import Progress, Push
 from diloco.core.rounds import ProtocolError
 
 if TYPE_CHECKING:
-    from diloco.core.syncer import SyncerCore
+    from diloco.core.syncer_core import SyncerCore
 
 MAX_STEP_TIME_S = 3600.0
 """A reported inner step longer than an hour is taken for a broken clock, not a slow chip."""

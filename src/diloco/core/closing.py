@@ -25,7 +25,7 @@ from diloco.core.rounds import (FragmentState, ProtocolError, Publish, RoundReco
 from diloco.outer.merge import tensor_norm
 
 if TYPE_CHECKING:
-    from diloco.core.syncer import SyncerCore
+    from diloco.core.syncer_core import SyncerCore
 
 
 WEIGHT_CAP = 16.0

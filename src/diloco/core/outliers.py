@@ -36,7 +36,7 @@ from diloco.core.messages import Push
 from diloco.outer.merge import tensor_norm
 
 if TYPE_CHECKING:
-    from diloco.core.syncer import SyncerCore
+    from diloco.core.syncer_core import SyncerCore
 
 THETA_RATIO = 10.0
 """Largest ‖Δ‖/‖Θ_p‖ a push may have (honest pushes: median 0.1, at most 1.8, measured)."""

@@ -32,10 +32,10 @@ import torch
 
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
                                 SyncerEvent)
-from diloco.core.learner import LearnerCore
+from diloco.core.learner_core import LearnerCore
 from diloco.core.messages import Progress, Push, Update
 from diloco.core.rounds import Action, RunOver, Timer
-from diloco.core.syncer import SyncerCore
+from diloco.core.syncer_core import SyncerCore
 
 __all__ = ["RegionalSyncer", "Upstream"]
 

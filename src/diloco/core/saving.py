@@ -10,7 +10,7 @@ import torch
 from diloco.core.rounds import LedgerEntry, ProtocolError, RoundRecord
 
 if TYPE_CHECKING:
-    from diloco.core.syncer import SyncerCore
+    from diloco.core.syncer_core import SyncerCore
 
 
 def saved_state(core: SyncerCore) -> dict:

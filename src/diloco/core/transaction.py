@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from diloco.core.rounds import RoundRefused
 
 if TYPE_CHECKING:
-    from diloco.core.syncer import SyncerCore
+    from diloco.core.syncer_core import SyncerCore
 
 
 def atomic(method: Callable) -> Callable:

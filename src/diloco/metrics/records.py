@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from diloco.core.learner import LearnerCore
-from diloco.core.syncer import RoundRecord
+from diloco.core.learner_core import LearnerCore
+from diloco.core.syncer_core import RoundRecord
 from diloco.metrics.log import MetricsLog
 
 

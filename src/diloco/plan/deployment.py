@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from diloco.fragments import Schedule
 from diloco.plan.layout import Layout
-from diloco.plan.links import Site, Traffic
+from diloco.plan.steady_links import Site, Traffic
 from diloco.plan.memory import SyncerState
 from diloco.plan.wire import progress_bytes, push_bytes, update_bytes
 

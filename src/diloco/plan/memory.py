@@ -1,7 +1,7 @@
 """What a syncer shard holds, and how many shards a memory size calls for.
 
 Shard i of S owns the fragments p with p mod S = i, or with homes spread over regions (`placement = "links"`)
-the fragments homed in its region (`runtime/shard_plan.py`). Per owned fragment, in fp32
+the fragments homed in its region (`shard/ownership.py`). Per owned fragment, in fp32
 copies of its parameters:
 
 - Θ itself: 1;

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from diloco.plan.deployment import Deployment, traffic
-from diloco.plan.links import Site, Traffic, steady_state, verdict
+from diloco.plan.steady_links import Site, Traffic, steady_state, verdict
 from diloco.plan.reports import LinkReport
 from diloco.plan.wire import LEAVE_BYTES
 

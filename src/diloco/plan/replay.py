@@ -1,5 +1,5 @@
 """Exact wire bytes of a synchronous run, without training: the simulator's schedule replayed with its
-own step timers (`sim/timing.py`), links (`sim/link.py`) and event queue (`sim/clock.py`).
+own step timers (`sim/timing.py`), links (`network/links.py`) and event queue (`sim/event_queue.py`).
 
 Most of a run's bytes follow from the schedule alone (every push, every progress report). Which answers
 are sent does not: an answer goes only to a learner that has not finished, and near the end of a run
@@ -14,7 +14,7 @@ same decisions as the learner and syncer cores of a synchronous strategy:
   participants that have not finished.
 
 Each learner's messages take its ways to the fragments' homes over the simulator's own network
-(`sim/link.py`'s `Network`: with `[[regions]]` its LAN, then its region's WAN link to each home, shared with
+(`network/links.py`'s `Network`: with `[[regions]]` its LAN, then its region's WAN link to each home, shared with
 the region's other learners), so that each link's bytes are the simulator's too (`ReplayResult.links`).
 
 It covers `diloco` and `streaming` (every learner in every round) and data-parallel, without failures,
@@ -36,7 +36,7 @@ from diloco.sim.timing import Waiting
 
 if TYPE_CHECKING:
     from diloco.config import Config
-    from diloco.sim.link import Routes
+    from diloco.network.links import Routes
     from diloco.sim.timing import StepTimer
     from diloco.strategies import StrategySpec
 
@@ -105,7 +105,7 @@ def replay(config: Config, layout: Layout | None = None) -> ReplayResult:
 def _data_parallel(config: Config, layout: Layout) -> ReplayResult:
     """Every step: each learner's step, then a ring all-reduce timed over the slowest link (a learner's
     whole route with regions: `sim/data_parallel.py`); its share is counted on every link, both ways."""
-    from diloco.sim.link import Network
+    from diloco.network.links import Network
     from diloco.sim.timing import StepTimer
 
     speeds = config.speeds()
@@ -155,8 +155,8 @@ class _Learner(Waiting):
 class _SyncReplay:
     def __init__(self, config: Config, spec: StrategySpec, layout: Layout) -> None:
         from diloco.fragments import Schedule
-        from diloco.sim.clock import EventQueue
-        from diloco.sim.link import Network
+        from diloco.sim.event_queue import EventQueue
+        from diloco.network.links import Network
         from diloco.sim.timing import StepTimer
 
         c, lc = config.codec, config.learners

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 
 from diloco.plan.deployment import Deployment
-from diloco.plan.model import site_reports
+from diloco.plan.plan_model import site_reports
 from diloco.plan.network import network_report
 
 H_MAX = 1_000_000

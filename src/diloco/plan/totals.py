@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from diloco.fragments import Schedule
 from diloco.plan.deployment import Deployment, traffic
-from diloco.plan.links import Traffic
+from diloco.plan.steady_links import Traffic
 from diloco.plan.reports import SiteReport, Totals
 from diloco.plan.wire import LEAVE_BYTES
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from diloco.errors import DilocoError
 from diloco.report.figures import draw_eval_loss, finish_loss_panels, new_figure, require_matplotlib, save
-from diloco.report.records import SUMMARY, Run, load_run
+from diloco.report.run_records import SUMMARY, Run, load_run
 from diloco.report.table import markdown_table
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diloco.errors import DilocoError
-from diloco.report.records import EvalPoint
+from diloco.report.run_records import EvalPoint
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diloco.report.figures import draw_eval_loss, finish_loss_panels, new_figure, require_matplotlib, save, time_label
-from diloco.report.records import AllLearnersTokens, Record, Run, load_run, number
-from diloco.report.topology import topology_figure
+from diloco.report.run_records import AllLearnersTokens, Record, Run, load_run, number
+from diloco.report.topology_picture import topology_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

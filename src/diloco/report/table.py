@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco.report.records import Run, clock_of, number
+from diloco.report.run_records import Run, clock_of, number
 from diloco.results import human_bytes
 
 COLUMNS = ("run", "strategy", "learners", "tokens", "final eval loss", "loss vs first", "wall clock", "goodput",

@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from diloco.config import Config
-from diloco.core.learner import LearnerCore
+from diloco.core.learner_core import LearnerCore
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
                                 TimerFired, sender)
 from diloco.core.liveness import HEARTBEAT_S
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, tensors_wire_bytes
 from diloco.core.recovery import restore_plan
 from diloco.core.regional import RegionalSyncer, Upstream
-from diloco.core.syncer import Action, ProtocolError, Publish, SendState, Stop, SyncerCore, Timer
+from diloco.core.syncer_core import Action, ProtocolError, Publish, SendState, Stop, SyncerCore, Timer
 from diloco.data import ShardSampler
 from diloco.fragments import Fragment, embedding_names, partition
 from diloco.materials import prepare
@@ -37,13 +37,13 @@ from diloco.metrics.log import MetricsLog
 from diloco.metrics.records import LearnerMeter, RoundMeter
 from diloco.models.factory import ModelFactory
 from diloco.results import RunResult
-from diloco.sim.clock import EventQueue
+from diloco.sim.event_queue import EventQueue
 from diloco.sim.data_parallel import all_reduce
-from diloco.sim.events import (AllReduceDone, Beat, Crash, Recover, RegionBack, RegionBeat, RegionDown, SimEvent,
+from diloco.sim.sim_events import (AllReduceDone, Beat, Crash, Recover, RegionBack, RegionBeat, RegionDown, SimEvent,
                                StateArrives, StepEnds, StopArrives, ToRegion, ToSyncer, UpdateArrives)
 from diloco.sim.failures import CrashPlan, outage_windows
 from diloco.sim.learners import Checkpoint, SimLearner
-from diloco.sim.link import Network, Routes
+from diloco.network.links import Network, Routes
 from diloco.sim.ordering import InOrder
 from diloco.sim.summary import global_model, record_eval, run_result
 from diloco.sim.tier import SimRegion, upstream_bytes
@@ -247,7 +247,7 @@ class Simulation:
             return
         self._advance(learner)
         # As a real learner does: after merging what arrived and pushing what fell due meanwhile, so that the
-        # report's predictions count those pushes (`runtime/learner.py`, `Learner.step`).
+        # report's predictions count those pushes (`client/learner_client.py`, `Learner.step`).
         self._send_progress(learner)
 
     def _send_progress(self, learner: SimLearner) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from diloco.config import Config, FailuresConfig
-from diloco.sim.events import Crash
+from diloco.sim.sim_events import Crash
 
 
 class CrashPlan:

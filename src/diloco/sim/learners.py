@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco.core.learner import LearnerCore
-from diloco.sim.link import Routes
+from diloco.core.learner_core import LearnerCore
+from diloco.network.links import Routes
 from diloco.sim.timing import StepTimer, Waiting
 from diloco.training import Replica
 

@@ -14,7 +14,7 @@ from diloco.core.events import HeartbeatArrived, PushArrived, ProgressArrived, S
 from diloco.core.messages import MESSAGE_HEADER_BYTES
 from diloco.core.regional import RegionalSyncer
 from diloco.core.rounds import RoundRecord
-from diloco.sim.link import Routes
+from diloco.network.links import Routes
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from diloco.errors import DilocoError
-from diloco.transport.settings import secret_token
+from diloco.transport.security_settings import secret_token
 
 log = logging.getLogger(__name__)
 

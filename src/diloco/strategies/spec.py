@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Callable, Iterable, Literal
 import torch
 
 from diloco.codecs import get_codec
-from diloco.core.learner import LearnerCore
+from diloco.core.learner_core import LearnerCore
 from diloco.core.regional import RegionalSyncer
 from diloco.core.rounds import OuterOptimizer
-from diloco.core.syncer import SyncerCore
+from diloco.core.syncer_core import SyncerCore
 from diloco.fragments import Fragment, Schedule
 from diloco.outer.delayed_nesterov import DelayedNesterov
 from diloco.outer.merge import MergeRule

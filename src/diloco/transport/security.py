@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from diloco.errors import DilocoError
-from diloco.transport.settings import (  # the settings are also found here, next to their enforcement
+from diloco.transport.security_settings import (  # the settings are also found here, next to their enforcement
     LEARNER_TOKEN_ENV, MAX_LEARNER_ID, PLAINTEXT, SECRET_ENV, LearnerCredential, TransportSecurity,
     add_security_arguments, check_ca, check_cert_and_key, default_security, learner_token, load_security, read_pem,
     resolve_secret, secret_token, security_from_args, with_run_secret)

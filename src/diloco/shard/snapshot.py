@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from diloco.core.syncer import RoundRecord
+from diloco.core.syncer_core import RoundRecord
 
 if TYPE_CHECKING:
     from diloco.config import Config
-    from diloco.runtime.syncer import SyncerShard
+    from diloco.shard.server import SyncerShard
 
 SILENT_AFTER_S = 5.0
 """A learner not heard from (heartbeats, pushes) for this long shows as silent on the status page."""

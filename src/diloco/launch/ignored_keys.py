@@ -40,7 +40,7 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
 
 READ_BY_THE_LAUNCHER = {"failures.outages"}
 """What `diloco run` reads itself: a regional outage kills and restarts the region's processes
-(`runtime/outages.py`); an outage of one learner's link stays the simulator's."""
+(`launch/outages.py`); an outage of one learner's link stays the simulator's."""
 
 
 def ignored_keys(config: Config, command: str = "") -> dict[str, str]:

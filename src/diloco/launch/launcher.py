@@ -26,15 +26,15 @@ from diloco.materials import prepare
 from diloco.metrics import open_metrics
 from diloco.metrics.records import learner_lives
 from diloco.outputs import write_output, writing
-from diloco.runtime.loop import ORIGIN_ENV
-from diloco.runtime.ports import read_port_file, wait_for_port
-from diloco.runtime.outages import RegionOutages
-from diloco.runtime.processes import Child, Children
-from diloco.runtime.settings import check_shards, settings_of
-from diloco.runtime.shard_plan import placed_shard_count
+from diloco.client.builtin_loop import ORIGIN_ENV
+from diloco.transport.ports import read_port_file, wait_for_port
+from diloco.launch.outages import RegionOutages
+from diloco.launch.processes import Child, Children
+from diloco.transport.run_settings import check_shards, settings_of
+from diloco.shard.ownership import placed_shard_count
 from diloco.strategies import build_strategy
 from diloco.training import evaluate
-from diloco.transport.client import ShardClient
+from diloco.transport.calls import ShardClient
 from diloco.transport.security import PLAINTEXT, TransportSecurity
 
 POLL_S = 0.5

@@ -23,9 +23,9 @@ from diloco.core.events import SyncerEvent
 from diloco.core.messages import Update
 from diloco.errors import DilocoError
 from diloco.clock import SYSTEM_CLOCK, Clock
-from diloco.runtime.journal import (QUIET_EVENTS, Journal, JournalCorrupt, JournalError, JournalHalted,
+from diloco.shard.journal import (QUIET_EVENTS, Journal, JournalCorrupt, JournalError, JournalHalted,
                                     JournalRecord, decode_event, encode_event)
-from diloco.runtime.state_files import load_checked, save_checked
+from diloco.state_files import load_checked, save_checked
 
 log = logging.getLogger("diloco.syncer")
 

@@ -13,13 +13,13 @@ import torch
 from diloco.core.events import SyncerResumed
 from diloco.core.rounds import ProtocolError
 from diloco.errors import DilocoError
-from diloco.runtime.journal import JournalCorrupt
-from diloco.runtime.shard_plan import ShardPlan, fragments_of
-from diloco.runtime.shard_store import update_of
+from diloco.shard.journal import JournalCorrupt
+from diloco.shard.ownership import ShardPlan, fragments_of
+from diloco.shard.store import update_of
 from diloco.v1 import diloco_pb2 as pb
 
 if TYPE_CHECKING:
-    from diloco.runtime.syncer import SyncerShard
+    from diloco.shard.server import SyncerShard
 
 log = logging.getLogger("diloco.syncer")
 

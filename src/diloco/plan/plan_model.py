@@ -12,12 +12,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from diloco.plan.deployment import Deployment, traffic
-from diloco.plan.links import LinkState, Site, Traffic, steady_state, verdict
+from diloco.plan.steady_links import LinkState, Site, Traffic, steady_state, verdict
 from diloco.plan.memory import shard_memory, shards_needed
 from diloco.plan.network import network_report
 from diloco.plan.reports import Plan, RegionReport, ShardReport, SiteReport
 from diloco.plan.totals import estimate_totals, replayed_totals
-from diloco.runtime.shard_plan import placed_shard_count
+from diloco.shard.ownership import placed_shard_count
 from diloco.plan.wire import all_reduce_share
 
 if TYPE_CHECKING:

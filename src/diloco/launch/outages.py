@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from diloco.clock import SYSTEM_CLOCK as clock
 
 if TYPE_CHECKING:
-    from diloco.runtime.launcher import Launcher
+    from diloco.launch.launcher import Launcher
 
 
 class RegionOutages:

@@ -11,8 +11,8 @@ import torch
 
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
-from diloco.runtime.shard_plan import check_shard_map
-from diloco.transport.client import ShardClient, with_retries
+from diloco.shard.ownership import check_shard_map
+from diloco.transport.calls import ShardClient, with_retries
 from diloco.transport.security import TransportSecurity
 from diloco.v1 import diloco_pb2 as pb
 

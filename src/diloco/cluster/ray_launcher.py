@@ -2,7 +2,7 @@
 
 What changes from one machine is only where processes go and what happens when a node goes:
 
-- shards and learners run on nodes the launcher chooses (`placement.py`: the cheapest with room and
+- shards and learners run on nodes the launcher chooses (`network/homes.py`: the cheapest with room and
   the right labels), each kept by an actor (`host.py`) that reserves what it needs there;
 - on every look at the run (`_tend`), a learner whose node died is counted lost and started again, with
   its id, where there is room (it resumes from its checkpoint on the shared storage and the current Θ);
@@ -26,13 +26,13 @@ import ray
 
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.cluster.host import LOST, NotStarted, RayChild, RayChildren
-from diloco.cluster.placement import Demand, Fleet, Node, add, choose_nodes, learner_demand, live_nodes, syncer_demand
+from diloco.cluster.node_choice import Demand, Fleet, Node, add, choose_nodes, learner_demand, live_nodes, syncer_demand
 from diloco.config import Config
 from diloco.errors import DilocoError
-from diloco.runtime.launcher import Launcher
-from diloco.runtime.shard_plan import placed_shard_count
-from diloco.runtime.ports import read_port_file
-from diloco.transport.settings import SECRET_ENV
+from diloco.launch.launcher import Launcher
+from diloco.shard.ownership import placed_shard_count
+from diloco.transport.ports import read_port_file
+from diloco.transport.security_settings import SECRET_ENV
 
 log = logging.getLogger(__name__)
 

@@ -21,16 +21,16 @@ from diloco.console import learners_table, progress_bars, results_table, show_ou
 from diloco.errors import DilocoError
 from diloco.metrics import open_metrics
 from diloco.outputs import output_folder, write_output
-from diloco.runtime.ignored import warn_ignored
-from diloco.runtime.ports import report_port, resolve_address, write_port_file
+from diloco.launch.ignored_keys import warn_ignored
+from diloco.transport.ports import report_port, resolve_address, write_port_file
 from diloco.status.endpoint import LOOPBACK, HttpExposure, credentials_for
-from diloco.transport.settings import TransportSecurity, add_security_arguments, security_from_args, with_run_secret
+from diloco.transport.security_settings import TransportSecurity, add_security_arguments, security_from_args, with_run_secret
 
 if TYPE_CHECKING:  # these load torch and gRPC: the commands import them when they run
     import grpc
 
-    from diloco.runtime.launcher import Launcher
-    from diloco.runtime.syncer import SyncerShard
+    from diloco.launch.launcher import Launcher
+    from diloco.shard.server import SyncerShard
     from diloco.status.server import StatusServer
 
 METRICS_EVERY_S = 2.0
@@ -125,7 +125,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     """Ctrl-C or SIGTERM: learners push what they have and leave, shards save their state; exit 130."""
-    from diloco.runtime.launcher import Launcher
+    from diloco.launch.launcher import Launcher
 
     config = runtime_config(args)
     if args.shards < 1:
@@ -160,7 +160,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 def ray_launcher() -> type[Launcher]:
     """The Ray launcher, imported only when asked for: `import diloco` never imports Ray."""
     try:
-        from diloco.cluster.launcher import RayLauncher
+        from diloco.cluster.ray_launcher import RayLauncher
     except ModuleNotFoundError as exc:
         if exc.name != "ray":
             raise
@@ -212,7 +212,7 @@ def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
-    from diloco.runtime.chaos import run_chaos
+    from diloco.launch.chaos import run_chaos
 
     config = runtime_config(args)
     if min(args.kill_learners, args.kill_syncer) < 0 or args.restart_after < 0:
@@ -288,12 +288,12 @@ def add_http_arguments(p: argparse.ArgumentParser, default_host: str) -> None:
 
 
 def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
-    from diloco.runtime.loop import run_origin
-    from diloco.runtime.processes import die_with_parent
-    from diloco.runtime.settings import check_shards
-    from diloco.runtime.regional_shard import RegionTier
-    from diloco.runtime.shard_plan import global_shard_plan
-    from diloco.runtime.syncer import ShardPlan, SyncerShard, parse_shard
+    from diloco.client.builtin_loop import run_origin
+    from diloco.launch.processes import die_with_parent
+    from diloco.transport.run_settings import check_shards
+    from diloco.shard.regional_shard import RegionTier
+    from diloco.shard.ownership import global_shard_plan
+    from diloco.shard.server import ShardPlan, SyncerShard, parse_shard
 
     die_with_parent()
     setup_logging(args.verbose)
@@ -359,7 +359,7 @@ def _serve_shard(shard: SyncerShard, args: argparse.Namespace, security: Transpo
     """Serve the shard and its status page, report their ports, then complete the shard map learners
     get at Join: its own address, and the ports other shards report. Joins take the shard's lock, held
     until the map is complete, so no learner is ever given an address still unknown."""
-    from diloco.runtime.syncer import serve
+    from diloco.shard.server import serve
 
     plan, host = shard.plan, args.bind.rsplit(":", 1)[0]
     with shard.lock:
@@ -408,8 +408,8 @@ def add_learner_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_learner(args: argparse.Namespace, console: Console) -> int:
-    from diloco.runtime.loop import finish_distributed, init_distributed, run_learner
-    from diloco.runtime.processes import die_with_parent
+    from diloco.client.builtin_loop import finish_distributed, init_distributed, run_learner
+    from diloco.launch.processes import die_with_parent
 
     die_with_parent()
     setup_logging(args.verbose)

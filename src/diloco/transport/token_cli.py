@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from diloco.errors import DilocoError
-from diloco.transport.settings import MAX_LEARNER_ID, SECRET_ENV, LearnerCredential, resolve_secret
+from diloco.transport.security_settings import MAX_LEARNER_ID, SECRET_ENV, LearnerCredential, resolve_secret
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -28,15 +28,15 @@ from diloco.errors import DilocoError
 from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
-from diloco.runtime.checkpoints import read_checkpoint, write_checkpoint
-from diloco.runtime.learner import HomeLink, Learner, LinkShape
-from diloco.runtime.ports import report_port
-from diloco.runtime.shard_plan import fragment_owners
+from diloco.client.checkpoints import read_checkpoint, write_checkpoint
+from diloco.client.learner_client import HomeLink, Learner, LinkShape
+from diloco.transport.ports import report_port
+from diloco.shard.ownership import fragment_owners
 from diloco.status.endpoint import LOOPBACK, HttpExposure
 from diloco.strategies import build_strategy
 from diloco.training import Replica, evaluate, resolve_device
 from diloco.transport.security import TransportSecurity
-from diloco.transport.shaping import ShapedDirection
+from diloco.network.shaping import ShapedDirection
 
 log = logging.getLogger("diloco.learner")
 

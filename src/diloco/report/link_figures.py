@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from diloco.report.records import number
+from diloco.report.run_records import number
 from diloco.report.table import MISSING, markdown_row
 from diloco.results import human_bytes
 

@@ -24,16 +24,16 @@ from diloco.core.events import PushArrived, SyncerEvent
 from diloco.core.messages import Push, Update
 from diloco.core.regional import RegionalSyncer, Upstream
 from diloco.core.rounds import ProtocolError, RoundRefused
-from diloco.core.syncer import SyncerCore
+from diloco.core.syncer_core import SyncerCore
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.outputs import write_output
-from diloco.runtime.shard_plan import fragment_owners
-from diloco.runtime.uplink import HomeRoute, Uplink, UplinkHandlers
+from diloco.shard.ownership import fragment_owners
+from diloco.client.uplink import HomeRoute, Uplink, UplinkHandlers
 from diloco.transport.security import TransportSecurity
 
 if TYPE_CHECKING:
-    from diloco.runtime.syncer import SyncerShard
+    from diloco.shard.server import SyncerShard
 
 log = logging.getLogger("diloco.region")
 

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from diloco.config import load_config
     from diloco.outputs import write_output
     from diloco.plan.build import build_deployment, replayed_run
-    from diloco.plan.model import plan
+    from diloco.plan.plan_model import plan
     from diloco.plan.search import advise
     from diloco.plan.tables import print_plan
 

@@ -14,7 +14,7 @@ import threading
 from typing import Generic, TypeVar
 
 from diloco.clock import SYSTEM_CLOCK as clock
-from diloco.sim.link import Direction
+from diloco.network.links import Direction
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ latency) takes at most τ inner steps. Queueing matters: every step's progress r
 uplink, and with many fragments one push may still be on the wire when the next is sent.
 
 So rather than a formula, a few sync periods are played out on the simulator's own link model
-(`sim/link.py`: messages in order, each taking bytes / bandwidth, then the latency), with every push on
+(`network/links.py`: messages in order, each taking bytes / bandwidth, then the latency), with every push on
 the schedule's grid (fragment p at steps o_p, o_p + H, ...) and nobody waiting: the timeline of a run in
 which every link keeps up. If every answer is in within τ steps there, it is also the run's timeline, and
 no learner ever waits; if one is not, the run's learners wait (synchronous) or merge late (decoupled).
@@ -75,7 +75,7 @@ def steady_state(sites: list[Site], traffic: Traffic, grid_step_s: float, step_s
                  ) -> list[LinkState]:
     """Each site's link over PERIODS sync periods without waiting. `grid_step_s`: the time of one step of
     the sync grid (H of them make a period); `step_s`: each site's own step time (its progress reports)."""
-    from diloco.sim.link import Direction
+    from diloco.network.links import Direction
 
     period = traffic.H * grid_step_s
     loads = [_utilisation(site, traffic, period, own_step) for site, own_step in zip(sites, step_s)]

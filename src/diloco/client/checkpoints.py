@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from diloco.errors import DilocoError
-from diloco.runtime.state_files import load_checked, save_checked
+from diloco.state_files import load_checked, save_checked
 
 ADVICE = "delete it to restart this learner from the current Θ without its own state"
 

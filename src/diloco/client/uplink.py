@@ -5,7 +5,7 @@ learner brought if nobody has yet (or checks their layout), and takes the global
 regional syncer starts. From then on it carries the regional syncer's `Upstream` events to the global
 shards in order, over an emulated WAN link when one is given (pushes encoded here, off the shard's
 lock), and hands back the global answers and the word to stop. It is the learner runtime's transport
-(`joining.py`, `transport/client.py`, the shaped link), driven by a syncer instead of a training loop.
+(`joining.py`, `transport/calls.py`, the shaped link), driven by a syncer instead of a training loop.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from diloco.core.liveness import HEARTBEAT_S
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, Update
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
-from diloco.runtime.answers import update_of
-from diloco.runtime.joining import Joined, ShardLink, join_run
-from diloco.runtime.learner import ShardWays
-from diloco.transport.client import SyncerUnavailable, with_retries
+from diloco.client.answers import update_of
+from diloco.client.joining import Joined, ShardLink, join_run
+from diloco.client.learner_client import ShardWays
+from diloco.transport.calls import SyncerUnavailable, with_retries
 from diloco.transport.frames import tensor_header
 from diloco.transport.security import TransportSecurity
-from diloco.transport.shaping import DeliveryQueue
+from diloco.network.shaping import DeliveryQueue
 from diloco.v1 import diloco_pb2 as pb
 
 log = logging.getLogger("diloco.uplink")

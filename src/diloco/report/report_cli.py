@@ -8,8 +8,8 @@ from pathlib import Path
 
 from diloco.report.compare import compare_runs
 from diloco.report.plots import plot_run
-from diloco.report.links import links_table
-from diloco.report.records import Run, load_run
+from diloco.report.link_figures import links_table
+from diloco.report.run_records import Run, load_run
 from diloco.report.table import markdown_table
 
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from diloco.config import Config, Hop, config_from_dict
 from diloco.errors import ConfigError
 from diloco.report.figures import new_figure
-from diloco.report.links import busy_share, link_bytes, total_bytes
-from diloco.report.records import Run
+from diloco.report.link_figures import busy_share, link_bytes, total_bytes
+from diloco.report.run_records import Run
 from diloco.results import human_bytes
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from diloco.transport.security import (PLAINTEXT, CallLimits, TransportSecurity,
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from diloco.runtime.syncer import SyncerShard
+    from diloco.shard.server import SyncerShard
 
 log = logging.getLogger("diloco.syncer")
 
@@ -42,7 +42,7 @@ SERVER_OPTIONS = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 
                   ("grpc.max_send_message_length", 64 << 20),
                   ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
                   ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
-                  # Learners ping every 20 s to find dead links (transport/client.py): allow it, and
+                  # Learners ping every 20 s to find dead links (transport/calls.py): allow it, and
                   # ping back so that a peer that vanished frees its connection.
                   ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
                   ("grpc.keepalive_permit_without_calls", 1),

@@ -22,8 +22,8 @@ from diloco.config import Config
 from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.metrics.records import learner_lives
 from diloco.outputs import write_output
-from diloco.runtime.launcher import Launcher
-from diloco.runtime.shard_plan import placed_shard_count
+from diloco.launch.launcher import Launcher
+from diloco.shard.ownership import placed_shard_count
 
 
 @dataclass

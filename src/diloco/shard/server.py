@@ -32,23 +32,23 @@ from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, Lear
 from diloco.core.messages import Progress, Update
 from diloco.core.messages import Push as PushMessage
 from diloco.errors import DilocoError
-from diloco.core.syncer import (Action, LearnerDead, ProtocolError, Publish, RunOver, SendState, SendUpdate,
+from diloco.core.syncer_core import (Action, LearnerDead, ProtocolError, Publish, RunOver, SendState, SendUpdate,
                                 SyncerCore, Timer)
 from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.clock import SYSTEM_CLOCK, Clock
 from diloco.core.regional import RegionalSyncer, Upstream
-from diloco.runtime.journal import JournalError, JournalHalted, push_of, push_payload
-from diloco.runtime import serving, shard_resume
-from diloco.runtime.answer_slots import AnswerSlots, Slot
-from diloco.runtime.serving import serve
-from diloco.runtime.settings import check_shards, settings_of
-from diloco.runtime.regional_shard import RegionTier
-from diloco.runtime.shard_plan import ShardPlan, fragments_of, parse_shard
-from diloco.runtime.shard_report import shard_report, snapshot
-from diloco.runtime.shard_store import ShardStore, plain_update
-from diloco.runtime.shard_waker import Waker
+from diloco.shard.journal import JournalError, JournalHalted, push_of, push_payload
+from diloco.shard import resume as shard_resume, serving
+from diloco.shard.answer_slots import AnswerSlots, Slot
+from diloco.shard.serving import serve
+from diloco.transport.run_settings import check_shards, settings_of
+from diloco.shard.regional_shard import RegionTier
+from diloco.shard.ownership import ShardPlan, fragments_of, parse_shard
+from diloco.shard.snapshot import shard_report, snapshot
+from diloco.shard.store import ShardStore, plain_update
+from diloco.shard.waker import Waker
 from diloco.strategies import build_strategy
 from diloco.transport.frames import FrameError, decode, encode_fp32, message_frames, read_message, tensor_header
 from diloco.transport.security import current_caller

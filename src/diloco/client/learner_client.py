@@ -28,19 +28,19 @@ from torch import nn
 
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
-from diloco.core.learner import LearnerCore
+from diloco.core.learner_core import LearnerCore
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment, embedding_names, partition
 from diloco.core.liveness import HEARTBEAT_S
-from diloco.transport.client import SyncerUnavailable, with_retries
+from diloco.transport.calls import SyncerUnavailable, with_retries
 from diloco.transport.frames import tensor_header
-from diloco.runtime.answers import update_of
-from diloco.runtime.joining import ShardLink, join_run
-from diloco.runtime.settings import spec_of
-from diloco.runtime.staging import DeviceStaging
+from diloco.client.answers import update_of
+from diloco.client.joining import ShardLink, join_run
+from diloco.transport.run_settings import spec_of
+from diloco.client.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
-from diloco.transport.shaping import DeliveryQueue, ShapedDirection
+from diloco.network.shaping import DeliveryQueue, ShapedDirection
 from diloco.v1 import diloco_pb2 as pb
 
 if TYPE_CHECKING:
