@@ -33,7 +33,7 @@ from diloco.core.messages import Progress, Update
 from diloco.core.messages import Push as PushMessage
 from diloco.errors import DilocoError
 from diloco.core.syncer_core import (Action, LearnerDead, ProtocolError, Publish, RunOver, SendState, SendUpdate,
-                                SyncerCore, Timer)
+                                Stop, SyncerCore, Timer)
 from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
@@ -102,6 +102,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
         """Pushes decoded at once: the others wait in their compressed form."""
         self.answer_slots = AnswerSlots()
         self.finished = False
+        self.stop_said = False
+        """The core said Stop (the shared budget is spent): every heartbeat reply tells the learner so."""
         self.started = clock.now()
         self.metrics = metrics or MetricsLog([])
         self.round_meter = RoundMeter(self.metrics, plan.index, origin=self.metrics.origin)
@@ -185,6 +187,10 @@ class SyncerShard(pb_grpc.SyncerServicer):
             elif isinstance(action, LearnerDead) and not self._replaying:
                 log.warning("learner %d %s for %.1f s: rounds stop counting on it", action.learner,
                             "silent" if action.joined else "never joined,", action.silent_s)
+            elif isinstance(action, Stop):
+                self.stop_said = True
+                if not self._replaying:
+                    log.info("the shared token budget is spent: every learner is told to stop")
             elif isinstance(action, RunOver):
                 self.finished = True
                 if not self._replaying:
@@ -467,8 +473,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                     self._take(event, context)
                 self.steps[learner] = request.steps
             total = core.tokens_reported() if core is not None else 0
-            stop = core is not None and (core.budget_spent or core.stopped)
-            return pb.HeartbeatReply(stop=stop, tokens_reported=min(total, MAX_TOKENS))
+            return pb.HeartbeatReply(stop=self.stop_said, tokens_reported=min(total, MAX_TOKENS))
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self._speaks_for(request.learner, "leave", context)

@@ -44,7 +44,7 @@ class DataParallelSteps(SimState):
             learner.resume(self.now)
             learner.replica.apply_gradients()
             self._meter(learner)
-            if learner.replica.steps < learner.planned_steps:
+            if learner.replica.steps < learner.last_step:
                 self._start_step(learner)
             else:
                 learner.finished = True

@@ -25,6 +25,7 @@ from torch import nn
 
 from diloco.config import Config
 from diloco.data import ShardSampler
+from diloco.driver_kit.schedule import EvalMarks, learner_plans
 from diloco.fragments import embedding_names, partition
 from diloco.materials import prepare
 from diloco.metrics.log import MetricsLog
@@ -34,18 +35,18 @@ from diloco.network.links import Network
 from diloco.results import RunResult
 from diloco.sim.crash_recovery import CrashRecovery
 from diloco.sim.data_parallel import DataParallelSteps
-from diloco.sim.event_queue import EventQueue
+from diloco.virtual_run.event_queue import EventQueue
 from diloco.sim.failures import CrashPlan, outage_windows
 from diloco.sim.learner_steps import LearnerSteps
 from diloco.sim.learners import SimLearner
-from diloco.sim.ordering import InOrder
+from diloco.virtual_run.push_order import InOrder
 from diloco.sim.regional_wiring import RegionalWiring
 from diloco.sim.sim_events import (AllReduceDone, Beat, Crash, Recover, RegionBack, RegionBeat, RegionDown, SimEvent,
                                    StateArrives, StepEnds, StopArrives, ToRegion, ToSyncer, UpdateArrives)
 from diloco.sim.sim_state import ProgressCallback
 from diloco.sim.summary import global_model, record_eval, run_result
 from diloco.sim.syncer_shell import SyncerShell
-from diloco.sim.timing import StepTimer
+from diloco.virtual_run.step_timer import StepTimer
 from diloco.strategies import build_strategy
 from diloco.training import Replica
 
@@ -63,26 +64,23 @@ class Simulation(LearnerSteps, SyncerShell, RegionalWiring, CrashRecovery, DataP
         materials = prepare(config, factory)
         corpus, self.eval_batches, base = materials.corpus, materials.eval_batches, materials.model
         self.eval_model = copy.deepcopy(base)
-        speeds = config.speeds()
-        count = len(speeds)
-        tokens_per_step = t.batch_size * t.seq_len
+        plans = learner_plans(config, spec=self.spec)
+        count = len(plans)
         self.budget = config.token_budget()
-        equal_steps = self.budget // (count * tokens_per_step)
         self.crash_plan = CrashPlan(config)
         self.network = Network(config)
         self.queue = EventQueue()
         self.learners = []
-        plans = self.spec.planned_steps(speeds, self.budget, tokens_per_step)
         self.home_of = config.fragment_homes(self.spec.fragments) if self.spec.exchange == "outer" else []
-        for m, (speed, planned) in enumerate(zip(speeds, plans)):
+        for m, plan in enumerate(plans):
             sampler = ShardSampler(corpus.train, learner=m, learners=count, seq_len=t.seq_len,
                                    batch_size=t.batch_size, seed=config.seed)
             link = self.network.learner_link(m, outage_windows(config.failures, m), self.home_of)
             self.learners.append(SimLearner(
-                index=m, speed=speed, replica=Replica(copy.deepcopy(base), t, sampler, max(1, planned)),
-                timer=StepTimer(config.learners.step_time_s, speed, config.learners.jitter, config.seed, m,
+                index=m, speed=plan.speed, replica=Replica(copy.deepcopy(base), t, sampler, plan.planned_steps),
+                timer=StepTimer(config.learners.step_time_s, plan.speed, config.learners.jitter, config.seed, m,
                                 config.learners.drift, config.learners.drift_steps),
-                link=link, planned_steps=equal_steps))
+                link=link, last_step=plan.last_step))
         self.parameters = sum(p.numel() for p in base.parameters() if p.requires_grad)
         self.syncer = None
         self.regions = []
@@ -91,7 +89,7 @@ class Simulation(LearnerSteps, SyncerShell, RegionalWiring, CrashRecovery, DataP
             self._build_cores(base)
         self.tokens_trained = 0
         self.eval_curve: list[dict[str, float]] = []
-        self._eval_marks = [self.budget * k // t.eval_points for k in range(1, t.eval_points)]
+        self.eval_marks = EvalMarks(config)
         self.last_event_s = 0.0
         self._gradients_in = {}
         self._in_order = InOrder()
@@ -141,8 +139,7 @@ class Simulation(LearnerSteps, SyncerShell, RegionalWiring, CrashRecovery, DataP
 
     def _count_tokens(self, tokens: int) -> None:
         self.tokens_trained += tokens
-        while self._eval_marks and self.tokens_trained >= self._eval_marks[0]:
-            self._eval_marks.pop(0)
+        for _ in range(self.eval_marks.passed(self.tokens_trained)):
             self._record_eval()
         if self.progress:
             self.progress(self.tokens_trained, self.budget)

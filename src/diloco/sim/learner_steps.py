@@ -57,7 +57,7 @@ class LearnerSteps(SimState):
         if self.crash_plan.any and learner.replica.steps % self.config.failures.checkpoint_every == 0:
             self._save_checkpoint(learner)
         self._count_tokens(tokens)
-        if learner.stop_requested or (not self.spec.shared_budget and learner.replica.steps >= learner.planned_steps):
+        if learner.stop_requested or learner.replica.steps >= learner.last_step:
             self._send_progress(learner)
             self._finish(learner)
             return

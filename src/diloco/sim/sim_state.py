@@ -15,10 +15,10 @@ from diloco.fragments import Fragment
 from diloco.metrics.log import MetricsLog
 from diloco.metrics.records import LearnerMeter, RoundMeter
 from diloco.network.links import Network
-from diloco.sim.event_queue import EventQueue
+from diloco.virtual_run.event_queue import EventQueue
 from diloco.sim.failures import CrashPlan
 from diloco.sim.learners import SimLearner
-from diloco.sim.ordering import InOrder
+from diloco.virtual_run.push_order import InOrder
 from diloco.sim.sim_events import ToSyncer
 from diloco.sim.tier import SimRegion
 from diloco.strategies import StrategySpec
