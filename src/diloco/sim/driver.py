@@ -35,20 +35,20 @@ from diloco.network.links import Network
 from diloco.results import RunResult
 from diloco.sim.crash_recovery import CrashRecovery
 from diloco.sim.data_parallel import DataParallelSteps
-from diloco.virtual_run.event_queue import EventQueue
 from diloco.sim.failures import CrashPlan, outage_windows
 from diloco.sim.learner_steps import LearnerSteps
 from diloco.sim.learners import SimLearner
-from diloco.virtual_run.push_order import InOrder
 from diloco.sim.regional_wiring import RegionalWiring
 from diloco.sim.sim_events import (AllReduceDone, Beat, Crash, Recover, RegionBack, RegionBeat, RegionDown, SimEvent,
                                    StateArrives, StepEnds, StopArrives, ToRegion, ToSyncer, UpdateArrives)
 from diloco.sim.sim_state import ProgressCallback
 from diloco.sim.summary import global_model, record_eval, run_result
 from diloco.sim.syncer_shell import SyncerShell
-from diloco.virtual_run.step_timer import StepTimer
 from diloco.strategies import build_strategy
 from diloco.training import Replica
+from diloco.virtual_run.event_queue import EventQueue
+from diloco.virtual_run.push_order import InOrder
+from diloco.virtual_run.step_timer import StepTimer
 
 
 class Simulation(LearnerSteps, SyncerShell, RegionalWiring, CrashRecovery, DataParallelSteps):
@@ -149,29 +149,6 @@ class Simulation(LearnerSteps, SyncerShell, RegionalWiring, CrashRecovery, DataP
 
     def global_model(self) -> nn.Module:
         return global_model(self)
-
-    def ledger_of(self, learner: int) -> tuple[dict[int, int], dict[int, int]]:
-        """Per fragment, a learner's tokens merged on time and merged stale: by the global syncer, or with the
-        regional tier by its region's syncer over every life, less what died there before going up."""
-        home = self._home(self.learners[learner])
-        if home is not None:
-            merged, stale = home.ledger(learner, len(self.fragments))
-            return dict(enumerate(merged)), dict(enumerate(stale))
-        entry = self.syncer.ledger[learner]
-        return ({p: entry.merged[p] for p in range(len(self.fragments))},
-                {p: entry.stale[p] for p in range(len(self.fragments))})
-
-    def rounds_of(self, learner: int) -> list:
-        """The rounds a learner could take part in: its syncer's."""
-        home = self._home(self.learners[learner])
-        return self.syncer.rounds if home is None else home.rounds()
-
-    def token_ledger(self, learner: int) -> dict[str, list[int]]:
-        """Per fragment: tokens merged on time, merged stale, and lost, for one learner."""
-        merged, stale = self.ledger_of(learner)
-        fragments = range(len(self.fragments))
-        return {"merged": [merged[p] for p in fragments], "stale": [stale[p] for p in fragments],
-                "lost": list(self.learners[learner].lost_tokens)}
 
     def _result(self) -> RunResult:
         for learner in self.learners:

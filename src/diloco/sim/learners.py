@@ -7,8 +7,8 @@ from typing import Any
 
 from diloco.core.learner_core import LearnerCore
 from diloco.network.links import Routes
-from diloco.virtual_run.step_timer import StepTimer, Waiting
 from diloco.training import Replica
+from diloco.virtual_run.step_timer import StepTimer, Waiting
 
 
 @dataclass

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from diloco.metrics.records import resident_memory_bytes
 from diloco.driver_kit.run_summary import LearnerOutcome, build_run_result, learner_token_split
+from diloco.metrics.records import resident_memory_bytes
 from diloco.results import LearnerReport, RunResult, traffic_fields
+from diloco.sim.sim_state import SimState
 from diloco.training import evaluate
 
-if TYPE_CHECKING:
-    from diloco.sim.driver import Simulation
 
-
-def global_model(sim: Simulation) -> nn.Module:
+def global_model(sim: SimState) -> nn.Module:
     """The model the run produced so far: Θ from the syncer, or the data-parallel replica."""
     if sim.syncer is None:
         return sim.learners[0].replica.model
@@ -28,7 +25,7 @@ def global_model(sim: Simulation) -> nn.Module:
     return sim.eval_model
 
 
-def record_eval(sim: Simulation) -> None:
+def record_eval(sim: SimState) -> None:
     """Θ's held-out loss now, on the eval curve and in the metrics."""
     loss = evaluate(global_model(sim), sim.eval_batches)
     sim.eval_curve.append({"time_s": sim.now, "tokens": sim.tokens_trained, "loss": loss})
@@ -39,7 +36,7 @@ def record_eval(sim: Simulation) -> None:
                             memory_bytes=resident_memory_bytes(), rounds=sim.syncer.rounds_closed)
 
 
-def duplicates(sim: Simulation) -> int:
+def duplicates(sim: SimState) -> int:
     """Pushes received twice (counted once), by every syncer of the run."""
     if sim.syncer is None:
         return 0
@@ -48,7 +45,7 @@ def duplicates(sim: Simulation) -> int:
     return regional + sum(e.duplicates for e in sim.syncer.ledger.values())
 
 
-def run_result(sim: Simulation) -> RunResult:
+def run_result(sim: SimState) -> RunResult:
     """What the run measured, in the fields every driver's summary has (`driver_kit/run_summary.py`)."""
     unfinished = [lr.index for lr in sim.learners if not lr.finished]
     if unfinished:
