@@ -8,7 +8,10 @@ import pytest
 from conftest import tiny_config
 from diloco.driver_kit.run_summary import LearnerOutcome, build_run_result, fleet_goodput, whole_tokens
 from diloco.driver_kit.schedule import STEP_CAP, EvalMarks, learner_plan, learner_plans, planned_tokens
+from diloco.core.syncer_core import Stop
 from diloco.results import LearnerReport
+from diloco.shard.ownership import ShardPlan
+from diloco.shard.server import SyncerShard
 from diloco.sim.driver import Simulation
 
 
@@ -78,3 +81,12 @@ def test_eval_marks_fall_due_once_each_as_tokens_pass_them():
     first, second, third = list(marks.marks)
     assert (marks.passed(first - 1), marks.passed(first), marks.passed(first)) == (0, 1, 0)
     assert marks.passed(third) == 2 and marks.passed(10 ** 12) == 0
+
+
+def test_the_shards_shell_carries_out_the_cores_stop():
+    """Every heartbeat reply tells a learner to stop once the core has said `Stop`, and only then: the
+    shell carries the action out instead of judging the budget itself."""
+    shard = SyncerShard(tiny_config("strategy=decoupled"), ShardPlan(0, 1, ("",)))
+    assert not shard.stop_said
+    shard.carry_out([Stop()])
+    assert shard.stop_said
