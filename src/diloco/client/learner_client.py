@@ -27,6 +27,8 @@ from torch import nn
 
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.core.learner_core import LearnerCore
+from diloco.core.learner_events import (Advance, Finished, LearnerAction, PushRefused, SendProgress, SendPush,
+                                        StepDone, UpdateArrived, WaitFor)
 from diloco.core.messages import Push
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment, embedding_names, partition
@@ -168,12 +170,11 @@ class Learner:
         self.tokens += tokens
         self.steps += 1
         before = list(self.core.anchor_versions) if self.rank == 0 else []
-        if self.rank == 0:
-            core = self.core
-            for push in core.on_step(tokens, step_time_s=step_time, now=clock.now()):
-                self._send(push)
-            self._merge_arrived(wait=True)
-            self.link.send(ProgressOut(core.progress()))  # behind this step's pushes, on the same link
+        if self.rank == 0:  # the step sequence every learner follows (`LearnerCore.handle`)
+            self._carry_out(self.core.handle(StepDone(tokens, step_time), clock.now()))
+            self._hand_over()
+            if self._carry_out(self.core.handle(Advance(last=self._stop_requested), clock.now())):
+                self._wait()
         self._share_merges(before)
         self._last_step_end = clock.monotonic()
 
@@ -199,28 +200,36 @@ class Learner:
             self._stop_requested = bool(flags[-1])
         self.merges += int(flags[:-1].sum())
 
-    def _merge_arrived(self, wait: bool) -> None:
-        core = self.core
+    def _carry_out(self, actions: list[LearnerAction]) -> bool:
+        """Send what the core says to send, in order; True if it says to wait before the next step."""
+        for action in actions:
+            if isinstance(action, SendPush):
+                self._send(action.push)
+            elif isinstance(action, SendProgress):  # behind this step's pushes, on the same link
+                self.link.send(ProgressOut(action.progress))
+        return any(isinstance(action, WaitFor) for action in actions)
+
+    def _hand_over(self) -> None:
+        """What came back since the last step: refused pushes, then answers the link has delivered."""
         while not self._refused.empty():
-            core.on_refused(self._refused.get())
-        while True:
-            for arrival in self.link.arrivals.ready():
-                self._take(arrival)
-            poll = core.poll(clock.now())
-            for push in poll.pushes:
-                self._send(push)
-            if not (wait and poll.waiting_for) or self._stop_requested:
-                return  # a learner told to stop does not wait for an answer it will not merge
+            self._carry_out(self.core.handle(PushRefused(self._refused.get()), clock.now()))
+        for arrival in self.link.arrivals.ready():
+            self._carry_out(self._take(arrival))
+
+    def _wait(self) -> None:
+        """Take answers as they come until the core says to go on (synchronous strategies). A learner
+        told to stop does not wait for an answer it will not merge."""
+        while self.core.waiting and not self._stop_requested:
             waited_from = clock.monotonic()
             arrival = self.link.arrivals.get(timeout=1.0)
             self.waiting_s += clock.monotonic() - waited_from
             if arrival is not None:
-                self._take(arrival)
+                self._carry_out(self._take(arrival))
             self._raise_if_failed()
 
-    def _take(self, arrival: Arrival) -> None:
+    def _take(self, arrival: Arrival) -> list[LearnerAction]:
         self.staging.wait_in_training(arrival.ready)
-        self.core.on_update(arrival.update)
+        return self.core.handle(UpdateArrived(arrival.update), clock.now())
 
     def _send(self, push: Push) -> None:
         self.link.send(PushOut(push, self.staging.hand_off(push.deltas.values())))
@@ -237,8 +246,7 @@ class Learner:
         self.wall_s = clock.monotonic() - self.started
         before = list(self.core.anchor_versions) if self.rank == 0 else []
         if self.rank == 0:
-            for push in self.core.finish(clock.now()):  # may merge answers that have arrived
-                self._send(push)
+            self._carry_out(self.core.handle(Finished(), clock.now()))  # may merge answers that have arrived
         self._share_merges(before)
         if self.link is not None:
             self.link.send(LeaveOut(finished))
