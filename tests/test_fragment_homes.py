@@ -13,7 +13,7 @@ from diloco.errors import ConfigError
 from diloco.network.homes import Site, loads, place
 from diloco.sim import simulate
 from diloco.network.links import Direction, Fanout, Network, Route
-from diloco.sim.ordering import InOrder
+from diloco.virtual_run.push_order import InOrder
 
 TWO_BY_TWO = ('regions=[{name = "home", speeds = [1, 1], syncer = true, '
               'lan = {bandwidth_mbit = 1000, latency_ms = 1}, wan = {bandwidth_mbit = 20, latency_ms = 30}}, '

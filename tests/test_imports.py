@@ -39,9 +39,9 @@ def grpc_modules_loaded_by(*argvs: list[str]) -> list[str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def module_imports() -> dict[str, set[str]]:
+def module_imports(type_hints: bool = False) -> dict[str, set[str]]:
     """Every diloco module, and the diloco modules it imports anywhere in its body (lazy imports too;
-    not those under `if TYPE_CHECKING:`, which only type hints see)."""
+    those under `if TYPE_CHECKING:`, which only type hints see, with `type_hints` only)."""
     files = {}
     for path in SOURCE.rglob("*.py"):
         parts = path.relative_to(SOURCE).with_suffix("").parts
@@ -50,7 +50,8 @@ def module_imports() -> dict[str, set[str]]:
     for name, path in files.items():
         targets = set()
         tree = ast.parse(path.read_text())
-        for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and _type_checking_only(n)]:
+        for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and _type_checking_only(n)
+                      and not type_hints]:
             block.body = []  # imports for type hints alone are never executed: they make no cycle
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -88,6 +89,28 @@ def test_help_of_every_command_loads_no_grpc():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert {"sim", "run", "syncer", "learner"} <= set(commands)
     assert grpc_modules_loaded_by(["--help"], *([name, "--help"] for name in commands)) == []
+
+
+NOT_ON_THE_SIMULATOR = ("diloco.shard", "diloco.client", "diloco.launch", "diloco.transport", "diloco.network",
+                        "diloco.plan", "diloco.driver_kit", "diloco.virtual_run")
+"""The real driver, the planner and what they share with the simulator: none may load it."""
+
+
+def test_the_real_driver_and_the_planner_never_import_the_simulator():
+    graph = module_imports(type_hints=True)
+
+    def reached(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for dep in graph[todo.pop()] - seen:
+                seen.add(dep)
+                todo.append(dep)
+        return seen
+
+    offenders = {name: sorted(d for d in reached(name) if d == "diloco.sim" or d.startswith("diloco.sim."))
+                 for name in graph if name.startswith(NOT_ON_THE_SIMULATOR)}
+    assert not {name: sim for name, sim in offenders.items() if sim}
 
 
 @pytest.mark.integration  # runs `diloco` in a fresh interpreter

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from diloco import __version__
 from diloco.config import load_config
-from diloco.console import learners_table, progress_bars, results_table, show_outputs
+from diloco.console import learners_table, print_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
 from diloco.goodput.goodput_cli import add_arguments as add_goodput_arguments
 from diloco.outputs import output_folder, write_output, writing
@@ -41,8 +41,8 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
         metrics.close()
     write_output(out / "summary.json", json.dumps(result.summary(), indent=2) + "\n")
     if not args.quiet:
-        console.print(results_table(result))
-        console.print(learners_table(result))
+        print_table(console, results_table(result))
+        print_table(console, learners_table(result))
     show_outputs(console, out)
     return 0
 

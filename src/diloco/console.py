@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -67,6 +68,21 @@ def learners_table(result: RunResult) -> Table:
                       f"{r.eval_loss:.4f}" if r.eval_loss is not None else "-", str(r.crashes),
                       human_bytes(r.bytes_up), human_bytes(r.bytes_down))
     return table
+
+
+def print_table(console: Console, table: Table) -> None:
+    """A table whole. On a terminal rich fits it to the window; elsewhere (a CI log, `| tee`) it would cut
+    it to 80 columns ("lea…", "spe…"), so it is printed as wide as it needs."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    needed = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    width = console.width
+    console.width = max(width, needed)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
 
 
 def progress_bars(label: str, detail: str) -> Progress:

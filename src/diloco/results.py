@@ -20,12 +20,15 @@ class LearnerReport:
     busy_s: float
     waiting_s: float
     down_s: float
-    busy_fraction: float
-    crashes: int
-    tokens_lost: float
-    """Tokens trained but never merged, e.g. lost in a crash (averaged over the model's parameters)."""
-    bytes_up: int
-    bytes_down: int
+    busy_fraction: float = 0.0
+    """Of the run's training time (`fleet_goodput`): set by `build_run_result`, as are `tokens_lost`
+    and `rounds`."""
+    crashes: int = 0
+    tokens_lost: int = 0
+    """Tokens trained but never merged, e.g. lost in a crash (averaged over the model's parameters, in
+    whole tokens: `driver_kit/run_summary.py`)."""
+    bytes_up: int = 0
+    bytes_down: int = 0
     eval_loss: float | None = None
     """Held-out loss of this learner's own model at its end, on the same batches as Θ's."""
     rounds: dict[str, Any] = field(default_factory=dict)
@@ -44,15 +47,16 @@ class RunResult:
     wire_bytes_up: int
     wire_bytes_down: int
     goodput: float
-    """Fraction of all learners' time spent in inner steps."""
+    """Fraction of all learners' time over the run spent in inner steps (`fleet_goodput`)."""
     peak_sync_bytes: int
     """Largest single sync message one learner sent (for data-parallel: one step's all-reduce share)."""
     rounds: int
     parameters: int
-    tokens_merged: float
-    tokens_stale: float
-    tokens_lost: float
-    """Token accounting of the syncer, averaged over the model's parameters: trained = merged + stale + lost."""
+    tokens_merged: int
+    tokens_stale: int
+    tokens_lost: int
+    """Token accounting of the syncer, averaged over the model's parameters, in whole tokens:
+    trained = merged + stale + lost (`driver_kit/run_summary.py`)."""
     per_learner: list[LearnerReport]
     eval_curve: list[dict[str, float]]
     config: dict[str, Any] = field(default_factory=dict)

@@ -24,6 +24,7 @@ from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.config import Config
 from diloco.core.recovery import RestorePolicy, restore_plan
 from diloco.data import ShardSampler
+from diloco.driver_kit.schedule import STEP_CAP, learner_plan
 from diloco.errors import DilocoError
 from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
@@ -33,15 +34,12 @@ from diloco.client.learner_client import HomeLink, Learner, LinkShape
 from diloco.transport.ports import report_port
 from diloco.shard.ownership import fragment_owners
 from diloco.status.endpoint import LOOPBACK, HttpExposure
-from diloco.strategies import build_strategy
 from diloco.training import Replica, evaluate, resolve_device
 from diloco.transport.security import TransportSecurity
 from diloco.network.shaping import ShapedDirection
 
 log = logging.getLogger("diloco.learner")
 
-SHARED_BUDGET_CAP = 4
-"""With a shared budget, a learner stops at this many times its plan even if no stop came (a bound)."""
 ORIGIN_ENV = "DILOCO_RUN_ORIGIN"
 """Unix time at which `diloco run` started, for every child's metrics to share one time axis."""
 
@@ -101,7 +99,10 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
     sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security)
     m, rank, world = sync.id, sync.rank, sync.world
-    speed, planned = _place(config, replica, materials.corpus.train, m, rank, world)
+    plan = learner_plan(config, m, syncing=syncer is not None)
+    speed, planned = plan.speed, plan.planned_steps
+    replica.sampler = _data_shard(config, materials.corpus.train, m, rank, world)
+    replica.planned_steps = planned
     checkpoint = out / "checkpoints" / f"learner-{m}.pt" if out is not None else None
     if checkpoint is not None and checkpoint.is_file():
         restore_checkpoint(checkpoint, replica, world, config.failures.restore)
@@ -121,8 +122,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     # With a shared budget every learner trains until the syncer says the budget is spent, so all stop
     # together as in the simulator (its plan only shapes its learning-rate schedule); a learner that
     # stopped at its own plan would leave the others' last rounds to speak for the whole fleet.
-    shared = build_strategy(config).shared_budget and syncer is not None
-    training.run(planned * SHARED_BUDGET_CAP if shared else planned)
+    training.run(plan.last_step)
     report = sync.close(finished=not (stop is not None and stop.is_set()))
     if rank == 0:
         training.record(final=True)  # after the last pushes and the leave: every byte is counted
@@ -224,15 +224,12 @@ def _link_shape(config: Config, learner: int | None, home: str | None) -> LinkSh
     return LinkShape(shape.bandwidth_mbit, shape.latency_ms)
 
 
-def _place(config: Config, replica: Replica, tokens: Any, m: int, rank: int, world: int) -> tuple[float, int]:
-    """The learner's speed and planned steps, and its data shard (a rank of it, under torchrun)."""
-    t, speeds = config.train, config.speeds()
-    plans = build_strategy(config).planned_steps(speeds, config.token_budget(), t.batch_size * t.seq_len)
-    planned = plans[m] if m < len(plans) else plans[-1]
-    replica.sampler = ShardSampler(tokens, learner=m * world + rank, learners=max(len(speeds), m + 1) * world,
-                                   seq_len=t.seq_len, batch_size=t.batch_size, seed=config.seed)
-    replica.planned_steps = planned
-    return (speeds[m] if m < len(speeds) else 1.0), planned
+def _data_shard(config: Config, tokens: Any, m: int, rank: int, world: int) -> ShardSampler:
+    """The learner's data shard (a rank of it, under torchrun)."""
+    t = config.train
+    learners = max(len(config.speeds()), m + 1) * world
+    return ShardSampler(tokens, learner=m * world + rank, learners=learners, seq_len=t.seq_len,
+                        batch_size=t.batch_size, seed=config.seed)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -250,7 +247,7 @@ def restore_checkpoint(path: Path, replica: Replica, world: int, policy: Restore
     """A restarted learner's own state, as `core/recovery.py` says: data position and step count, and
     the inner optimizer unless the policy is `fresh`. Its parameters come from the syncer's current Θ
     instead, which is newer. Loaded without unpickling code, once checked (`checkpoints.py`)."""
-    state = read_checkpoint(path, replica.planned_steps * SHARED_BUDGET_CAP, replica.optimizer)
+    state = read_checkpoint(path, replica.planned_steps * STEP_CAP, replica.optimizer)
     plan = restore_plan(policy, has_checkpoint=True)
     if plan.optimizer:
         replica.optimizer.load_state_dict(state["optimizer"])

@@ -19,15 +19,16 @@ import torch
 
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.config import Config
-from diloco.core.accounting import ledger_of, learner_round_stats, learner_tokens, round_stats
+from diloco.driver_kit.run_summary import build_run_result
+from diloco.driver_kit.schedule import EvalMarks, planned_tokens
 from diloco.errors import DilocoError
-from diloco.results import LearnerReport, RunResult
 from diloco.materials import prepare
 from diloco.metrics import open_metrics
 from diloco.metrics.records import learner_lives
 from diloco.outputs import write_output, writing
 from diloco.client.builtin_loop import ORIGIN_ENV
 from diloco.transport.ports import read_port_file, wait_for_port
+from diloco.launch.child_reports import learner_outcomes, merge_metrics, report_from_metrics
 from diloco.launch.outages import RegionOutages
 from diloco.launch.processes import Child, Children
 from diloco.transport.run_settings import check_shards, settings_of
@@ -50,30 +51,6 @@ class Progress:
     planned: dict[int, int] = field(default_factory=dict)
     rounds: int = 0
     eval_loss: float | None = None
-
-
-def merge_metrics(folder: Path, into: Path) -> None:
-    """Every process's records in one file, ordered by time; a line cut short by a kill is dropped."""
-    records = []
-    for path in sorted(folder.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    records.sort(key=lambda r: r.get("time_s", 0.0))
-    write_output(into, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
-
-
-def report_from_metrics(learner: int, last: dict[str, Any], speed: float) -> dict[str, Any]:
-    """What a learner that vanished without its report last recorded, in the report's shape: its time
-    from the run's start (it had no other clock), the busy part of it, its bytes."""
-    wall = last.get("time_s", 0.0)
-    return {"learner": learner, "speed": speed, "tokens": last["tokens"], "steps": last["steps"],
-            "busy_s": last.get("busy_fraction", 0.0) * wall, "waiting_s": 0.0, "wall_s": wall,
-            "busy_fraction": last.get("busy_fraction", 0.0), "bytes_up": last.get("bytes_up", 0),
-            "bytes_down": last.get("bytes_down", 0), "peak_message_bytes_up": 0, "eval_loss": None,
-            "reported": False}
 
 
 class Launcher:
@@ -113,16 +90,12 @@ class Launcher:
         """Each endpoint's port file, and its URL with {} for the port."""
         self.metrics = open_metrics(self.shared / "metrics", name="launcher", origin=self.started_unix)
         self.clients: list[ShardClient] = []
-        t = config.train
         torch.set_num_threads(1)  # evaluating Θ here must not take the cores the learners share
         materials = prepare(config)
         self.eval_batches, self.model = materials.eval_batches, materials.model
-        speeds = config.speeds()
-        tokens_per_step = t.batch_size * t.seq_len
         self.budget = config.token_budget()
-        plans = build_strategy(config).planned_steps(speeds, self.budget, tokens_per_step)
-        self.progress = Progress(planned={m: p * tokens_per_step for m, p in enumerate(plans)})
-        self.eval_marks = [self.budget * k // t.eval_points for k in range(1, t.eval_points)]
+        self.progress = Progress(planned=dict(enumerate(planned_tokens(config))))
+        self.eval_marks = EvalMarks(config)
         self.eval_curve: list[dict[str, float]] = []
         self.started = clock.monotonic()
         self.expected_down: set[str] = set()
@@ -303,8 +276,7 @@ class Launcher:
                 self._poll_status()
             except DilocoError:  # a shard is restarting: look again next time
                 pass
-            while self.eval_marks and sum(self.progress.tokens.values()) >= self.eval_marks[0]:
-                self.eval_marks.pop(0)
+            for _ in range(self.eval_marks.passed(sum(self.progress.tokens.values()))):
                 try:
                     self._record_eval()
                 except DilocoError:  # a shard is restarting: this point is skipped
@@ -378,7 +350,7 @@ class Launcher:
         from diloco.results import links_from_learners, links_from_regions, sent_by_home, traffic_fields
 
         self._collect_endpoints()
-        loss = self._record_eval()
+        self._record_eval()
         with writing(self.out / "model.pt"):
             torch.save(self.model.state_dict(), self.out / "model.pt")
         shards = [json.loads(c.status().report_json) for c in self.clients]
@@ -402,43 +374,19 @@ class Launcher:
         parameters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         numel = {int(p): n for shard in shards for p, n in shard.get("fragment_numel", {}).items()}
         rounds = [r for shard in shards for r in shard.get("rounds", [])]
-        learner_rounds = [r for shard in learners_syncers for r in shard.get("rounds", [])]
-        totals = {"merged": 0.0, "stale": 0.0, "lost": 0.0}
-        reports = []
-        for r in learners:
-            m = r["learner"]
-            merged, stale = ledger_of(learners_syncers, m)
-            # A learner that was killed and restarted trained in each of its lives: count them all.
-            trained = sum(life["tokens"] for life in lives[m]) if m in lives else r["tokens"]
-            restarts = len(lives[m]) - 1 if m in lives else 0
-            tokens = learner_tokens(trained, merged, stale, numel)
-            for key in totals:
-                totals[key] += tokens[key]
-            reports.append(LearnerReport(learner=m, speed=r["speed"], tokens=trained, steps=r["steps"],
-                                         busy_s=r["busy_s"], waiting_s=r["waiting_s"], down_s=0.0,
-                                         busy_fraction=r["busy_fraction"], crashes=restarts,
-                                         tokens_lost=tokens["lost"], bytes_up=r["bytes_up"],
-                                         bytes_down=r["bytes_down"], eval_loss=r.get("eval_loss"),
-                                         rounds=learner_round_stats(learner_rounds, m)))
-        self.eval_curve[-1]["time_s"] = self.training_s
+        outcomes = learner_outcomes(learners, lives, learners_syncers, numel)
         order = self.home_order()
         by_home = {r["learner"]: sent_by_home(r["bytes_by_home"], order) for r in learners if "bytes_by_home" in r}
-        learner_losses = [r.eval_loss for r in reports if r.eval_loss is not None]
-        result = RunResult(
-            strategy=self.config.strategy, learners=len(reports), tokens=sum(r.tokens for r in reports),
-            final_eval_loss=loss, training_time_s=self.training_s,
-            wire_bytes_up=sum(r.bytes_up for r in reports), wire_bytes_down=sum(r.bytes_down for r in reports),
-            goodput=sum(r["busy_s"] for r in learners) / sum(r["wall_s"] for r in learners),
+        result = build_run_result(
+            strategy=self.config.strategy, outcomes=outcomes, training_time_s=self.training_s,
+            eval_curve=self.eval_curve, round_records=rounds,
             peak_sync_bytes=max(r["peak_message_bytes_up"] for r in learners),
-            rounds=len(rounds), parameters=parameters, tokens_merged=totals["merged"],
-            tokens_stale=totals["stale"], tokens_lost=totals["lost"], per_learner=reports,
-            eval_curve=self.eval_curve, config=self.config.to_dict(), round_stats=round_stats(rounds),
-            learners_eval_loss_mean=sum(learner_losses) / len(learner_losses) if learner_losses else None,
+            rounds=len(rounds), parameters=parameters, config=self.config.to_dict(),
             clock="real", wall_clock_s=clock.monotonic() - self.started,
             duplicates=sum(e.get("duplicates", 0) for s in shards + regions for e in s.get("ledger", {}).values()),
             shards=self.shard_count, endpoints=dict(self.endpoints), launcher=self.launcher_name,
-            cluster=self.cluster_report(tokens_merged=totals["merged"]),
-            **traffic_fields(links_from_learners(self.config, reports, by_home)
+            cluster=self.cluster_report(tokens_merged=sum(o.tokens_split["merged"] for o in outcomes)),
+            **traffic_fields(links_from_learners(self.config, [o.report for o in outcomes], by_home)
                              + links_from_regions(self.config, regions, order)))
         self.result = result
         return result.summary()

@@ -10,16 +10,30 @@ a region that has not begun."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from diloco.clock import SYSTEM_CLOCK as clock
+from diloco.config import Config
+from diloco.launch.processes import Children
 
-if TYPE_CHECKING:
-    from diloco.launch.launcher import Launcher
+
+class SeenProgress(Protocol):
+    tokens: dict[int, int]
+    """Per learner, the tokens its syncer has counted."""
+
+
+class Launched(Protocol):
+    """What the outages need of the launcher (`launch/launcher.py`), which starts them."""
+
+    config: Config
+    children: Children
+    progress: SeenProgress
+    expected_down: set[str]
+    training_started: float
 
 
 class RegionOutages:
-    def __init__(self, launcher: Launcher) -> None:
+    def __init__(self, launcher: Launched) -> None:
         self.launcher = launcher
         config = launcher.config
         self.plan = sorted((o.at_s, o.duration_s, o.region) for o in config.failures.outages if o.region)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from diloco.config import Config, load_config
-from diloco.console import learners_table, progress_bars, results_table, show_outputs
+from diloco.console import learners_table, print_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
 from diloco.metrics import open_metrics
 from diloco.outputs import output_folder, write_output
@@ -151,8 +151,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if not args.quiet:
         table = results_table(launcher.result, f"diloco run: {config.strategy}, {config.learners.count} learners")
         table.add_row("wall-clock (whole command)", f"{summary['wall_clock_s']:.1f} s")
-        console.print(table)
-        console.print(learners_table(launcher.result))
+        print_table(console, table)
+        print_table(console, learners_table(launcher.result))
     show_outputs(console, out)
     return 0
 

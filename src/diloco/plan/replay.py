@@ -1,17 +1,13 @@
-"""Exact wire bytes of a synchronous run, without training: the simulator's schedule replayed with its
-own step timers (`sim/timing.py`), links (`network/links.py`) and event queue (`sim/event_queue.py`).
+"""Exact wire bytes of a synchronous run, without training: the simulator's run replayed with its own
+cores, step timers (`virtual_run/step_timer.py`), links (`network/links.py`) and event queue
+(`virtual_run/event_queue.py`).
 
 Most of a run's bytes follow from the schedule alone (every push, every progress report). Which answers
 are sent does not: an answer goes only to a learner that has not finished, and near the end of a run
 whether a round closes before its learners finish depends on the links' timing. So the replay walks the
-run in virtual time, as the simulator does, with messages as byte counts instead of tensors, taking the
-same decisions as the learner and syncer cores of a synchronous strategy:
-
-- a learner pushes fragment p after the steps its schedule says (offset o_p, period H), sends a progress
-  report after every step, waits at step t + τ until the answer to its push of step t is in, and at its
-  last step pushes what no push has carried yet, then announces that it leaves;
-- a round closes when every learner still in the run has pushed to it; its answers go to those of its
-  participants that have not finished.
+run in virtual time, as the simulator does, with messages as byte counts instead of tensors, and the
+strategy's own learner and syncer cores (`spec.learner_core`, `spec.syncer_core`) decide every push,
+round and answer, as they do in both drivers: nothing is decided here.
 
 Each learner's messages take its ways to the fragments' homes over the simulator's own network
 (`network/links.py`'s `Network`: with `[[regions]]` its LAN, then its region's WAN link to each home, shared with
@@ -28,20 +24,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
+from diloco.core.events import (HeartbeatArrived, LearnerLeft, ProgressArrived, PushArrived, SyncerEvent,
+                                TimerFired)
+from diloco.core.learner_core import LearnerCore
+from diloco.core.liveness import HEARTBEAT_S
+from diloco.core.messages import Push, Update
+from diloco.core.syncer_core import Action, Publish, Timer
+from diloco.driver_kit.schedule import learner_plans
 from diloco.errors import DilocoError
+from diloco.fragments import Fragment
+from diloco.network.links import Network
 from diloco.plan.layout import Layout, model_layout
-from diloco.plan.wire import LEAVE_BYTES, all_reduce_share, progress_bytes, push_bytes, update_bytes
+from diloco.plan.wire import LEAVE_BYTES, all_reduce_share, push_bytes, update_bytes
 from diloco.results import traffic_fields
-from diloco.sim.timing import Waiting
+from diloco.virtual_run.event_queue import EventQueue
+from diloco.virtual_run.push_order import InOrder
+from diloco.virtual_run.step_timer import StepTimer, Waiting
 
 if TYPE_CHECKING:
     from diloco.config import Config
     from diloco.network.links import Routes
-    from diloco.sim.timing import StepTimer
     from diloco.strategies import StrategySpec
 
-MAX_EVENTS = 5_000_000
-"""Steps × learners beyond which a replay would take minutes: the planner estimates instead."""
+MAX_EVENTS = 500_000
+"""Steps × learners beyond which a replay (the real cores, a fraction of a millisecond a learner-step) would take
+minutes: the planner estimates instead."""
 
 
 @dataclass
@@ -74,8 +83,9 @@ def replay_problem(config: Config, spec: StrategySpec | None = None) -> str | No
         return "the regional tier's syncers decide from timings of their own"
     if spec.quorum is not None or spec.shared_budget or spec.pacing or not spec.wait_for_updates:
         return f"{spec.name} is asynchronous: its rounds depend on timings the syncer estimates as it goes"
-    steps = config.token_budget() // (len(config.speeds()) * config.train.batch_size * config.train.seq_len)
-    if steps * len(config.speeds()) > MAX_EVENTS:
+    plans = learner_plans(config, spec=spec)
+    steps = max(p.last_step for p in plans)
+    if steps * len(plans) > MAX_EVENTS:
         return f"the run is too long to replay ({steps:,} steps per learner)"
     return None
 
@@ -96,7 +106,7 @@ def replay(config: Config, layout: Layout | None = None) -> ReplayResult:
     layout = layout or model_layout(config, spec.fragments)
     if spec.exchange == "gradients":
         return _data_parallel(config, layout)
-    return _SyncReplay(config, spec, layout).run()
+    return _CoreReplay(config, spec, layout).run()
 
 
 # ---------------------------------------------------------------- data-parallel
@@ -105,12 +115,9 @@ def replay(config: Config, layout: Layout | None = None) -> ReplayResult:
 def _data_parallel(config: Config, layout: Layout) -> ReplayResult:
     """Every step: each learner's step, then a ring all-reduce timed over the slowest link (a learner's
     whole route with regions: `sim/data_parallel.py`); its share is counted on every link, both ways."""
-    from diloco.network.links import Network
-    from diloco.sim.timing import StepTimer
-
-    speeds = config.speeds()
-    count, lc = len(speeds), config.learners
-    steps = config.token_budget() // (count * config.train.batch_size * config.train.seq_len)
+    plans = learner_plans(config)
+    count, lc = len(plans), config.learners
+    steps = plans[0].last_step
     grad_bytes = 4 * layout.parameters  # fp32 gradients of every trainable tensor
     share = all_reduce_share(grad_bytes, count)
     network = Network(config)
@@ -118,8 +125,8 @@ def _data_parallel(config: Config, layout: Layout) -> ReplayResult:
     bandwidth = min(min(lk.up.bandwidth_bps, lk.down.bandwidth_bps) for lk in links)
     latency = max(lk.up.latency_s for lk in links)
     duration = 2 * (count - 1) * (latency + grad_bytes / count * 8 / bandwidth) if count >= 2 else 0.0
-    timers = [StepTimer(lc.step_time_s, v, lc.jitter, config.seed, m, lc.drift, lc.drift_steps)
-              for m, v in enumerate(speeds)]
+    timers = [StepTimer(lc.step_time_s, p.speed, lc.jitter, config.seed, m, lc.drift, lc.drift_steps)
+              for m, p in enumerate(plans)]
     now, waiting = 0.0, [0.0] * count
     for _ in range(steps):
         ends = [now + timer.next() for timer in timers]
@@ -142,57 +149,58 @@ class _Learner(Waiting):
     index: int
     timer: StepTimer
     link: Routes
-    next_due: list[int]
-    steps_since: list[int]
-    in_flight: dict[int, list] = field(default_factory=dict)
-    """Per fragment in flight: [step at which its answer is merged, whether the answer is in]."""
-    step: int = 0
+    core: LearnerCore
     waiting_since: float | None = None
     waiting_s: float = 0.0
     finished: bool = False
 
 
-class _SyncReplay:
-    def __init__(self, config: Config, spec: StrategySpec, layout: Layout) -> None:
-        from diloco.fragments import Schedule
-        from diloco.sim.event_queue import EventQueue
-        from diloco.network.links import Network
-        from diloco.sim.timing import StepTimer
+class _CoreReplay:
+    """The simulator's run with its own cores (`spec.learner_core`, `spec.syncer_core`) deciding, and
+    messages as byte counts: the cores hold stand-in tensors of one element per tensor of the model, since
+    what they decide (pushes, rounds, answers) does not depend on the values, and each message's bytes
+    come from the layout. The learners' side follows the simulator's step sequence
+    (`sim/learner_steps.py`); the syncer's, its shell (`sim/syncer_shell.py`)."""
 
-        c, lc = config.codec, config.learners
-        fragments = layout.fragments
-        self.count = len(fragments)
-        self.push = [push_bytes(f.tensors, c.up, c.block) for f in fragments]
-        self.update = [update_bytes(f.tensors, c.down, c.block) for f in fragments]
-        self.progress = progress_bytes(self.count)
-        self.tau = spec.tau
-        speeds = config.speeds()
-        self.steps = config.token_budget() // (len(speeds) * config.train.batch_size * config.train.seq_len)
+    def __init__(self, config: Config, spec: StrategySpec, layout: Layout) -> None:
+        c, lc, t = config.codec, config.learners, config.train
+        fragments = [Fragment(f.index, tuple(f"{f.index}.{i}" for i in range(len(f.tensors))), f.numel, f.embedding)
+                     for f in layout.fragments]
+        stand_in = {n: torch.zeros(1) for f in fragments for n in f.names}
+        embeddings = {n for f in fragments if f.embedding for n in f.names}
+        self.push = [push_bytes(f.tensors, c.up, c.block) for f in layout.fragments]
+        self.update = [update_bytes(f.tensors, c.down, c.block) for f in layout.fragments]
+        self.tokens_per_step = t.batch_size * t.seq_len
+        plans = learner_plans(config, spec=spec)
+        self.last_step = [p.last_step for p in plans]
         self.queue = EventQueue()
-        self.schedules = [Schedule(spec.period(m), self.count) for m in range(len(speeds))]
         self.network = Network(config)
-        home_of = config.fragment_homes(self.count)
-        self.learners = [
-            _Learner(m, StepTimer(lc.step_time_s, v, lc.jitter, config.seed, m, lc.drift, lc.drift_steps),
-                     self.network.learner_link(m, [], home_of),
-                     [self.schedules[m].next_due(p, 0) for p in range(self.count)], [0] * self.count)
-            for m, v in enumerate(speeds)]
-        self.alive = set(range(len(speeds)))
-        self.pending: list[set[int]] = [set() for _ in range(self.count)]
+        home_of = config.fragment_homes(len(fragments))
+        self.syncer = spec.syncer_core(stand_in, fragments, range(len(plans)), embeddings=embeddings)
+        self.learners = []
+        for m, plan in enumerate(plans):
+            self.syncer.declare(m, self.tokens_per_step)
+            self.syncer.rejoin_state(m, after_seq=0)
+            params = {n: v.clone() for n, v in stand_in.items()}
+            self.learners.append(_Learner(
+                m, StepTimer(lc.step_time_s, plan.speed, lc.jitter, config.seed, m, lc.drift, lc.drift_steps),
+                self.network.learner_link(m, [], home_of), spec.learner_core(m, params, fragments)))
+        self.in_order: InOrder = InOrder()
         self.last_event = 0.0
 
     def run(self) -> ReplayResult:
         for learner in self.learners:
             self._start_step(learner)
-        handlers = {"step": self._on_step_end, "push": self._on_push, "left": self._on_left,
+            self.queue.schedule(HEARTBEAT_S, ("beat", learner.index, None))
+        handlers = {"step": self._on_step_end, "beat": self._on_beat, "syncer": self._on_arrival,
                     "update": self._on_update}
         while self.queue:
-            kind, m, p = self.queue.pop()
-            handlers[kind](self.learners[m], p)
+            kind, m, payload = self.queue.pop()
+            handlers[kind](self.learners[m] if m is not None else None, payload)
         return ReplayResult([lr.link.up.bytes_sent for lr in self.learners],
                             [lr.link.down.bytes_sent for lr in self.learners],
                             [lr.waiting_s for lr in self.learners], self.last_event,
-                            max(lr.link.up.peak_message_bytes for lr in self.learners), self.steps,
+                            max(lr.link.up.peak_message_bytes for lr in self.learners), max(self.last_step),
                             traffic_fields(self.network.link_entries(self.last_event))["links"])
 
     @property
@@ -202,83 +210,79 @@ class _SyncReplay:
     # ---------------------------------------------------------- the learner's side
 
     def _start_step(self, learner: _Learner) -> None:
-        self.queue.schedule(self.now + learner.timer.next(), ("step", learner.index, -1))
+        self.queue.schedule(self.now + learner.timer.next(), ("step", learner.index, None))
 
-    def _on_step_end(self, learner: _Learner, _: int) -> None:
+    def _on_beat(self, learner: _Learner, _: None) -> None:
+        if learner.finished:
+            return
+        report = learner.core.progress()
+        beat = HeartbeatArrived(learner.index, step=report.step, tokens=report.tokens)
+        self.queue.schedule(learner.link.up.signal(self.now), ("syncer", None, beat))
+        self.queue.schedule(self.now + HEARTBEAT_S, ("beat", learner.index, None))
+
+    def _on_step_end(self, learner: _Learner, _: None) -> None:
         self.last_event = max(self.last_event, self.now)
-        learner.step += 1
-        learner.steps_since = [s + 1 for s in learner.steps_since]
-        self._push_due(learner)
-        learner.link.up.send(self.now, self.progress)
-        if learner.step >= self.steps:
+        for push in learner.core.on_step(self.tokens_per_step, step_time_s=learner.timer.last_s, now=self.now):
+            self._send_push(learner, push)
+        if learner.core.step >= self.last_step[learner.index]:
+            self._send_progress(learner)
             self._finish(learner)
-        else:
-            self._advance(learner)
+            return
+        self._advance(learner)
+        self._send_progress(learner)
 
-    def _push_due(self, learner: _Learner) -> None:
-        for p in range(self.count):
-            if p not in learner.in_flight and learner.step >= learner.next_due[p]:
-                self._send_push(learner, p)
-                learner.in_flight[p] = [learner.step + self.tau, False]
-                learner.next_due[p] = learner.step + self.schedules[learner.index].H
+    def _send_progress(self, learner: _Learner) -> None:
+        report = learner.core.progress()
+        arrival = learner.link.up.send(self.now, report.wire_bytes())
+        self.queue.schedule(arrival, ("syncer", None, ProgressArrived(report)))
 
-    def _send_push(self, learner: _Learner, p: int) -> None:
-        learner.steps_since[p] = 0
-        arrival = learner.link.up.send(self.now, self.push[p], p)
-        self.queue.schedule(arrival, ("push", learner.index, p))
-
-    def _merge_arrived(self, learner: _Learner, due_only: bool) -> None:
-        for p, (merge_at, arrived) in sorted(learner.in_flight.items()):
-            if arrived and (learner.step >= merge_at or not due_only):
-                del learner.in_flight[p]
+    def _send_push(self, learner: _Learner, push: Push) -> None:
+        self.in_order.sent(learner.index, push.seq)
+        arrival = learner.link.up.send(self.now, self.push[push.fragment], push.fragment)
+        self.queue.schedule(arrival, ("syncer", None, PushArrived(push)))
 
     def _advance(self, learner: _Learner) -> None:
-        self._merge_arrived(learner, due_only=True)
-        self._push_due(learner)
-        if any(learner.step >= merge_at for merge_at, _ in learner.in_flight.values()):
+        poll = learner.core.poll(self.now)
+        for push in poll.pushes:
+            self._send_push(learner, push)
+        if poll.waiting_for:
             learner.wait(self.now)
         else:
             learner.resume(self.now)
             self._start_step(learner)
 
     def _finish(self, learner: _Learner) -> None:
-        """The last step: merge what has arrived, push what no push carried yet, leave."""
+        """The last step: push what no push carried yet, then leave."""
         learner.finished = True
         learner.resume(self.now)
-        self._merge_arrived(learner, due_only=False)
-        for p in range(self.count):
-            if learner.steps_since[p]:
-                self._send_push(learner, p)
+        for push in learner.core.finish(self.now):
+            self._send_push(learner, push)
         arrival = learner.link.up.send(self.now, LEAVE_BYTES)
-        self.queue.schedule(arrival, ("left", learner.index, -1))
+        self.queue.schedule(arrival, ("syncer", None, LearnerLeft(learner.index, finished=True)))
 
-    def _on_update(self, learner: _Learner, p: int) -> None:
-        flight = learner.in_flight.get(p)
-        if learner.finished or flight is None or flight[1]:
+    def _on_update(self, learner: _Learner, update: Update) -> None:
+        if learner.finished:
             return
-        flight[1] = True
+        learner.core.on_update(update)
         if learner.waiting_since is not None:
             self._advance(learner)
 
     # ---------------------------------------------------------- the syncer's side
 
-    def _on_push(self, learner: _Learner, p: int) -> None:
-        self.pending[p].add(learner.index)
-        self._evaluate(p)
+    def _on_arrival(self, _: None, event: SyncerEvent) -> None:
+        events = self.in_order.arrived(event.push.learner, event.push.seq, event) \
+            if isinstance(event, PushArrived) else [event]
+        for event in events:
+            self._carry_out(self.syncer.handle(event, self.now))
 
-    def _on_left(self, learner: _Learner, _: int) -> None:
-        self.alive.discard(learner.index)
-        for p in range(self.count):
-            self._evaluate(p)
-
-    def _evaluate(self, p: int) -> None:
-        """Synchronous: a round closes once every learner still in the run has pushed to it."""
-        if not self.pending[p] or not self.alive <= self.pending[p]:
-            return
-        self.last_event = max(self.last_event, self.now)
-        for m in sorted(self.pending[p]):
-            learner = self.learners[m]
-            if not learner.finished:
-                arrival = learner.link.down.send(self.now, self.update[p], p)
-                self.queue.schedule(arrival, ("update", m, p))
-        self.pending[p] = set()
+    def _carry_out(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Timer):
+                self.queue.schedule(action.at, ("syncer", None, TimerFired()))
+            elif isinstance(action, Publish):
+                self.last_event = max(self.last_event, self.now)
+                for m, update in action.updates.items():
+                    learner = self.learners[m]
+                    if not learner.finished:
+                        arrival = learner.link.down.send(self.now, self.update[update.fragment], update.fragment)
+                        self.queue.schedule(arrival, ("update", m, update))

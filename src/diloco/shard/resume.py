@@ -90,6 +90,7 @@ def resume(shard: SyncerShard) -> None:
         shard.core.load_state_dict(state["core"])
         shard.joined, shard.left = set(state["joined"]), set(state["left"])
         shard.finished = bool(state["finished"])
+        shard.stop_said = shard.core.stopped  # a Stop carried out before the state was saved
         shard.last_updates = {m: {p: update_of(plain) for p, plain in by_fragment.items()}
                              for m, by_fragment in state["last_updates"].items()}
     except DilocoError as exc:

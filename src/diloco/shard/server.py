@@ -277,8 +277,7 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
                     self._take(event, context)
                 self.steps[learner] = request.steps
             total = core.tokens_reported() if core is not None else 0
-            stop = core is not None and (core.budget_spent or core.stopped)
-            return pb.HeartbeatReply(stop=stop, tokens_reported=min(total, MAX_TOKENS))
+            return pb.HeartbeatReply(stop=self.stop_said, tokens_reported=min(total, MAX_TOKENS))
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self._speaks_for(request.learner, "leave", context)

@@ -25,7 +25,7 @@ from diloco.config import Config
 from diloco.core.events import AnswerTaken, LearnerLeft, LearnerRejoined, SyncerEvent, TimerFired
 from diloco.core.messages import Update
 from diloco.core.regional import RegionalSyncer, Upstream
-from diloco.core.syncer_core import Action, LearnerDead, ProtocolError, Publish, RunOver, SyncerCore, Timer
+from diloco.core.syncer_core import Action, LearnerDead, ProtocolError, Publish, RunOver, Stop, SyncerCore, Timer
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
@@ -82,6 +82,8 @@ class ShardState:
         """Pushes decoded at once: the others wait in their compressed form."""
         self.answer_slots = AnswerSlots()
         self.finished = False
+        self.stop_said = False
+        """The core said Stop (the shared budget is spent): every heartbeat reply tells the learner so."""
         self.started = clock.now()
         self.metrics = metrics or MetricsLog([])
         self.round_meter = RoundMeter(self.metrics, plan.index, origin=self.metrics.origin)
@@ -163,6 +165,10 @@ class ShardState:
             elif isinstance(action, LearnerDead) and not self._replaying:
                 log.warning("learner %d %s for %.1f s: rounds stop counting on it", action.learner,
                             "silent" if action.joined else "never joined,", action.silent_s)
+            elif isinstance(action, Stop):
+                self.stop_said = True
+                if not self._replaying:
+                    log.info("the shared token budget is spent: every learner is told to stop")
             elif isinstance(action, RunOver):
                 self.finished = True
                 if not self._replaying:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from diloco.sim.learners import SimLearner
+from diloco.sim.sim_events import AllReduceDone
+from diloco.sim.sim_state import SimState
 
 
 def all_reduce(learners: list[SimLearner]) -> float:
@@ -30,3 +32,20 @@ def all_reduce(learners: list[SimLearner]) -> float:
         learner.link.up.record(share)
         learner.link.down.record(share)
     return 2 * (count - 1) * (latency + grad_bytes / count * 8 / bandwidth)
+
+
+class DataParallelSteps(SimState):
+    def _on_allreduce_done(self, _: AllReduceDone) -> None:
+        self._gradients_in.clear()
+        self.last_event_s = max(self.last_event_s, self.now)
+        for learner in self.learners:
+            if not learner.alive:
+                continue  # it crashed after handing in its gradients; it takes a peer's state when back
+            learner.resume(self.now)
+            learner.replica.apply_gradients()
+            self._meter(learner)
+            if learner.replica.steps < learner.last_step:
+                self._start_step(learner)
+            else:
+                learner.finished = True
+        self._count_tokens(sum(lr.replica.sampler.batch_size * lr.replica.sampler.seq_len for lr in self.learners))

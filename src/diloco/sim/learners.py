@@ -7,8 +7,8 @@ from typing import Any
 
 from diloco.core.learner_core import LearnerCore
 from diloco.network.links import Routes
-from diloco.sim.timing import StepTimer, Waiting
 from diloco.training import Replica
+from diloco.virtual_run.step_timer import StepTimer, Waiting
 
 
 @dataclass
@@ -27,7 +27,8 @@ class SimLearner(Waiting):
     replica: Replica
     timer: StepTimer
     link: Routes
-    planned_steps: int
+    last_step: int
+    """It stops by itself after this many steps (`driver_kit/schedule.py`)."""
     core: LearnerCore | None = None
     tokens: int = 0
     busy_s: float = 0.0

@@ -1,0 +1,126 @@
+"""The simulated learners' side: steps in virtual time, heartbeats, progress reports, pushes, and the end
+of a learner's run, as a real learner does them (`client/learner_client.py`)."""
+
+from __future__ import annotations
+
+from diloco.core.events import HeartbeatArrived, LearnerLeft, ProgressArrived, PushArrived
+from diloco.core.liveness import HEARTBEAT_S
+from diloco.core.messages import MESSAGE_HEADER_BYTES, Push
+from diloco.sim.data_parallel import all_reduce
+from diloco.sim.learners import SimLearner
+from diloco.sim.sim_events import AllReduceDone, Beat, StepEnds, StopArrives, UpdateArrives
+from diloco.sim.sim_state import SimState
+
+
+class LearnerSteps(SimState):
+    def _start_step(self, learner: SimLearner) -> None:
+        duration = learner.timer.next()
+        learner.busy_s += duration
+        learner.step_ends_at = self.now + duration
+        self.queue.schedule(learner.step_ends_at, StepEnds(learner.index, learner.incarnation))
+
+    def _schedule_beat(self, learner: SimLearner) -> None:
+        if self.syncer is not None:
+            self.queue.schedule(self.now + HEARTBEAT_S, Beat(learner.index, learner.incarnation))
+
+    def _on_beat(self, event: Beat) -> None:
+        """A learner alive says so every HEARTBEAT_S, training or waiting, until it has left."""
+        learner = self.learners[event.learner]
+        if event.incarnation != learner.incarnation or learner.finished or not learner.alive:
+            return
+        report = learner.core.progress()
+        beat = HeartbeatArrived(learner.index, step=report.step, tokens=report.tokens)
+        self.queue.schedule(learner.link.up.signal(self.now), self._to_syncer(learner, beat))
+        self._schedule_beat(learner)
+
+    def _on_step_end(self, event: StepEnds) -> None:
+        m = event.learner
+        learner = self.learners[m]
+        if event.incarnation != learner.incarnation:
+            return  # the step was cut short by a crash or by the end of the run
+        learner.step_ends_at = None
+        self.last_event_s = max(self.last_event_s, self.now)
+        if self.spec.exchange == "gradients":
+            learner.tokens += learner.replica.compute_gradients()
+            self._gradients_in[m] = self.now
+            learner.wait(self.now)
+            if len(self._gradients_in) == len(self.learners):
+                duration = all_reduce(self.learners)
+                self.queue.schedule(max(self._gradients_in.values()) + duration, AllReduceDone())
+            return
+        tokens = learner.replica.train_step()
+        learner.tokens += tokens
+        pushes = learner.core.on_step(tokens, step_time_s=learner.timer.last_s, now=self.now)
+        self._meter(learner)
+        for push in pushes:
+            self._send_push(learner, push)
+        if self.crash_plan.any and learner.replica.steps % self.config.failures.checkpoint_every == 0:
+            self._save_checkpoint(learner)
+        self._count_tokens(tokens)
+        if learner.stop_requested or learner.replica.steps >= learner.last_step:
+            self._send_progress(learner)
+            self._finish(learner)
+            return
+        self._advance(learner)
+        # As a real learner does: after merging what arrived and pushing what fell due meanwhile, so that the
+        # report's predictions count those pushes (`client/learner_client.py`, `Learner.step`).
+        self._send_progress(learner)
+
+    def _send_progress(self, learner: SimLearner) -> None:
+        """Every step, as the paper's learners do: where it stands, for the syncer's predictions and budget."""
+        report = learner.core.progress()
+        arrival = learner.link.up.send(self.now, report.wire_bytes())
+        self.queue.schedule(arrival, self._to_syncer(learner, ProgressArrived(report)))
+
+    def _on_stop(self, event: StopArrives) -> None:
+        """The syncer's word that the budget is spent reached a learner: it stops after this step."""
+        learner = self.learners[event.learner]
+        if event.incarnation != learner.incarnation or learner.finished or not learner.alive:
+            return
+        learner.stop_requested = True
+        if learner.waiting_since is not None:  # waiting for an answer: no step to finish first
+            self._finish(learner)
+
+    def _advance(self, learner: SimLearner) -> None:
+        poll = learner.core.poll(self.now)
+        for push in poll.pushes:
+            self._send_push(learner, push)
+        if poll.waiting_for:
+            learner.wait(self.now)
+        else:
+            learner.resume(self.now)
+            self._start_step(learner)
+
+    def _finish(self, learner: SimLearner) -> None:
+        """The learner trains no more: push what it has not pushed yet, then leave the syncer."""
+        learner.finished = True
+        learner.resume(self.now)
+        if learner.core is not None and learner.alive:
+            for push in learner.core.finish(self.now):
+                self._send_push(learner, push)
+        if self.syncer is not None:
+            # Announced on the same link, so it lands after the last pushes.
+            arrival = learner.link.up.send(self.now, MESSAGE_HEADER_BYTES)
+            self.queue.schedule(arrival, self._to_syncer(learner, LearnerLeft(learner.index, finished=True)))
+
+    def _send_push(self, learner: SimLearner, push: Push) -> None:
+        learner.last_seq = push.seq
+        if self._home(learner) is None:
+            self._in_order.sent(learner.index, push.seq)
+        arrival = learner.link.up.send(self.now, push.wire_bytes(), push.fragment)
+        self.queue.schedule(arrival, self._to_syncer(learner, PushArrived(push)))
+
+    def _on_update(self, event: UpdateArrives) -> None:
+        learner = self.learners[event.learner]
+        if event.incarnation != learner.incarnation or learner.finished or not learner.alive:
+            return  # meant for a learner that crashed or stopped since
+        learner.core.on_update(event.update)
+        if learner.waiting_since is not None:
+            self._advance(learner)
+
+    def _meter(self, learner: SimLearner, final: bool = False) -> None:
+        r = learner.replica
+        self.meters[learner.index].step(
+            self.now, steps=r.steps, tokens=learner.tokens, busy_fraction=learner.busy_s / self.now if self.now else 1.0,
+            step_time_s=learner.timer.last_s, bytes_up=learner.link.up.bytes_sent,
+            bytes_down=learner.link.down.bytes_sent, loss=lambda: r.last_loss, core=learner.core, final=final)
