@@ -21,7 +21,7 @@ from diloco.errors import DilocoError
 from diloco.shard import journal as journal_module
 from diloco.client.checkpoints import read_checkpoint
 from diloco.shard.journal import RECORD_HEADER, Journal, JournalCorrupt, JournalHalted, JournalWriteFailed
-from diloco.transport.wire import push_of, push_payload
+from diloco.transport.wire_messages import push_of, push_payload
 from diloco.state_files import TRAILER, save_checked
 
 integration = pytest.mark.integration  # live shards over real gRPC, or diloco as a process

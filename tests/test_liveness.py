@@ -18,7 +18,7 @@ from diloco.core.rounds import LearnerDead, ProtocolError, Publish, RunOver, Sen
 from diloco.fragments import Fragment
 from diloco.outer import Nesterov
 from diloco.shard.journal import decode_event, encode_event
-from diloco.transport.wire import push_payload
+from diloco.transport.wire_messages import push_payload
 from diloco.shard.server import ShardPlan, SyncerShard
 from diloco.sim.driver import Simulation
 from diloco.transport.frames import encode_fp32, tensor_header

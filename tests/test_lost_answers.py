@@ -12,7 +12,7 @@ from conftest import tiny_config
 from diloco.core import Push, ProtocolError
 from diloco.core.events import StreamOpened
 from diloco.shard import answer_slots
-from diloco.transport import wire as wire_module
+from diloco.transport import wire_messages as wire_module
 from diloco.shard.answer_slots import AnswerSlots
 from diloco.shard.journal import decode_event, encode_event
 from diloco.client.learner_client import Learner

@@ -35,7 +35,7 @@ from diloco.fragments import Fragment, embedding_names, partition
 from diloco.client.joining import ShardLink, join_run
 from diloco.client.link import (Arrival, ClientLink, HeartbeatOut, LeaveOut, LinkHandlers, LinkShape, ProgressOut,
                                 PushOut, ShardWays, UpEvent, bytes_by_home)
-from diloco.transport.run_settings import spec_of
+from diloco.transport.wire_messages import spec_of
 from diloco.client.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
 from diloco.v1 import diloco_pb2 as pb

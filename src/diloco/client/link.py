@@ -35,7 +35,7 @@ from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.errors import DilocoError
 from diloco.network.shaping import DeliveryQueue, ShapedDirection
 from diloco.transport.calls import SyncerUnavailable, with_retries
-from diloco.transport.wire import message_bytes, push_header, update_of
+from diloco.transport.wire_messages import message_bytes, push_header, update_of
 
 if TYPE_CHECKING:
     from diloco.client.joining import ShardLink

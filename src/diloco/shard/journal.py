@@ -42,7 +42,7 @@ from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, Lear
 from diloco.core.messages import Progress
 from diloco.errors import DilocoError
 from diloco.transport.frames import read_message
-from diloco.transport.wire import payload_frames, push_of
+from diloco.transport.wire_messages import payload_frames, push_of
 
 RECORD_MARK = b"DJR2"
 RECORD_HEADER = struct.Struct("<4sIQBQI")

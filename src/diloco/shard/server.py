@@ -1,7 +1,7 @@
 """A syncer shard served over gRPC on the real clock: each RPC turns into one of the core's typed events
 (`core/events.py`), applied under the shard's lock by `ShardState.apply` (`shard_state.py`), which
 journals it first and carries out the core's actions. Encoding and decoding happen here, outside the
-lock; every conversion to and from the wire is `transport/wire.py`'s. This module only moves bytes.
+lock; every conversion to and from the wire is `transport/wire_messages.py`'s. This module only moves bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from diloco.shard.serving import serve
 from diloco.shard.shard_state import ShardState
 from diloco.transport.frames import FrameError, decode, read_message
 from diloco.transport.security import current_caller
-from diloco.transport.wire import fragment_versions, progress_of, push_of, push_payload, state_frames, update_frames
+from diloco.transport.wire_messages import fragment_versions, progress_of, push_of, push_payload, state_frames, update_frames
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 

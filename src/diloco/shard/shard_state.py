@@ -39,7 +39,8 @@ from diloco.shard.snapshot import shard_report, snapshot
 from diloco.shard.store import ShardStore, plain_update
 from diloco.shard.waker import Waker
 from diloco.strategies import build_strategy
-from diloco.transport.run_settings import check_shards, settings_of
+from diloco.transport.run_settings import check_shards
+from diloco.transport.wire_messages import settings_of
 from diloco.v1 import diloco_pb2 as pb
 
 log = logging.getLogger("diloco.syncer")

@@ -14,7 +14,7 @@ from diloco.codecs import Encoded
 from diloco.errors import DilocoError
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
 from diloco.transport.frames import decode, message_frames, read_message
-from diloco.transport.wire import fragment_versions, heartbeat_request, state_frames, versions_of
+from diloco.transport.wire_messages import fragment_versions, heartbeat_request, state_frames, versions_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 

@@ -2,7 +2,9 @@
 
 The cores speak `Push`, `Update` and `Progress` (`core/messages.py`); the wire speaks `pb.*Header`s
 followed by tensor frames (`frames.py`). Both ends of every call (learner, regional uplink, shard,
-journal) convert here, so a field added to a message is added in one place.
+journal) convert here, so a field added to a message is added in one place. The run's settings too:
+the syncer's config is the one that counts, told to each learner at Join, from which it rebuilds the
+strategy's spec and takes its core.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import torch
 
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
+from diloco.config import Config
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
+from diloco.errors import DilocoError
+from diloco.strategies import StrategySpec, Wiring, build_strategy
 from diloco.transport.frames import decode, encode_fp32, message_frames, tensor_header
 from diloco.v1 import diloco_pb2 as pb
 
@@ -134,3 +139,32 @@ def state_frames(values: dict[str, torch.Tensor], layout: list[pb.FragmentLayout
     header = pb.StateHeader(versions=fragment_versions(versions or {}), layout=layout,
                             tensors=[tensor_header(n, e) for n, e in encoded.items()])
     return message_frames(pb.Frame(state=header), encoded)
+
+
+# ------------------------------------------------------------ the run's settings
+
+
+def settings_of(config: Config) -> pb.Settings:
+    spec = build_strategy(config)
+    if spec.exchange != "outer":
+        raise DilocoError(f"strategy {spec.name!r} all-reduces gradients every step; the real runtime runs the "
+                          f"strategies that sync through a syncer (diloco, streaming, async, async-dn, decoupled). "
+                          f"Use `diloco sim` for {spec.name}, or torch DDP itself")
+    codec = config.codec
+    return pb.Settings(strategy=spec.name, fragments=spec.fragments, period=spec.H,
+                       learner_periods=list(spec.learner_H), tau=spec.tau, alpha=spec.alpha,
+                       wait_for_updates=spec.wait_for_updates, codec_up=codec.up, codec_down=codec.down,
+                       block=codec.block, error_feedback=codec.error_feedback, learners=len(config.speeds()),
+                       token_budget=config.token_budget(), shared_budget=spec.shared_budget,
+                       keep_progress=spec.keep_progress)
+
+
+def spec_of(settings: pb.Settings) -> StrategySpec:
+    """The learner's side of the strategy, as the syncer's settings give it."""
+    return StrategySpec(name=settings.strategy, exchange="outer", H=settings.period,
+                        learner_H=tuple(settings.learner_periods), fragments=settings.fragments, tau=settings.tau,
+                        alpha=settings.alpha, wait_for_updates=settings.wait_for_updates,
+                        keep_progress=settings.keep_progress, shared_budget=settings.shared_budget,
+                        wiring=Wiring(codec_up=settings.codec_up, codec_down=settings.codec_down,
+                                      block=settings.block, error_feedback=settings.error_feedback,
+                                      budget=settings.token_budget))
