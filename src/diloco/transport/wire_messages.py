@@ -20,6 +20,7 @@ from diloco.codecs import Encoded
 from diloco.config import Config
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.errors import DilocoError
+from diloco.fragments import Fragment
 from diloco.strategies import StrategySpec, Wiring, build_strategy
 from diloco.transport.frames import decode, encode_fp32, message_frames, tensor_header
 from diloco.v1 import diloco_pb2 as pb
@@ -130,6 +131,12 @@ def fragment_versions(versions: dict[int, int]) -> list[pb.FragmentVersion]:
 
 def versions_of(entries: list[pb.FragmentVersion]) -> dict[int, int]:
     return {v.fragment: v.version for v in entries}
+
+
+def fragment_layout(fragment: Fragment, params: dict[str, torch.Tensor]) -> pb.FragmentLayout:
+    """What a fragment holds, tensor by tensor: how the first learner seeds a shard, and what later ones check."""
+    return pb.FragmentLayout(index=fragment.index, tensors=[
+        pb.TensorSpec(name=n, shape=list(params[n].shape), embedding=fragment.embedding) for n in fragment.names])
 
 
 def state_frames(values: dict[str, torch.Tensor], layout: list[pb.FragmentLayout],
