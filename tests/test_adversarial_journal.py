@@ -20,8 +20,8 @@ from diloco.core.rounds import ProtocolError
 from diloco.errors import DilocoError
 from diloco.shard import journal as journal_module
 from diloco.client.checkpoints import read_checkpoint
-from diloco.shard.journal import (RECORD_HEADER, Journal, JournalCorrupt, JournalHalted, JournalWriteFailed,
-                                    push_of, push_payload)
+from diloco.shard.journal import RECORD_HEADER, Journal, JournalCorrupt, JournalHalted, JournalWriteFailed
+from diloco.transport.wire_messages import push_of, push_payload
 from diloco.state_files import TRAILER, save_checked
 
 integration = pytest.mark.integration  # live shards over real gRPC, or diloco as a process
@@ -164,7 +164,7 @@ class SeededShard:
         self.learner = None
         if not resume:
             self.learner = Learner(tiny_model(), syncer=self.address, learner=0)
-            self.learner._halt.set()  # this learner only sends by hand here, and takes no answers:
+            self.learner.link._halt.set()  # this learner only sends by hand here, and takes no answers:
             retire_update_stream(self.shard, 0)
         self.client = ShardClient(self.address)
         SeededShard.running.append(self)

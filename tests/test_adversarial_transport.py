@@ -256,7 +256,7 @@ def test_a_learner_whose_update_stream_is_ended_opens_it_again(served):
             optimizer.step()
             optimizer.zero_grad()
             learner.step(tokens=8)
-        wait_for(lambda: len(learner._inbox) > 0 or learner.merges > 0, 10, "an update over the new stream")
+        wait_for(lambda: len(learner.link.arrivals) > 0 or learner.merges > 0, 10, "an update over the new stream")
     finally:
         learner.close()
 

@@ -43,7 +43,7 @@ def test_a_synchronous_round_does_not_wait_for_a_learner_that_went_silent():
     try:
         alive = Learner(tiny_model(), syncer=address, learner=0)
         silent = Learner(tiny_model(), syncer=address, learner=1)
-        silent._halt.set()  # its process hangs: no more heartbeats, pushes or leave
+        silent.link._halt.set()  # its process hangs: no more heartbeats, pushes or leave
         started = time.monotonic()
         train(alive, torch.optim.SGD(alive.model.parameters(), lr=0.1), 3)  # the third step waits for the round
         waited = time.monotonic() - started
@@ -350,7 +350,7 @@ def test_a_shard_that_dies_right_after_a_merge_comes_back_with_it_and_answers_ag
     address = f"127.0.0.1:{port}"
     first.plan = ShardPlan(0, 1, (address,))
     learner = Learner(tiny_model(), syncer=address, learner=0)
-    learner._halt.set()  # this learner only sends by hand here, and takes no answers:
+    learner.link._halt.set()  # this learner only sends by hand here, and takes no answers:
     retire_update_stream(first, 0)  # the answers stay queued when the shard dies
     fragment = learner.fragments[0]
     client = ShardClient(address)

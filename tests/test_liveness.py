@@ -17,7 +17,8 @@ from diloco.core.recovery import restore_plan
 from diloco.core.rounds import LearnerDead, ProtocolError, Publish, RunOver, SendState
 from diloco.fragments import Fragment
 from diloco.outer import Nesterov
-from diloco.shard.journal import decode_event, encode_event, push_payload
+from diloco.shard.journal import decode_event, encode_event
+from diloco.transport.wire_messages import push_payload
 from diloco.shard.server import ShardPlan, SyncerShard
 from diloco.sim.driver import Simulation
 from diloco.transport.frames import encode_fp32, tensor_header

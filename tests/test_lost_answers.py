@@ -12,7 +12,7 @@ from conftest import tiny_config
 from diloco.core import Push, ProtocolError
 from diloco.core.events import StreamOpened
 from diloco.shard import answer_slots
-from diloco.shard import server as syncer_module
+from diloco.transport import wire_messages as wire_module
 from diloco.shard.answer_slots import AnswerSlots
 from diloco.shard.journal import decode_event, encode_event
 from diloco.client.learner_client import Learner
@@ -116,7 +116,7 @@ def test_answers_lost_when_streams_break_come_again_and_anchors_stay_exact(tmp_p
     address = f"127.0.0.1:{port}"
     shard.plan = ShardPlan(0, 1, (address,))
     breaks = {"left": 4}
-    frames = syncer_module.message_frames
+    frames = wire_module.message_frames
 
     def breaking(header, tensors):
         if header.HasField("update") and breaks["left"] > 0:  # taken (journaled), then lost on the way
@@ -124,7 +124,7 @@ def test_answers_lost_when_streams_break_come_again_and_anchors_stay_exact(tmp_p
             raise ConnectionResetError("the stream broke mid-answer")
         return frames(header, tensors)
 
-    monkeypatch.setattr(syncer_module, "message_frames", breaking)
+    monkeypatch.setattr(wire_module, "message_frames", breaking)
     learners = [Learner(tiny_model(), syncer=address, learner=m) for m in range(2)]
     optimizers = [torch.optim.SGD(lr.model.parameters(), lr=0.05) for lr in learners]
     resumed = None

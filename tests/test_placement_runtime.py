@@ -16,7 +16,8 @@ from diloco.config import load_config
 from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.errors import DilocoError
 from diloco.results import LearnerReport, links_from_learners, traffic_fields
-from diloco.client.learner_client import Learner, LinkShape, ShardWays
+from diloco.client.learner_client import Learner, LinkShape
+from diloco.client.link import ShardWays
 from diloco.shard.ownership import ShardPlan, fragment_owners, global_shard_plan, placed_shard_count
 from diloco.shard.server import SyncerShard, serve
 from diloco.strategies import build_strategy

@@ -162,7 +162,7 @@ def settle(learners, timeout_s=20.0):
     """Wait for the answers to every push in flight, then merge them at one more step."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if all(len(lr._inbox) >= sum(f.update is None for f in lr.core.in_flight.values()) for lr in learners):
+        if all(len(lr.link.arrivals) >= sum(f.update is None for f in lr.core.in_flight.values()) for lr in learners):
             break
         time.sleep(0.05)
     for learner in learners:

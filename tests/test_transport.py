@@ -138,7 +138,7 @@ def test_a_learner_with_another_model_is_refused_by_name(shard):
 def answers_arrived(learner: Learner) -> bool:
     """Every push the learner has in flight has its answer, merged or waiting in its inbox."""
     unanswered = sum(flight.update is None for flight in learner.core.in_flight.values())
-    return len(learner._inbox) >= unanswered
+    return len(learner.link.arrivals) >= unanswered
 
 
 @pytest.mark.integration  # a live shard over real gRPC

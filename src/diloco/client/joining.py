@@ -14,6 +14,7 @@ from diloco.fragments import Fragment
 from diloco.shard.ownership import check_shard_map
 from diloco.transport.calls import ShardClient, with_retries
 from diloco.transport.security import TransportSecurity
+from diloco.transport.wire_messages import fragment_layout
 from diloco.v1 import diloco_pb2 as pb
 
 
@@ -86,7 +87,7 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
         if shard_reply.layout:
             _check_layout(list(shard_reply.layout), [fragments[p] for p in owned], params, client.address)
         else:
-            layout = [_layout(fragments[p], params) for p in owned]
+            layout = [fragment_layout(fragments[p], params) for p in owned]
             values = {n: params[n].detach() for p in owned for n in fragments[p].names}
             # A shard that dies mid-Init restarts unseeded: seeding it again (or finding it seeded by
             # another learner meanwhile, which the pull's layout check covers) is always safe.
@@ -104,11 +105,6 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
             theta.update(values)
             versions.update(fragment_versions)
     return Joined(me, settings, shards, fragments, theta, versions, last_seq)
-
-
-def _layout(fragment: Fragment, params: dict[str, torch.Tensor]) -> pb.FragmentLayout:
-    return pb.FragmentLayout(index=fragment.index, tensors=[
-        pb.TensorSpec(name=n, shape=list(params[n].shape), embedding=fragment.embedding) for n in fragment.names])
 
 
 def _check_layout(layout: list[pb.FragmentLayout], fragments: list[Fragment], params: dict[str, torch.Tensor],

@@ -1,7 +1,9 @@
 """The learner's side of outer synchronisation, as a sans-I/O state machine.
 
-The driver runs inner steps and reports each one (`on_step`), hands over updates that arrive
-(`on_update`) and asks what to do next between steps (`poll`). The core decides which fragments are
+A driver (the real learner, the simulated one) hands it typed events (`core/learner_events.py`) through
+`handle` and carries out the actions it returns, in order; the end of an inner step is the same
+sequence for both: `StepDone` (count it, push what is due), then, once the driver has handed over what
+arrived meanwhile, `Advance` (merge what is due, push what fell due, wait or go on, report progress). The core decides which fragments are
 due, computes their outer gradients Δ = anchor − θ, merges answers τ steps after sending with
 θ ← α·θ + (1 − α)·Θ̃, and re-anchors on exactly the values received.
 
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.codecs import Codec, Encoded, ErrorFeedback, get_codec
+from diloco.core.learner_events import (Advance, Finished, LearnerAction, LearnerEvent, NextStep, PushRefused,
+                                        SendProgress, SendPush, StepDone, UpdateArrived, WaitFor)
 from diloco.core.messages import Progress, Push, Update
 from diloco.fragments import Fragment, Schedule
 
@@ -100,6 +104,34 @@ class LearnerCore:
         """Versions the fragment had moved on by others when the latest merge arrived."""
         self.merge_lags: list[int] = []
         """Per merge, inner steps from sending the push to merging its answer (τ at best)."""
+        self.waiting = False
+        """The last `Advance` said to wait: an answer that arrives now may let the learner go on."""
+
+    # ------------------------------------------------------------ the driver's entry
+
+    def handle(self, event: LearnerEvent, now: float | None = None) -> list[LearnerAction]:
+        """Take one event; return what the driver must do, in order."""
+        if isinstance(event, StepDone):
+            self.waiting = False  # a driver that steps on has stopped waiting
+            return [SendPush(p) for p in self.on_step(event.tokens, step_time_s=event.step_time_s, now=now)]
+        if isinstance(event, Advance):
+            actions = [] if event.last else self._advance(now)
+            return actions + [SendProgress(self.progress())]
+        if isinstance(event, UpdateArrived):
+            self.on_update(event.update)
+            return self._advance(now) if self.waiting else []
+        if isinstance(event, PushRefused):
+            self.on_refused(event.push)
+            return []
+        if isinstance(event, Finished):
+            self.waiting = False
+            return [SendPush(p) for p in self.finish(now)]
+        raise TypeError(f"a learner core takes no {type(event).__name__}")
+
+    def _advance(self, now: float | None) -> list[LearnerAction]:
+        poll = self.poll(now)
+        self.waiting = bool(poll.waiting_for)
+        return [SendPush(p) for p in poll.pushes] + [WaitFor(poll.waiting_for) if self.waiting else NextStep()]
 
     # ------------------------------------------------------------ events
 

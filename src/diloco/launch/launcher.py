@@ -31,7 +31,8 @@ from diloco.transport.ports import read_port_file, wait_for_port
 from diloco.launch.child_reports import learner_outcomes, merge_metrics, report_from_metrics
 from diloco.launch.outages import RegionOutages
 from diloco.launch.processes import Child, Children
-from diloco.transport.run_settings import check_shards, settings_of
+from diloco.transport.run_settings import check_shards
+from diloco.transport.wire_messages import settings_of
 from diloco.shard.ownership import placed_shard_count
 from diloco.strategies import build_strategy
 from diloco.training import evaluate

@@ -37,20 +37,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco.codecs import Encoded
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
                                 PushArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired)
-from diloco.core.messages import Progress, Push
+from diloco.core.messages import Progress
 from diloco.errors import DilocoError
-from diloco.transport.frames import decode, message_frames, read_message
-from diloco.v1 import diloco_pb2 as pb
+from diloco.transport.frames import read_message
+from diloco.transport.wire_messages import payload_frames, push_of
 
 RECORD_MARK = b"DJR2"
 RECORD_HEADER = struct.Struct("<4sIQBQI")
 """Marker, header CRC (over the 21 bytes after it), sequence number, kind length, payload length,
 CRC of kind + payload."""
 HEADER_CHECKED_FROM = 8
-FRAME_LENGTH = struct.Struct("<I")
 
 
 class JournalError(DilocoError):
@@ -277,30 +275,3 @@ def decode_event(kind: str, payload: bytes) -> tuple[SyncerEvent, float]:
     if kind not in PLAIN_EVENTS:
         raise ValueError(f"unknown journal event {kind!r}")
     return PLAIN_EVENTS[kind](**fields), now
-
-
-def push_of(header: pb.PushHeader, tensors: dict[str, Encoded], deltas: dict | None = None) -> Push:
-    """A push as the core takes it, from its header and tensors as they travelled."""
-    if deltas is None:
-        deltas = {name: decode(e) for name, e in tensors.items()}
-    return Push(learner=header.learner, fragment=header.fragment, base_version=header.base_version,
-                seq=header.seq, deltas=deltas, tokens=header.tokens, steps=header.steps,
-                step_time_s=header.step_time_s, sent_at=header.sent_at or None,
-                payload_bytes=sum(e.wire_bytes() for e in tensors.values()), step=header.step, final=header.final)
-
-
-def push_payload(header: pb.PushHeader, tensors: dict) -> bytes:
-    """A push as it came off the wire: its frames, each length-prefixed."""
-    return b"".join(FRAME_LENGTH.pack(len(b)) + b for b in
-                    (f.SerializeToString() for f in message_frames(pb.Frame(push=header), tensors)))
-
-
-def payload_frames(payload: bytes) -> Iterator[pb.Frame]:
-    offset = 0
-    while offset < len(payload):
-        (size,) = FRAME_LENGTH.unpack_from(payload, offset)
-        offset += FRAME_LENGTH.size
-        frame = pb.Frame()
-        frame.ParseFromString(payload[offset:offset + size])
-        offset += size
-        yield frame

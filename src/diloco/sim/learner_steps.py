@@ -4,8 +4,10 @@ of a learner's run, as a real learner does them (`client/learner_client.py`)."""
 from __future__ import annotations
 
 from diloco.core.events import HeartbeatArrived, LearnerLeft, ProgressArrived, PushArrived
+from diloco.core.learner_events import (Advance, Finished, LearnerAction, SendProgress, SendPush, StepDone,
+                                        UpdateArrived, WaitFor)
 from diloco.core.liveness import HEARTBEAT_S
-from diloco.core.messages import MESSAGE_HEADER_BYTES, Push
+from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push
 from diloco.sim.data_parallel import all_reduce
 from diloco.sim.learners import SimLearner
 from diloco.sim.sim_events import AllReduceDone, Beat, StepEnds, StopArrives, UpdateArrives
@@ -50,25 +52,33 @@ class LearnerSteps(SimState):
             return
         tokens = learner.replica.train_step()
         learner.tokens += tokens
-        pushes = learner.core.on_step(tokens, step_time_s=learner.timer.last_s, now=self.now)
+        # The step sequence every learner follows (`LearnerCore.handle`), as `Learner.step` does for real.
+        pushes = learner.core.handle(StepDone(tokens, learner.timer.last_s), self.now)
         self._meter(learner)
-        for push in pushes:
-            self._send_push(learner, push)
+        self._carry_out(learner, pushes)
         if self.crash_plan.any and learner.replica.steps % self.config.failures.checkpoint_every == 0:
             self._save_checkpoint(learner)
         self._count_tokens(tokens)
-        if learner.stop_requested or learner.replica.steps >= learner.last_step:
-            self._send_progress(learner)
+        last = learner.stop_requested or learner.replica.steps >= learner.last_step
+        self._carry_out(learner, learner.core.handle(Advance(last=last), self.now))
+        if last:
             self._finish(learner)
-            return
-        self._advance(learner)
-        # As a real learner does: after merging what arrived and pushing what fell due meanwhile, so that the
-        # report's predictions count those pushes (`client/learner_client.py`, `Learner.step`).
-        self._send_progress(learner)
 
-    def _send_progress(self, learner: SimLearner) -> None:
+    def _carry_out(self, learner: SimLearner, actions: list[LearnerAction]) -> None:
+        """What the learner's core asks, in order: pushes and reports on the link, wait or step on."""
+        for action in actions:
+            if isinstance(action, SendPush):
+                self._send_push(learner, action.push)
+            elif isinstance(action, SendProgress):
+                self._send_progress(learner, action.progress)
+            elif isinstance(action, WaitFor):
+                learner.wait(self.now)
+            else:
+                learner.resume(self.now)
+                self._start_step(learner)
+
+    def _send_progress(self, learner: SimLearner, report: Progress) -> None:
         """Every step, as the paper's learners do: where it stands, for the syncer's predictions and budget."""
-        report = learner.core.progress()
         arrival = learner.link.up.send(self.now, report.wire_bytes())
         self.queue.schedule(arrival, self._to_syncer(learner, ProgressArrived(report)))
 
@@ -81,23 +91,12 @@ class LearnerSteps(SimState):
         if learner.waiting_since is not None:  # waiting for an answer: no step to finish first
             self._finish(learner)
 
-    def _advance(self, learner: SimLearner) -> None:
-        poll = learner.core.poll(self.now)
-        for push in poll.pushes:
-            self._send_push(learner, push)
-        if poll.waiting_for:
-            learner.wait(self.now)
-        else:
-            learner.resume(self.now)
-            self._start_step(learner)
-
     def _finish(self, learner: SimLearner) -> None:
         """The learner trains no more: push what it has not pushed yet, then leave the syncer."""
         learner.finished = True
         learner.resume(self.now)
         if learner.core is not None and learner.alive:
-            for push in learner.core.finish(self.now):
-                self._send_push(learner, push)
+            self._carry_out(learner, learner.core.handle(Finished(), self.now))
         if self.syncer is not None:
             # Announced on the same link, so it lands after the last pushes.
             arrival = learner.link.up.send(self.now, MESSAGE_HEADER_BYTES)
@@ -114,9 +113,7 @@ class LearnerSteps(SimState):
         learner = self.learners[event.learner]
         if event.incarnation != learner.incarnation or learner.finished or not learner.alive:
             return  # meant for a learner that crashed or stopped since
-        learner.core.on_update(event.update)
-        if learner.waiting_since is not None:
-            self._advance(learner)
+        self._carry_out(learner, learner.core.handle(UpdateArrived(event.update), self.now))  # merges if it waited
 
     def _meter(self, learner: SimLearner, final: bool = False) -> None:
         r = learner.replica

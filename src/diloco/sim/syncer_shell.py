@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived, TimerFired, sender
+from diloco.core.learner_events import PushRefused
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, tensors_wire_bytes
 from diloco.core.regional import Upstream
 from diloco.core.syncer_core import Action, ProtocolError, Publish, SendState, Stop, Timer
@@ -46,7 +47,7 @@ class SyncerShell(SimState):
             return
         learner = self.learners[push.learner]
         if learner.core is not None and learner.alive:
-            learner.core.on_refused(push)
+            learner.core.handle(PushRefused(push), self.now)  # asks nothing now: a later push carries it
 
     def _handle(self, actions: list[Action | Upstream], region: SimRegion | None = None) -> None:
         """Carry out a syncer core's actions: the global one's (`region` None) or a region's. The global

@@ -13,7 +13,8 @@ from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
 from diloco.errors import DilocoError
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
-from diloco.transport.frames import decode, encode_fp32, message_frames, read_message, tensor_header
+from diloco.transport.frames import decode, message_frames, read_message
+from diloco.transport.wire_messages import fragment_versions, heartbeat_request, state_frames, versions_of
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -97,10 +98,7 @@ class ShardClient:
         return reply
 
     def init(self, layout: list[pb.FragmentLayout], values: dict[str, torch.Tensor]) -> bool:
-        encoded = encode_fp32(values)
-        header = pb.Frame(state=pb.StateHeader(layout=layout,
-                                               tensors=[tensor_header(n, e) for n, e in encoded.items()]))
-        return self._call("init", self.stub.Init, message_frames(header, encoded), timeout=300).accepted
+        return self._call("init", self.stub.Init, state_frames(values, layout), timeout=300).accepted
 
     def pull(self, learner: int, *, observer: bool = False, after_seq: int = 0, fragments: list[int] = ()
              ) -> tuple[dict[str, torch.Tensor], dict[int, int], list[pb.FragmentLayout]]:
@@ -116,7 +114,7 @@ class ShardClient:
 
         header, tensors = self._call("pull", fetch)
         values = {name: decode(e) for name, e in tensors.items()}
-        return values, {v.fragment: v.version for v in header.versions}, list(header.layout)
+        return values, versions_of(header.versions), list(header.layout)
 
     def push(self, header: pb.PushHeader, tensors: dict[str, Encoded]) -> pb.PushReply:
         frames = message_frames(pb.Frame(push=header), tensors)
@@ -126,8 +124,7 @@ class ShardClient:
                 ) -> Iterator[tuple[pb.UpdateHeader, dict[str, Encoded]]]:
         """New versions for `learner`, as the shard publishes them, until the stream is cancelled or ends.
         `holds`: the version of each fragment it last received whole (answers lost on the way come again)."""
-        claims = [pb.FragmentVersion(fragment=p, version=v) for p, v in (holds or {}).items()]
-        call = self.stub.Updates(pb.UpdatesRequest(learner=learner, holds=claims))
+        call = self.stub.Updates(pb.UpdatesRequest(learner=learner, holds=fragment_versions(holds or {})))
         self._updates_call = call
         frames = iter(call)
         try:
@@ -149,8 +146,7 @@ class ShardClient:
     def heartbeat(self, learner: int, tokens: int, steps: int, step_time_s: float = 0.0,
                   due_in_s: tuple[float, ...] = ()) -> pb.HeartbeatReply:
         """Say the learner is alive; with `due_in_s`, also where it stands (a progress report)."""
-        request = pb.HeartbeatRequest(learner=learner, tokens=tokens, steps=steps, step_time_s=step_time_s,
-                                      due_in_s=due_in_s)
+        request = heartbeat_request(learner, tokens, steps, step_time_s, due_in_s)
         return self._call("heartbeat", self.stub.Heartbeat, request, timeout=10)
 
     def leave(self, learner: int, finished: bool = False) -> None:

@@ -1,0 +1,351 @@
+"""One client's link to the syncer's shards: what every client (the torch `Learner`, a regional syncer's
+uplink, the FSDP and JAX learners to come) stands on.
+
+Typed events go up in the order they are sent (`PushOut`, `ProgressOut`, `HeartbeatOut`, `LeaveOut`);
+updates come down decoded, each when the emulated link has carried it (`arrivals`), with refused pushes
+and the word to stop handed to the client's `LinkHandlers`. Four kinds of threads do the work:
+
+- encode: each push's tensors encoded in push order (error feedback carries over), on the client's
+  device side (`Landing`), then queued on the shard's shaped way (`ShardWays`);
+- deliver: each message handed to its shard once the emulated link has carried it; a push is retried
+  while its shard is unavailable (the shard counts a retried push once), until `close` gives up;
+- receive, one per shard: the update stream, reopened when it ends or breaks (claiming what was received
+  whole, so lost answers come again), answers in several messages put back together;
+- heartbeat: the client's `beat` on its timer.
+
+The link sees host tensors and an `encode` callable, never a model: device staging is the client's.
+A thread that fails makes the link silent (nothing more is sent) and is reported through `failed`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
+
+import torch
+
+from diloco.codecs import Encoded
+from diloco.core.liveness import HEARTBEAT_S
+from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
+from diloco.errors import DilocoError
+from diloco.network.shaping import DeliveryQueue, ShapedDirection
+from diloco.transport.calls import SyncerUnavailable, with_retries
+from diloco.transport.wire_messages import message_bytes, push_header, update_of
+
+if TYPE_CHECKING:
+    from diloco.client.joining import ShardLink
+    from diloco.config import LinkConfig
+
+log = logging.getLogger("diloco.link")
+
+RECONNECT_S = 0.5
+"""How long the link waits before opening a broken or ended update stream again."""
+CLOSE_BOUND_S = 60.0
+"""How long `close()` keeps trying to hand the last pushes to a syncer that does not answer."""
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """An emulated link: per direction, a bandwidth and a one-way latency."""
+
+    bandwidth_mbit: float
+    latency_ms: float
+
+
+class ShardWays:
+    """One direction of a sender's traffic with the syncer's shards: a single shaped link all shards share
+    (they run in one place), or one per shard (`placement = "links"` homes them in different regions). A
+    message about one fragment takes its shard's way; one meant for every shard crosses each way once. The
+    counters are the totals over the ways."""
+
+    def __init__(self, links: Sequence[LinkShape | LinkConfig | None], per_shard: bool) -> None:
+        self.ways = [ShapedDirection(link.bandwidth_mbit if link else None, link.latency_ms if link else 0.0)
+                     for link in links]
+        self.per_shard = per_shard
+
+    def to(self, shard: int) -> ShapedDirection:
+        return self.ways[shard] if self.per_shard else self.ways[0]
+
+    def send_to_all(self, nbytes: int) -> float:
+        """A message for every shard (a progress report): when it has arrived over the slowest way."""
+        return max(way.send(nbytes) for way in self.ways)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(way.bytes_sent for way in self.ways)
+
+    @property
+    def messages(self) -> int:
+        return sum(way.messages for way in self.ways)
+
+    @property
+    def peak_message_bytes(self) -> int:
+        return max(way.peak_message_bytes for way in self.ways)
+
+
+def bytes_by_home(up: ShardWays, down: ShardWays, homes: Sequence[str] | None) -> dict[str, Any]:
+    """With shards in several regions (`homes`, per shard), the bytes to and from each: what each way carried."""
+    if homes is None:
+        return {}
+    return {"bytes_by_home": {home: {"bytes_up": up.to(i).bytes_sent, "bytes_down": down.to(i).bytes_sent}
+                              for i, home in enumerate(homes)}}
+
+
+# ------------------------------------------------------------ events up
+
+
+@dataclass(frozen=True)
+class PushOut:
+    push: Push
+    ready: Any = None
+    """The client's device marker its deltas were made at: encoding waits for it (`Landing.side`)."""
+
+
+@dataclass(frozen=True)
+class ProgressOut:
+    progress: Progress
+
+
+@dataclass(frozen=True)
+class HeartbeatOut:
+    tokens: int
+    step: int
+
+
+@dataclass(frozen=True)
+class LeaveOut:
+    finished: bool
+
+
+UpEvent = Union[PushOut, ProgressOut, HeartbeatOut, LeaveOut]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """An answer the emulated link has carried: merge it once `ready` (the client's device marker) is."""
+
+    update: Update
+    ready: Any = None
+
+
+class Landing(Protocol):
+    """Where a client's tensors are worked on (`client/staging.py` for torch devices; `HostLanding`)."""
+
+    def side(self, after: Any = None) -> Any: ...
+
+    def to_device(self, value: torch.Tensor) -> torch.Tensor: ...
+
+    def done(self) -> Any: ...
+
+
+class HostLanding:
+    """Tensors stay on the host where they are."""
+
+    @contextmanager
+    def side(self, after: Any = None) -> Iterator[None]:
+        yield
+
+    def to_device(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def done(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class LinkHandlers:
+    """What the client does with what comes back (each called on a link thread)."""
+
+    encode: Callable[[dict[str, torch.Tensor]], dict[str, Encoded]]
+    """The client core's encoding of one push (called in push order, from one thread)."""
+    anchors: Callable[[int], dict[str, torch.Tensor]]
+    """What the client holds of a fragment as the syncer sent it: relative answers apply to it."""
+    refused: Callable[[Push], None]
+    stop: Callable[[], None]
+    beat: Callable[[], list[UpEvent]]
+    """What the client says on its heartbeat timer."""
+    failed: Callable[[BaseException], None] = lambda exc: None
+    answer: Callable[[Arrival], None] | None = None
+    """Given: each arrival is handed to it on a link thread; None: the client takes them from `arrivals`."""
+    ordered_beats: bool = False
+    """A regional syncer's heartbeat carries claims that must stay behind the reports sent before it: it
+    goes through the queue. A learner's only says it is alive and must not wait behind a push on a slow
+    link: it is told to every shard at once."""
+
+
+class ClientLink:
+    def __init__(self, sender: int, who: str, shards: list[ShardLink], received: dict[int, int], up: ShardWays,
+                 down: ShardWays, landing: Landing | None = None) -> None:
+        """`sender`: the id the shards know this client by; `who`: how logs name it ("learner 3");
+        `received`: per fragment, the version held (what a reopened stream claims)."""
+        self.sender, self.who, self.shards = sender, who, shards
+        self.up, self.down = up, down
+        self.landing: Landing = landing or HostLanding()
+        self.received = dict(received)
+        """Per fragment, the version of the last answer received whole."""
+        self.shard_of = {p: shard for shard in shards for p in shard.fragments}
+        self.arrivals: DeliveryQueue[Arrival] = DeliveryQueue()
+        self.error: BaseException | None = None
+        self._outbox: queue.Queue[UpEvent | None] = queue.Queue()
+        self._wire: DeliveryQueue[tuple[UpEvent, Any]] = DeliveryQueue()
+        self._halt = threading.Event()
+        self._give_up = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._senders: list[threading.Thread] = []
+
+    def start(self, handlers: LinkHandlers, name: str) -> None:
+        """Start the threads, named after `name` ("learner", "uplink")."""
+        self.handlers = handlers
+        targets = [("encode", self._encode_loop), ("deliver", self._deliver_loop), ("heartbeat", self._heartbeat_loop)]
+        targets += [(f"receive-{s.index}", lambda s=s: self._receive_loop(s)) for s in self.shards]
+        if handlers.answer is not None:
+            targets.append(("answers", self._answer_loop))
+        for kind, target in targets:
+            thread = threading.Thread(target=self._guard(target), name=f"{name}-{kind}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+            if kind in ("encode", "deliver"):
+                self._senders.append(thread)
+
+    def send(self, event: UpEvent) -> None:
+        """Carry `event` up, after every event sent before it."""
+        self._outbox.put(event)
+
+    def close(self) -> None:
+        """Deliver what is queued (for at most `CLOSE_BOUND_S` while the syncer does not answer), then stop."""
+        self._outbox.put(None)
+        for thread in self._senders:
+            thread.join(timeout=CLOSE_BOUND_S)
+            if thread.is_alive():  # the syncer stayed away: what is left unsent is lost
+                log.warning("%s: syncer unreachable for %g s at close; giving up", self.who, CLOSE_BOUND_S)
+                self._give_up.set()
+                thread.join()
+        self._halt.set()
+        self.arrivals.close()
+        for shard in self.shards:
+            shard.client.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    # ------------------------------------------------------------ threads
+
+    def _guard(self, target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:
+                if not self._halt.is_set():
+                    log.exception("%s: %s failed", self.who, threading.current_thread().name)
+                    self.error = exc
+                    self._wire.close()  # a broken link goes silent
+                    self.handlers.failed(exc)
+        return run
+
+    def _encode_loop(self) -> None:
+        """Encode pushes in order and put every event on its way (a push on its shard's, others on all)."""
+        while (event := self._outbox.get()) is not None:
+            if isinstance(event, PushOut):
+                push = event.push
+                with self.landing.side(event.ready):  # encoded on the device, then copied to the host
+                    encoded = self.handlers.encode(push.deltas)
+                header = push_header(self.sender, push, encoded)
+                way = self.up.to(self.shard_of[push.fragment].index)
+                self._wire.put(way.send(message_bytes(encoded)), (event, (header, encoded)))
+            elif isinstance(event, ProgressOut):
+                self._wire.put(self.up.send_to_all(event.progress.wire_bytes()), (event, None))
+            elif isinstance(event, LeaveOut):
+                self._wire.put(self.up.send_to_all(MESSAGE_HEADER_BYTES), (event, None))
+            else:  # a heartbeat in order: behind the reports sent before it
+                self._wire.put(self.up.send_to_all(0), (event, None))
+        self._wire.close()
+
+    def _deliver_loop(self) -> None:
+        while (item := self._wire.get()) is not None:
+            event, payload = item
+            if isinstance(event, PushOut):
+                self._deliver_push(event.push, *payload)
+            elif isinstance(event, ProgressOut):
+                p = event.progress
+                self._tell(p.tokens, p.step, p.step_time_s, p.due_in_s)
+            elif isinstance(event, HeartbeatOut):
+                self._tell(event.tokens, event.step)
+            else:
+                for shard in self.shards:
+                    try:
+                        with_retries(lambda: shard.client.leave(self.sender, finished=event.finished), what="leave")
+                    except SyncerUnavailable as exc:
+                        log.warning("%s: could not announce leaving: %s", self.who, exc)
+
+    def _deliver_push(self, push: Push, header: Any, encoded: dict[str, Encoded]) -> None:
+        """A shard that restarts comes back with everything it acknowledged: keep trying (the client goes on
+        meanwhile); a push it took before it went down is counted once."""
+        shard = self.shard_of[push.fragment]
+        try:
+            reply = with_retries(lambda: shard.client.push(header, encoded), attempts=None, what="push",
+                                 give_up=self._give_up)
+        except SyncerUnavailable:
+            raise
+        except DilocoError as exc:  # refused with a reason (an outlier, a non-finite value)
+            log.warning("%s: push of fragment %d refused: %s", self.who, push.fragment, exc)
+            self.handlers.refused(push)
+            return
+        if reply.clipped:
+            log.warning("%s: push of fragment %d was larger than the syncer's outlier bound and merged scaled "
+                        "down to it", self.who, push.fragment)
+
+    def _tell(self, tokens: int, step: int, step_time_s: float = 0.0, due_in_s: tuple[float, ...] = ()) -> None:
+        """A progress report or heartbeat to every shard; not retried (the next one says more)."""
+        for shard in self.shards:
+            try:
+                reply = shard.client.heartbeat(self.sender, tokens, step, step_time_s, due_in_s)
+            except DilocoError as exc:
+                log.debug("%s: report to shard %d failed: %s", self.who, shard.index, exc)
+                continue
+            if reply.stop:
+                self.handlers.stop()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._halt.wait(HEARTBEAT_S):
+            for event in self.handlers.beat():
+                if self.handlers.ordered_beats or not isinstance(event, HeartbeatOut):
+                    self.send(event)
+                else:
+                    self._tell(event.tokens, event.step)
+
+    def _receive_loop(self, shard: ShardLink) -> None:
+        """New versions from one shard: decoded here, handed over when the emulated link delivers them.
+        A stream that ends or breaks is opened again (a client without updates would go on alone); one
+        the shard refuses is this link's failure."""
+        while not self._halt.is_set():
+            partial: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
+            """Per fragment, an answer's differences applied so far (and their bytes), until its last."""
+            holds = {p: self.received[p] for p in shard.fragments}
+            try:
+                for header, tensors in shard.client.updates(self.sender, holds):
+                    base, nbytes = partial.pop(header.fragment, (None, 0))
+                    nbytes += message_bytes(tensors)
+                    with self.landing.side():
+                        update = update_of(header, tensors, self.handlers.anchors(header.fragment),
+                                           self.received[header.fragment], nbytes, base, self.landing.to_device)
+                        ready = self.landing.done()
+                    if header.continued:
+                        partial[header.fragment] = (update.values, nbytes)
+                        continue
+                    self.received[header.fragment] = header.version
+                    self.arrivals.put(self.down.to(shard.index).send(nbytes), Arrival(update, ready))
+                reason = "the update stream ended"
+            except (SyncerUnavailable, ValueError) as exc:  # ValueError: a LostAnswer, or a bad frame
+                reason = str(exc)
+                shard.client.cancel_updates()
+            if self._halt.wait(RECONNECT_S):
+                return
+            log.warning("%s: %s (shard %d); reconnecting", self.who, reason, shard.index)
+
+    def _answer_loop(self) -> None:
+        while (arrival := self.arrivals.get()) is not None:
+            self.handlers.answer(arrival)

@@ -1,0 +1,216 @@
+"""The client link alone, over fake shards that fail on purpose: pushes delivered once each and in order
+through unavailable shards, refusals handed back, update streams reopened after a break claiming what
+was received whole, answers in several messages put back together, and a bounded give-up at close."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from diloco.client import link as link_module
+from diloco.client.joining import ShardLink
+from diloco.client.link import ClientLink, HeartbeatOut, LeaveOut, LinkHandlers, ProgressOut, PushOut, ShardWays
+from diloco.codecs import get_codec
+from diloco.core.messages import Progress, Push
+from diloco.errors import DilocoError
+from diloco.transport.calls import SyncerUnavailable
+from diloco.transport.frames import encode_fp32, tensor_header
+from diloco.v1 import diloco_pb2 as pb
+
+ANCHOR = {"w": torch.zeros(4)}
+
+
+class FakeShard:
+    """A shard client that records what it is told; `unavailable` calls fail before one gets through;
+    `sessions`: per update stream opened, the messages it yields, then None (it ends) or an exception."""
+
+    def __init__(self, unavailable: int = 0, refuse: set[int] = frozenset(), sessions: list | None = None) -> None:
+        self.unavailable, self.refuse = unavailable, set(refuse)
+        self.pushes: list[int] = []
+        self.leaves: list[bool] = []
+        self.reports: list[tuple] = []
+        self.claims: list[dict[int, int]] = []
+        self.sessions = list(sessions or [])
+        self.cancelled = threading.Event()
+        self.lock = threading.Lock()
+
+    def push(self, header: pb.PushHeader, tensors: dict) -> pb.PushReply:
+        with self.lock:
+            if self.unavailable:
+                self.unavailable -= 1
+                raise SyncerUnavailable("the shard is restarting")
+            if header.seq in self.refuse:
+                raise DilocoError("refused push: an outlier")
+            self.pushes.append(header.seq)
+        return pb.PushReply()
+
+    def heartbeat(self, learner: int, tokens: int, steps: int, step_time_s: float = 0.0,
+                  due_in_s: tuple = ()) -> pb.HeartbeatReply:
+        self.reports.append((tokens, steps, tuple(due_in_s)))
+        return pb.HeartbeatReply(stop=tokens >= 1000)
+
+    def leave(self, learner: int, finished: bool = False) -> None:
+        self.leaves.append(finished)
+
+    def updates(self, learner: int, holds: dict[int, int]):
+        self.claims.append(dict(holds))
+        self.cancelled.clear()
+        session = self.sessions.pop(0) if self.sessions else []
+        for item in session:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        if not session or session[-1] is not None:  # an idle stream: open until cancelled
+            self.cancelled.wait(30)
+
+    def cancel_updates(self) -> None:
+        self.cancelled.set()
+
+    def close(self) -> None:
+        self.cancelled.set()
+
+
+def answer(fragment: int, version: int, value: float, *, relative: bool = False, base_version: int = 0,
+           continued: bool = False, ack_seq: int = 0):
+    encoded = encode_fp32({"w": torch.full((4,), value)})
+    header = pb.UpdateHeader(fragment=fragment, version=version, ack_seq=ack_seq, continued=continued,
+                             base_version=base_version, tensors=[tensor_header("w", encoded["w"], relative)])
+    return header, encoded
+
+
+def push(seq: int, fragment: int = 0) -> Push:
+    return Push(0, fragment, 0, seq, {"w": torch.full((4,), float(seq))}, tokens=8, steps=1, step=seq)
+
+
+def open_link(*shards: FakeShard, **handlers) -> tuple[ClientLink, dict]:
+    seen = {"refused": [], "stop": 0, "failed": []}
+    links = [ShardLink(i, shard, [i]) for i, shard in enumerate(shards)]
+    link = ClientLink(0, "learner 0", links, {p: 0 for p in range(len(shards))},
+                      ShardWays([None], per_shard=False), ShardWays([None], per_shard=False))
+    codec = get_codec("fp32")
+    given = dict(encode=lambda deltas: {n: codec.encode(d) for n, d in deltas.items()}, anchors=lambda p: ANCHOR,
+                 refused=seen["refused"].append, stop=lambda: seen.__setitem__("stop", seen["stop"] + 1),
+                 beat=lambda: [], failed=seen["failed"].append)
+    link.start(LinkHandlers(**{**given, **handlers}), name="test")
+    return link, seen
+
+
+def wait_for(done, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_pushes_reach_a_shard_that_is_unavailable_at_first_once_each_and_in_order():
+    shard = FakeShard(unavailable=3)
+    link, seen = open_link(shard)
+    for seq in range(1, 6):
+        link.send(PushOut(push(seq)))
+    link.send(ProgressOut(Progress(0, 5, 40, 0.1, (0.5,))))
+    link.send(LeaveOut(finished=True))
+    link.close()
+    assert shard.pushes == [1, 2, 3, 4, 5]
+    assert shard.reports == [(40, 5, (0.5,))] and shard.leaves == [True]  # after the pushes, on the same link
+    assert link.error is None and not seen["failed"]
+    assert link.up.messages == 7
+
+
+def test_a_refused_push_is_handed_back_and_the_next_ones_still_go():
+    shard = FakeShard(refuse={2})
+    link, seen = open_link(shard)
+    for seq in (1, 2, 3):
+        link.send(PushOut(push(seq)))
+    link.close()
+    assert shard.pushes == [1, 3]
+    assert [p.seq for p in seen["refused"]] == [2]
+    assert link.error is None
+
+
+def test_a_report_answered_with_stop_tells_the_client():
+    shard = FakeShard()
+    link, seen = open_link(shard)
+    link.send(HeartbeatOut(tokens=2000, step=3))
+    link.close()
+    assert seen["stop"] == 1 and shard.reports == [(2000, 3, ())]
+
+
+def test_a_broken_update_stream_is_reopened_claiming_what_was_received_whole(monkeypatch):
+    monkeypatch.setattr(link_module, "RECONNECT_S", 0.01)
+    shard = FakeShard(sessions=[[answer(0, 1, 1.0), SyncerUnavailable("the stream broke")],
+                                [answer(0, 2, 2.0)]])
+    link, _ = open_link(shard)
+    try:
+        wait_for(lambda: len(link.arrivals) == 2)
+        versions = [(a.update.version, float(a.update.values["w"][0])) for a in link.arrivals.ready()]
+        assert versions == [(1, 1.0), (2, 2.0)]
+        assert shard.claims[:2] == [{0: 0}, {0: 1}]
+        assert link.received == {0: 2}
+    finally:
+        link.close()
+
+
+def test_a_lost_answer_is_not_applied_and_the_reopened_stream_claims_the_version_held(monkeypatch):
+    monkeypatch.setattr(link_module, "RECONNECT_S", 0.01)
+    lost = answer(0, 3, 0.5, relative=True, base_version=2)  # the answer making version 2 never came
+    shard = FakeShard(sessions=[[lost], [answer(0, 3, 3.0)]])
+    link, _ = open_link(shard)
+    try:
+        wait_for(lambda: len(link.arrivals) == 1)
+        (arrival,) = link.arrivals.ready()
+        assert arrival.update.version == 3 and torch.equal(arrival.update.values["w"], torch.full((4,), 3.0))
+        assert shard.claims[:2] == [{0: 0}, {0: 0}]
+    finally:
+        link.close()
+
+
+def test_an_answer_in_several_messages_arrives_once_whole():
+    parts = [answer(0, 2, 1.0, relative=True, base_version=0, continued=True),
+             answer(0, 2, 0.25, relative=True, base_version=1, ack_seq=4)]
+    shard = FakeShard(sessions=[parts])
+    arrived = []
+    link, _ = open_link(shard, answer=arrived.append)
+    try:
+        wait_for(lambda: arrived)
+        (arrival,) = arrived
+        assert arrival.update.version == 2 and arrival.update.ack_seq == 4
+        assert torch.equal(arrival.update.values["w"], torch.full((4,), 1.25))  # anchor + both differences
+        assert link.received == {0: 2}
+    finally:
+        link.close()
+
+
+def test_close_gives_up_on_a_shard_that_never_answers(monkeypatch):
+    monkeypatch.setattr(link_module, "CLOSE_BOUND_S", 0.2)
+    shard = FakeShard(unavailable=10**9)
+    link, seen = open_link(shard)
+    link.send(PushOut(push(1)))
+    link.close()  # returns: what is left unsent is lost
+    assert shard.pushes == []
+    assert isinstance(link.error, SyncerUnavailable) and seen["failed"] == [link.error]
+
+
+def test_messages_for_every_shard_reach_each_and_a_push_only_its_own():
+    shards = [FakeShard(), FakeShard()]
+    link, _ = open_link(*shards)
+    link.send(PushOut(push(1, fragment=1)))
+    link.send(ProgressOut(Progress(0, 1, 8, 0.1, (1.0, 1.0))))
+    link.send(LeaveOut(finished=False))
+    link.close()
+    assert [s.pushes for s in shards] == [[], [1]]
+    assert all(len(s.reports) == 1 and s.leaves == [False] for s in shards)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_heartbeats_reach_the_shards_in_the_queue_or_beside_it(monkeypatch, ordered):
+    monkeypatch.setattr(link_module, "HEARTBEAT_S", 0.01)
+    shard = FakeShard()
+    link, _ = open_link(shard, ordered_beats=ordered, beat=lambda: [HeartbeatOut(5, 1)])
+    try:
+        wait_for(lambda: len(shard.reports) >= 2)
+    finally:
+        link.close()
+    assert shard.reports[0] == (5, 1, ())
