@@ -11,6 +11,8 @@ Times are the caller's `now`: no clock is read here.
 
 from __future__ import annotations
 
+from diloco.core.undo import UndoLog
+
 HEARTBEAT_S = 1.0
 """How often a learner says it is alive, training or waiting (the real runtime's heartbeat thread, the
 simulator's heartbeat events)."""
@@ -19,7 +21,10 @@ EMA = 0.3
 
 
 class Liveness:
-    def __init__(self, *, detect_s: float, heartbeats: int = 5, join_bound_s: float = 60.0) -> None:
+    def __init__(self, *, detect_s: float, heartbeats: int = 5, join_bound_s: float = 60.0,
+                 undo: UndoLog | None = None) -> None:
+        self.undo = undo or UndoLog()
+        """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
         self.detect_s, self.heartbeats, self.join_bound_s = detect_s, heartbeats, join_bound_s
         self.started: float | None = None
         self.heard: dict[int, float] = {}
@@ -29,11 +34,15 @@ class Liveness:
 
     def start(self, now: float) -> None:
         if self.started is None:
+            self.undo.keep_attrs(self, "started")
             self.started = now
 
     def hear(self, learner: int, now: float, heartbeat: bool = False) -> None:
         self.start(now)
+        self.undo.keep(self.heard, learner)
         if heartbeat:
+            self.undo.keep(self.beat_at, learner)
+            self.undo.keep(self.interval, learner)
             last = self.beat_at.get(learner)
             if last is not None and now > last:
                 old = self.interval.get(learner)
@@ -70,10 +79,10 @@ class Liveness:
 
     def refresh(self, now: float) -> None:
         """Everyone counts as heard now (the syncer itself was away: silence says nothing)."""
+        self.undo.keep_attrs(self, "started", "heard", "beat_at")
         self.started = now
-        for m in self.heard:
-            self.heard[m] = now
-        self.beat_at.clear()
+        self.heard = dict.fromkeys(self.heard, now)
+        self.beat_at = {}
 
     def state_dict(self) -> dict:
         return {"started": self.started, "heard": dict(self.heard), "beat_at": dict(self.beat_at),

@@ -34,6 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from diloco.core.messages import Progress
+from diloco.core.undo import UndoLog
 
 STEP_EMA = 0.1
 """Weight of the newest report in the syncer's running step time of a learner (reports come often)."""
@@ -50,9 +51,14 @@ class Pace:
     due_in: dict[int, float] = field(default_factory=dict)
     """Per fragment, how long after `reported_at` the learner said it would push it next."""
 
+    def copy(self) -> Pace:
+        return dataclasses.replace(self, due_in=dict(self.due_in))
+
 
 class Pacer:
-    def __init__(self, period: float, grace: float, cap_steps: float) -> None:
+    def __init__(self, period: float, grace: float, cap_steps: float, undo: UndoLog | None = None) -> None:
+        self.undo = undo or UndoLog()
+        """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
         self.period, self.grace, self.cap_steps = period, grace, cap_steps
         self.paces: dict[int, Pace] = {}
 
@@ -62,6 +68,7 @@ class Pacer:
         """A report of where a learner stands (one without a schedule only says it is alive)."""
         if not report.due_in_s:
             return
+        self.undo.keep(self.paces, report.learner, Pace.copy)
         pace = self.paces.setdefault(report.learner, Pace())
         if report.step < pace.step:
             return  # overtaken by a newer report
@@ -73,12 +80,14 @@ class Pacer:
 
     def on_push(self, learner: int, fragment: int) -> None:
         """A push arrived: until the learner's next report, nothing is known of the one after."""
+        self.undo.keep(self.paces, learner, Pace.copy)
         pace = self.paces.get(learner)
         if pace is not None:
             pace.due_in.pop(fragment, None)
 
     def forget(self, learner: int) -> None:
         """A learner restarts: what it reports from now on starts from its checkpoint."""
+        self.undo.keep(self.paces, learner, Pace.copy)
         self.paces.pop(learner, None)
 
     # ------------------------------------------------------------ predictions
