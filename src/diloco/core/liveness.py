@@ -31,11 +31,15 @@ class Liveness:
         self.beat_at: dict[int, float] = {}
         self.interval: dict[int, float] = {}
         """Per learner, its heartbeat interval as measured (a running mean)."""
+        self._earliest: tuple[float, int] | None = None
+        self._asked: frozenset[int] = frozenset()
+        """The earliest deadline of the learners last asked about (`next_check`), and whose: kept up to
+        date as learners are heard, so that a check costs the same whatever their number."""
 
     def start(self, now: float) -> None:
         if self.started is None:
-            self.undo.keep_attrs(self, "started")
-            self.started = now
+            self.undo.keep_attrs(self, "started", "_earliest")
+            self.started, self._earliest = now, None
 
     def hear(self, learner: int, now: float, heartbeat: bool = False) -> None:
         self.start(now)
@@ -50,6 +54,13 @@ class Liveness:
                 self.interval[learner] = gap if old is None else old + EMA * (gap - old)
             self.beat_at[learner] = now
         self.heard[learner] = max(now, self.heard.get(learner, now))
+        if self._earliest is not None and learner in self._asked:
+            self.undo.keep_attrs(self, "_earliest")
+            deadline = self.deadline(learner)
+            if learner == self._earliest[1]:
+                self._earliest = None  # its deadline moved: another may be the earliest now
+            elif deadline < self._earliest[0]:
+                self._earliest = (deadline, learner)
 
     def allowance(self, learner: int) -> float:
         if learner not in self.heard:
@@ -75,12 +86,16 @@ class Liveness:
         """The earliest time one of `learners` may be found dead."""
         if self.started is None or not learners:
             return None
-        return min(self.deadline(m) for m in learners)
+        if self._earliest is None or self._asked != learners:
+            self.undo.keep_attrs(self, "_earliest", "_asked")
+            self._asked = frozenset(learners)
+            self._earliest = min((self.deadline(m), m) for m in learners)
+        return self._earliest[0]
 
     def refresh(self, now: float) -> None:
         """Everyone counts as heard now (the syncer itself was away: silence says nothing)."""
-        self.undo.keep_attrs(self, "started", "heard", "beat_at")
-        self.started = now
+        self.undo.keep_attrs(self, "started", "heard", "beat_at", "_earliest")
+        self.started, self._earliest = now, None
         self.heard = dict.fromkeys(self.heard, now)
         self.beat_at = {}
 
@@ -89,6 +104,6 @@ class Liveness:
                 "interval": dict(self.interval)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.started = state["started"]
+        self.started, self._earliest = state["started"], None
         self.heard, self.beat_at = dict(state["heard"]), dict(state["beat_at"])
         self.interval = dict(state["interval"])

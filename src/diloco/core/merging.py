@@ -193,7 +193,7 @@ class Merging:
         missing = alive - state.pending.keys()
         opened = state.first_arrival
         bound = self.pacer.bound(opened, alive)
-        if now >= bound or not self.pacer.waiting_for(state.fragment.index, missing, opened, alive):
+        if now >= bound or not self.pacer.anyone_due(state.fragment.index, missing, bound):
             return [self.close(state, now)]
         if state.deadline != bound:
             state.keep(self.undo)

@@ -64,6 +64,10 @@ class NormHistory:
         self.sizes: dict[int, dict[int, deque[float]]] = {p: {} for p in fragments}
         self.reference: dict[int, float | None] = dict.fromkeys(fragments)
         """Per fragment, the reference size the latest accepted push was measured against."""
+        self._votes: dict[int, dict[int, float]] = {p: {} for p in fragments}
+        self._current: dict[int, float | None] = {}
+        """Per fragment, each learner's vote and the reference they give now: recounted only when a push is
+        accepted, so that a check costs the same whatever the number of learners."""
         self._theta_norm: dict[int, tuple[int, float]] = {}
         self._push_norm: tuple[tuple[int, int, int, int], float] | None = None
         """Measured once each: ‖Θ_p‖ per fragment version, and the latest push's (checked, then taken;
@@ -86,7 +90,13 @@ class NormHistory:
 
     def current_reference(self, fragment: int) -> float | None:
         """Lower median of the learners' votes, grown at most GROWTH× since the last accepted push."""
-        votes = [_lower_median(list(s)) for s in self.sizes[fragment].values() if s]
+        if fragment not in self._current:
+            self.undo.keep(self._current, fragment)
+            self._current[fragment] = self._count_votes(fragment)
+        return self._current[fragment]
+
+    def _count_votes(self, fragment: int) -> float | None:
+        votes = list(self._votes[fragment].values())
         if not votes:
             return None
         reference = _lower_median(votes)
@@ -107,9 +117,14 @@ class NormHistory:
         """A push accepted as it was (not clipped): its size votes from now on."""
         self.undo.keep(self.sizes[fragment], learner, lambda kept: deque(kept, maxlen=WINDOW))
         self.undo.keep(self.reference, fragment)
+        self.undo.keep(self._votes[fragment], learner)
+        self.undo.keep(self._current, fragment)
         sizes = self.sizes[fragment].setdefault(learner, deque(maxlen=WINDOW))
         sizes.append(norm / math.sqrt(max(steps, 1)))
+        self._votes[fragment][learner] = _lower_median(list(sizes))
+        self._current.pop(fragment, None)
         self.reference[fragment] = self.current_reference(fragment)
+        self._current.pop(fragment, None)  # the reference it grows from moved
 
     def state_dict(self) -> dict:
         return {"sizes": {p: {m: list(s) for m, s in by.items()} for p, by in self.sizes.items()},
@@ -118,3 +133,5 @@ class NormHistory:
     def load_state_dict(self, state: dict) -> None:
         self.sizes = {p: {m: deque(s, maxlen=WINDOW) for m, s in by.items()} for p, by in state["sizes"].items()}
         self.reference = dict(state["reference"])
+        self._votes = {p: {m: _lower_median(list(s)) for m, s in by.items() if s} for p, by in self.sizes.items()}
+        self._current = {}

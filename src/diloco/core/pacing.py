@@ -61,6 +61,9 @@ class Pacer:
         """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
         self.period, self.grace, self.cap_steps = period, grace, cap_steps
         self.paces: dict[int, Pace] = {}
+        self._fastest: tuple[frozenset[int], float | None, int | None] | None = None
+        """The learners last asked about (`_fastest_step`), the fastest step time among them and whose:
+        kept up to date as reports come, so that a round's bound costs the same whatever their number."""
 
     # ------------------------------------------------------------ what learners say
 
@@ -76,6 +79,7 @@ class Pacer:
         if report.step_time_s > 0:
             pace.step_time = report.step_time_s if pace.step_time <= 0 else \
                 pace.step_time + STEP_EMA * (report.step_time_s - pace.step_time)
+            self._moved(report.learner, pace.step_time)
         pace.due_in = dict(enumerate(report.due_in_s))
 
     def on_push(self, learner: int, fragment: int) -> None:
@@ -89,6 +93,18 @@ class Pacer:
         """A learner restarts: what it reports from now on starts from its checkpoint."""
         self.undo.keep(self.paces, learner, Pace.copy)
         self.paces.pop(learner, None)
+        self._moved(learner, None)
+
+    def _moved(self, learner: int, step_time: float | None) -> None:
+        """`learner`'s step time is now `step_time` (None: unknown): the fastest may have changed."""
+        if self._fastest is None or learner not in self._fastest[0]:
+            return
+        self.undo.keep_attrs(self, "_fastest")
+        asked, fastest, whose = self._fastest
+        if learner == whose:
+            self._fastest = None  # it slowed down or left: another may be the fastest now
+        elif step_time is not None and step_time > 0 and (fastest is None or step_time < fastest):
+            self._fastest = (asked, step_time, learner)
 
     # ------------------------------------------------------------ predictions
 
@@ -104,8 +120,12 @@ class Pacer:
         return None if fastest is None else self.period * fastest
 
     def _fastest_step(self, learners: set[int]) -> float | None:
-        times = [self.paces[m].step_time for m in learners if m in self.paces and self.paces[m].step_time > 0]
-        return min(times) if times else None
+        if self._fastest is None or self._fastest[0] != learners:
+            self.undo.keep_attrs(self, "_fastest")
+            times = [(self.paces[m].step_time, m) for m in learners if m in self.paces and self.paces[m].step_time > 0]
+            fastest, whose = min(times) if times else (None, None)
+            self._fastest = (frozenset(learners), fastest, whose)
+        return self._fastest[1]
 
     def bound(self, opened: float, learners: set[int]) -> float:
         """The latest a round opened at `opened` waits for anyone."""
@@ -114,10 +134,10 @@ class Pacer:
             return opened
         return opened + min(self.grace * self.period * fastest / 2, self.cap_steps * fastest)
 
-    def waiting_for(self, fragment: int, missing: set[int], opened: float, learners: set[int]) -> set[int]:
-        """The learners in `missing` that a round of `fragment` opened at `opened` should wait for."""
-        bound = self.bound(opened, learners)
-        return {m for m in missing if (at := self.predict(m, fragment)) is not None and at <= bound}
+    def anyone_due(self, fragment: int, missing: set[int], bound: float) -> bool:
+        """Whether a round of `fragment` should wait for one of the learners in `missing`: one predicted to
+        push it by the round's `bound`."""
+        return any((at := self.predict(m, fragment)) is not None and at <= bound for m in missing)
 
     # ------------------------------------------------------------ alignment
 
@@ -131,3 +151,4 @@ class Pacer:
 
     def load_state_dict(self, state: dict) -> None:
         self.paces = {m: Pace(**s) for m, s in state.items()}
+        self._fastest = None
