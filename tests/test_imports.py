@@ -18,6 +18,11 @@ from diloco.cli import build_parser
 SOURCE = Path(__file__).parent.parent / "src"
 ENTRY_POINTS = {"diloco.__main__", "diloco.learner"}
 """`python -m diloco` and `python -m diloco.learner`: the only modules that may import the command line."""
+KNOWN_CYCLES = {"diloco.config", "diloco.config_rules", "diloco.launch.launcher", "diloco.launch.outages",
+                "diloco.shard.regional_shard", "diloco.shard.resume", "diloco.shard.server", "diloco.shard.serving",
+                "diloco.shard.snapshot", "diloco.sim.driver", "diloco.sim.summary"}
+"""Modules still on a cycle once TYPE_CHECKING imports count (each through one): to be broken, and
+removed from here as they are; the test fails on a name that is here but no longer on a cycle."""
 
 LOADED_GRPC = """
 import json, sys
@@ -40,8 +45,8 @@ def grpc_modules_loaded_by(*argvs: list[str]) -> list[str]:
 
 
 def module_imports() -> dict[str, set[str]]:
-    """Every diloco module, and the diloco modules it imports anywhere in its body (lazy imports too;
-    not those under `if TYPE_CHECKING:`, which only type hints see)."""
+    """Every diloco module, and the diloco modules it imports anywhere in its body (lazy imports too, and
+    those under `if TYPE_CHECKING:`: a module that needs another's types to be read depends on it)."""
     files = {}
     for path in SOURCE.rglob("*.py"):
         parts = path.relative_to(SOURCE).with_suffix("").parts
@@ -49,22 +54,13 @@ def module_imports() -> dict[str, set[str]]:
     graph = {}
     for name, path in files.items():
         targets = set()
-        tree = ast.parse(path.read_text())
-        for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and _type_checking_only(n)]:
-            block.body = []  # imports for type hints alone are never executed: they make no cycle
-        for node in ast.walk(tree):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
             elif isinstance(node, ast.Import):
                 targets |= {alias.name for alias in node.names}
         graph[name] = {t for t in targets if t in files and t != name}
     return graph
-
-
-def _type_checking_only(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def test_no_module_of_the_package_imports_itself_back():
@@ -78,8 +74,9 @@ def test_no_module_of_the_package_imports_itself_back():
                 return True
         return False
 
-    cycles = [name for name in graph if reaches(name, name, set())]
-    assert not cycles, f"modules on an import cycle: {sorted(cycles)}"
+    cycles = {name for name in graph if reaches(name, name, set())}
+    assert not cycles - KNOWN_CYCLES, f"modules on an import cycle: {sorted(cycles - KNOWN_CYCLES)}"
+    assert not KNOWN_CYCLES - cycles, f"no longer on a cycle, remove from KNOWN_CYCLES: {sorted(KNOWN_CYCLES - cycles)}"
 
 
 @pytest.mark.integration  # runs `diloco` in a fresh interpreter

@@ -11,6 +11,8 @@ Times are the caller's `now`: no clock is read here.
 
 from __future__ import annotations
 
+import heapq
+
 from diloco.core.undo import UndoLog
 
 HEARTBEAT_S = 1.0
@@ -31,15 +33,16 @@ class Liveness:
         self.beat_at: dict[int, float] = {}
         self.interval: dict[int, float] = {}
         """Per learner, its heartbeat interval as measured (a running mean)."""
-        self._earliest: tuple[float, int] | None = None
         self._asked: frozenset[int] = frozenset()
-        """The earliest deadline of the learners last asked about (`next_check`), and whose: kept up to
-        date as learners are heard, so that a check costs the same whatever their number."""
+        self._deadlines: list[tuple[float, int]] | None = None
+        """A heap of the deadlines of the learners last asked about (`next_check`), pushed as they are
+        heard; an entry no longer the learner's deadline is dropped when it comes to the top. A check
+        then costs the same whatever the number of learners."""
 
     def start(self, now: float) -> None:
         if self.started is None:
-            self.undo.keep_attrs(self, "started", "_earliest")
-            self.started, self._earliest = now, None
+            self.undo.keep_attrs(self, "started", "_deadlines")
+            self.started, self._deadlines = now, None
 
     def hear(self, learner: int, now: float, heartbeat: bool = False) -> None:
         self.start(now)
@@ -54,13 +57,8 @@ class Liveness:
                 self.interval[learner] = gap if old is None else old + EMA * (gap - old)
             self.beat_at[learner] = now
         self.heard[learner] = max(now, self.heard.get(learner, now))
-        if self._earliest is not None and learner in self._asked:
-            self.undo.keep_attrs(self, "_earliest")
-            deadline = self.deadline(learner)
-            if learner == self._earliest[1]:
-                self._earliest = None  # its deadline moved: another may be the earliest now
-            elif deadline < self._earliest[0]:
-                self._earliest = (deadline, learner)
+        if self._deadlines is not None and learner in self._asked:
+            heapq.heappush(self._deadlines, (self.deadline(learner), learner))  # left there if undone: stale
 
     def allowance(self, learner: int) -> float:
         if learner not in self.heard:
@@ -86,16 +84,21 @@ class Liveness:
         """The earliest time one of `learners` may be found dead."""
         if self.started is None or not learners:
             return None
-        if self._earliest is None or self._asked != learners:
-            self.undo.keep_attrs(self, "_earliest", "_asked")
+        heap = self._deadlines
+        if heap is None or self._asked != learners or len(heap) > 4 * len(learners) + 64:
+            self.undo.keep_attrs(self, "_deadlines", "_asked")
             self._asked = frozenset(learners)
-            self._earliest = min((self.deadline(m), m) for m in learners)
-        return self._earliest[0]
+            heap = self._deadlines = [(self.deadline(m), m) for m in learners]
+            heapq.heapify(heap)
+        while heap[0][0] != self.deadline(heap[0][1]):  # heard since: a later entry holds its deadline
+            dropped = heapq.heappop(heap)
+            self.undo.on_undo(lambda dropped=dropped: heapq.heappush(heap, dropped))
+        return heap[0][0]
 
     def refresh(self, now: float) -> None:
         """Everyone counts as heard now (the syncer itself was away: silence says nothing)."""
-        self.undo.keep_attrs(self, "started", "heard", "beat_at", "_earliest")
-        self.started, self._earliest = now, None
+        self.undo.keep_attrs(self, "started", "heard", "beat_at", "_deadlines")
+        self.started, self._deadlines = now, None
         self.heard = dict.fromkeys(self.heard, now)
         self.beat_at = {}
 
@@ -104,6 +107,6 @@ class Liveness:
                 "interval": dict(self.interval)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.started, self._earliest = state["started"], None
+        self.started, self._deadlines = state["started"], None
         self.heard, self.beat_at = dict(state["heard"]), dict(state["beat_at"])
         self.interval = dict(state["interval"])

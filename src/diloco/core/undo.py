@@ -76,6 +76,11 @@ class UndoLog:
             length = len(items)
             self._undo.append(lambda: items.__delitem__(slice(length, None)))
 
+    def on_undo(self, put_back: Callable[[], None]) -> None:
+        """Call `put_back` if the transaction is refused (for changes the helpers above do not fit)."""
+        if self._undo is not None:
+            self._undo.append(put_back)
+
     def run(self, call: Callable[[], T]) -> T:
         """Run `call` as one transaction (within one already open, as part of it)."""
         if self._undo is not None:
