@@ -9,8 +9,8 @@ from diloco.core import Push, SyncerCore
 from diloco.core.claims import MAX_SEQ_JUMP
 from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived
 from diloco.core.messages import Progress
-from diloco.core.outliers import outlier_bounds
-from diloco.core.rounds import ProtocolError, Publish, RoundRefused, Stop
+from diloco.core.actions import Publish, Stop
+from diloco.core.refusals import ProtocolError, RoundRefused
 from diloco.fragments import Fragment
 from diloco.outer import Nesterov
 
@@ -94,7 +94,7 @@ def test_one_insider_cannot_raise_the_bound_among_honest_learners():
         core.on_push(push(1, seq, HONEST, base=core.version(0)), now=float(seq))
     reference = core.norms.current_reference(0)
     for seq in range(1, 40):  # always just under the bound: accepted, but the bound does not move
-        norm, _, bound = outlier_bounds(core, push(0, seq, HONEST))
+        norm, _, bound = core.admission.outlier_bounds(push(0, seq, HONEST))
         core.on_push(push(0, seq, [bound * 0.999, 0, 0, 0], base=core.version(0)), now=10.0 + seq)
     assert core.norms.current_reference(0) == pytest.approx(reference)
 

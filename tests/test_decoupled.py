@@ -7,7 +7,6 @@ import torch
 
 from conftest import computed, tiny_config
 from diloco.core import Push, SyncerCore, Timer
-from diloco.core.closing import judge_unjudged
 from diloco.core.learner_core import LearnerCore
 from diloco.core.syncer_core import ProtocolError, token_weight
 from diloco.fragments import Fragment, Schedule
@@ -99,7 +98,7 @@ def test_stale_push_is_merged_next_round_and_counted_once():
 def open_round_merge(syncer, fragment=0):
     """What fragment's open round would merge if it closed now."""
     state = syncer.fragments[fragment]
-    judge_unjudged(syncer, state)
+    syncer.merging.judge_unjudged(state)
     return state.sums.merged(list(state.fragment.names), syncer.merge_rule)
 
 

@@ -14,7 +14,8 @@ from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, 
 from diloco.core.liveness import Liveness
 from diloco.core.messages import Progress
 from diloco.core.recovery import restore_plan
-from diloco.core.rounds import LearnerDead, ProtocolError, Publish, RunOver, SendState
+from diloco.core.actions import LearnerDead, Publish, RunOver, SendState
+from diloco.core.refusals import ProtocolError
 from diloco.fragments import Fragment
 from diloco.outer import Nesterov
 from diloco.shard.journal import decode_event, encode_event

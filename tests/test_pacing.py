@@ -9,7 +9,8 @@ from conftest import tiny_config
 from diloco.core import Push, SyncerCore, Timer
 from diloco.core.learner_core import LearnerCore
 from diloco.core.messages import Progress, Update
-from diloco.core.rounds import ProtocolError, Publish, Stop
+from diloco.core.actions import Publish, Stop
+from diloco.core.refusals import ProtocolError
 from diloco.fragments import Fragment, Schedule
 from diloco.outer import DelayedNesterov
 from diloco.sim.driver import Simulation

@@ -6,7 +6,7 @@ the final consolidation, Σ Δ for the plain mean, Σ w·Δ/‖Δ‖ and Σ w·�
 Per learner, a round keeps its counters, its weight and a fixed sample of its Δ (at most SAMPLE
 coordinates), from which the round's cosine diagnostic is taken.
 
-A push's weight is therefore fixed when it arrives (`closing.arrival_weight`). A learner's second push in
+A push's weight is therefore fixed when it arrives (`closing.judged_weight`). A learner's second push in
 the same round (only its final push can be one: a learner has one push of a fragment in flight) extends
 its contribution: it is added with the weight, and for the direction the norm, of the learner's first.
 """

@@ -13,9 +13,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from diloco.core.rounds import ProtocolError
+from diloco.core.refusals import ProtocolError
+from diloco.core.undo import UndoLog
 
 MIN_STEP_S = 1e-4
 """Shortest inner step believed before a learner's rate is measured."""
@@ -72,6 +73,9 @@ class Counters:
     def plain(self) -> dict:
         return asdict(self)
 
+    def copy(self) -> Counters:
+        return replace(self, covered=dict(self.covered))
+
 
 def step_problem(counters: Counters, step: int, now: float) -> str | None:
     """Why claiming `step` at `now` is implausible, or None."""
@@ -116,7 +120,9 @@ class Claims:
     """Every learner's declared tokens per step and latest accepted claims, and the core's sense of
     time (the first and the latest `now` it was told): what the checks judge a new claim against."""
 
-    def __init__(self) -> None:
+    def __init__(self, undo: UndoLog | None = None) -> None:
+        self.undo = undo or UndoLog()
+        """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
         self.declared: dict[int, int] = {}
         """Per learner, the tokens per inner step it declared at join."""
         self.bursts: dict[int, int] = {}
@@ -130,6 +136,7 @@ class Claims:
         """The latest time the core was told: what checks made without a time use."""
 
     def tick(self, now: float) -> None:
+        self.undo.keep_attrs(self, "opened_at", "clock")
         if self.opened_at is None:
             self.opened_at = now
         self.clock = max(self.clock, now)
@@ -140,6 +147,9 @@ class Claims:
                                 f"1..{MAX_TOKENS_PER_STEP}")
         if not 0 <= burst_steps <= MAX_BURST_STEPS:
             raise ProtocolError(f"learner {learner} declares bursts of {burst_steps} steps, outside 0..{MAX_BURST_STEPS}")
+        self.undo.keep(self.declared, learner)
+        self.undo.keep(self.bursts, learner)
+        self.undo.keep(self.counters, learner, Counters.copy)
         self.declared[learner] = int(tokens_per_step)
         if burst_steps:
             self.bursts[learner] = int(burst_steps)
@@ -159,15 +169,22 @@ class Claims:
 
     def accept(self, learner: int, step: int, now: float, tokens: int | None = None) -> Counters:
         """Keep an accepted claim: the learner's rate and this life's tokens go on from it."""
+        self.undo.keep(self.counters, learner, Counters.copy)
         counters = self.counters.setdefault(learner, self.of(learner, now))
         record(counters, step, now, tokens)
         return counters
 
     def new_life(self, learner: int) -> None:
         """A learner restarted: its tokens and pushed steps count afresh; its rate and steps go on."""
+        self.undo.keep(self.counters, learner, Counters.copy)
         counters = self.counters.get(learner)
         if counters is not None:
             counters.life_step, counters.life_tokens, counters.covered = None, 0, {}
+
+    def joined(self, learner: int, now: float) -> None:
+        """Its rate is measured from its first join (a rejoin goes on from there)."""
+        self.undo.keep(self.joined_at, learner)
+        self.joined_at.setdefault(learner, now)
 
     def state_dict(self) -> dict:
         return {"declared": dict(self.declared), "bursts": dict(self.bursts), "counters": {m: c.plain() for m, c in self.counters.items()},

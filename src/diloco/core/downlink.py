@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from diloco.codecs import Codec, Encoded, get_codec
+from diloco.core.undo import UndoLog
 
 CHAIN_SHARE = 0.5
 """Encoded differences kept per fragment, in fp32 copies of it: answers further behind go whole."""
@@ -65,7 +66,10 @@ class Answer:
 class Downlink:
     """One fragment's downlink state: the published values (lossy codecs) and recent differences."""
 
-    def __init__(self, codec: Codec, names: tuple[str, ...], theta: dict[str, torch.Tensor]) -> None:
+    def __init__(self, codec: Codec, names: tuple[str, ...], theta: dict[str, torch.Tensor],
+                 undo: UndoLog | None = None) -> None:
+        self.undo = undo or UndoLog()
+        """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
         self.codec, self.names = codec, names
         self.lossless = codec.name == "fp32"
         self.published = {} if self.lossless else {n: theta[n].clone() for n in names}
@@ -84,12 +88,14 @@ class Downlink:
         """The fragment moved to `version` (Θ is its new value): advance published by one difference."""
         if self.lossless:
             return
+        self.undo.keep_attrs(self, "published", "steps")
         wire = {n: self.codec.encode(theta[n] - self.published[n]) for n in self.names}
         self.published = {n: self.published[n] + self.codec.decode(wire[n], device=self.published[n].device)
                           for n in self.names}
-        self.steps.append(Step(version, wire))
-        while sum(s.nbytes() for s in self.steps) > CHAIN_SHARE * self.fp32_bytes and len(self.steps) > 1:
-            self.steps.pop(0)
+        steps = [*self.steps, Step(version, wire)]
+        while sum(s.nbytes() for s in steps) > CHAIN_SHARE * self.fp32_bytes and len(steps) > 1:
+            steps = steps[1:]
+        self.steps = steps
 
     def answers(self, held: dict[int, int], version: int, theta: dict[str, torch.Tensor]) -> dict[int, Answer]:
         """Bring each learner from the version it holds (`held`, by learner) to the current `version`.
@@ -105,12 +111,14 @@ class Downlink:
                 continue
             if whole is None:
                 whole = Message({n: FP32.encode(values[n]) for n in self.names})
+                self.undo.keep_attrs(self, "_whole", "_whole_version")
                 self._whole, self._whole_version = weakref.ref(whole), version
             out[learner] = Answer(values, (whole,), relative=False)
         return out
 
     def forget_before(self, version: int) -> None:
         """No learner that may still be answered holds a version older than this."""
+        self.undo.keep_attrs(self, "steps")
         self.steps = [s for s in self.steps if s.version > version]
 
     def nbytes(self) -> int:

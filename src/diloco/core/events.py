@@ -2,7 +2,7 @@
 
 Both drivers hand the core these and nothing else (`SyncerCore.handle(event, now)`), and the real
 syncer's journal records exactly these, so a replayed journal takes the decisions the live run took.
-The core answers with actions (`rounds.py`: Publish, Timer, Stop). Everything the core decides (when a
+The core answers with actions (`actions.py`: Publish, Timer, Stop, ...). Everything the core decides (when a
 round closes, when a learner is dead, when the run is over) follows from this sequence and nothing else.
 """
 

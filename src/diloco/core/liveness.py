@@ -11,6 +11,10 @@ Times are the caller's `now`: no clock is read here.
 
 from __future__ import annotations
 
+import heapq
+
+from diloco.core.undo import UndoLog
+
 HEARTBEAT_S = 1.0
 """How often a learner says it is alive, training or waiting (the real runtime's heartbeat thread, the
 simulator's heartbeat events)."""
@@ -19,21 +23,33 @@ EMA = 0.3
 
 
 class Liveness:
-    def __init__(self, *, detect_s: float, heartbeats: int = 5, join_bound_s: float = 60.0) -> None:
+    def __init__(self, *, detect_s: float, heartbeats: int = 5, join_bound_s: float = 60.0,
+                 undo: UndoLog | None = None) -> None:
+        self.undo = undo or UndoLog()
+        """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
         self.detect_s, self.heartbeats, self.join_bound_s = detect_s, heartbeats, join_bound_s
         self.started: float | None = None
         self.heard: dict[int, float] = {}
         self.beat_at: dict[int, float] = {}
         self.interval: dict[int, float] = {}
         """Per learner, its heartbeat interval as measured (a running mean)."""
+        self._asked: frozenset[int] = frozenset()
+        self._deadlines: list[tuple[float, int]] | None = None
+        """A heap of the deadlines of the learners last asked about (`next_check`), pushed as they are
+        heard; an entry no longer the learner's deadline is dropped when it comes to the top. A check
+        then costs the same whatever the number of learners."""
 
     def start(self, now: float) -> None:
         if self.started is None:
-            self.started = now
+            self.undo.keep_attrs(self, "started", "_deadlines")
+            self.started, self._deadlines = now, None
 
     def hear(self, learner: int, now: float, heartbeat: bool = False) -> None:
         self.start(now)
+        self.undo.keep(self.heard, learner)
         if heartbeat:
+            self.undo.keep(self.beat_at, learner)
+            self.undo.keep(self.interval, learner)
             last = self.beat_at.get(learner)
             if last is not None and now > last:
                 old = self.interval.get(learner)
@@ -41,6 +57,8 @@ class Liveness:
                 self.interval[learner] = gap if old is None else old + EMA * (gap - old)
             self.beat_at[learner] = now
         self.heard[learner] = max(now, self.heard.get(learner, now))
+        if self._deadlines is not None and learner in self._asked:
+            heapq.heappush(self._deadlines, (self.deadline(learner), learner))  # left there if undone: stale
 
     def allowance(self, learner: int) -> float:
         if learner not in self.heard:
@@ -66,20 +84,29 @@ class Liveness:
         """The earliest time one of `learners` may be found dead."""
         if self.started is None or not learners:
             return None
-        return min(self.deadline(m) for m in learners)
+        heap = self._deadlines
+        if heap is None or self._asked != learners or len(heap) > 4 * len(learners) + 64:
+            self.undo.keep_attrs(self, "_deadlines", "_asked")
+            self._asked = frozenset(learners)
+            heap = self._deadlines = [(self.deadline(m), m) for m in learners]
+            heapq.heapify(heap)
+        while heap[0][0] != self.deadline(heap[0][1]):  # heard since: a later entry holds its deadline
+            dropped = heapq.heappop(heap)
+            self.undo.on_undo(lambda dropped=dropped: heapq.heappush(heap, dropped))
+        return heap[0][0]
 
     def refresh(self, now: float) -> None:
         """Everyone counts as heard now (the syncer itself was away: silence says nothing)."""
-        self.started = now
-        for m in self.heard:
-            self.heard[m] = now
-        self.beat_at.clear()
+        self.undo.keep_attrs(self, "started", "heard", "beat_at", "_deadlines")
+        self.started, self._deadlines = now, None
+        self.heard = dict.fromkeys(self.heard, now)
+        self.beat_at = {}
 
     def state_dict(self) -> dict:
         return {"started": self.started, "heard": dict(self.heard), "beat_at": dict(self.beat_at),
                 "interval": dict(self.interval)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.started = state["started"]
+        self.started, self._deadlines = state["started"], None
         self.heard, self.beat_at = dict(state["heard"]), dict(state["beat_at"])
         self.interval = dict(state["interval"])

@@ -25,18 +25,14 @@ learner is told (`clipped`), logged, and takes the merged Θ with its next answe
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
-from typing import TYPE_CHECKING
 
 import torch
 
 from diloco.core.messages import Push
+from diloco.core.undo import UndoLog
 from diloco.outer.merge import tensor_norm
-
-if TYPE_CHECKING:
-    from diloco.core.syncer_core import SyncerCore
 
 THETA_RATIO = 10.0
 """Largest ‖Δ‖/‖Θ_p‖ a push may have (honest pushes: median 0.1, at most 1.8, measured)."""
@@ -62,32 +58,45 @@ def _lower_median(values: list[float]) -> float:
 class NormHistory:
     """Per fragment, each learner's recent accepted push sizes, and the reference they give."""
 
-    def __init__(self, fragments: list[int]) -> None:
+    def __init__(self, fragments: list[int], undo: UndoLog | None = None) -> None:
+        self.undo = undo or UndoLog()
+        """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
         self.sizes: dict[int, dict[int, deque[float]]] = {p: {} for p in fragments}
         self.reference: dict[int, float | None] = dict.fromkeys(fragments)
         """Per fragment, the reference size the latest accepted push was measured against."""
+        self._votes: dict[int, dict[int, float]] = {p: {} for p in fragments}
+        self._current: dict[int, float | None] = {}
+        """Per fragment, each learner's vote and the reference they give now: recounted only when a push is
+        accepted, so that a check costs the same whatever the number of learners."""
         self._theta_norm: dict[int, tuple[int, float]] = {}
         self._push_norm: tuple[tuple[int, int, int, int], float] | None = None
         """Measured once each: ‖Θ_p‖ per fragment version, and the latest push's (checked, then taken;
-        known by its identity, not held: the core's snapshots copy this object)."""
+        known by its identity, not held)."""
 
     def of_push(self, push: Push) -> float:
         key = (id(push.deltas), push.learner, push.fragment, push.seq)
         if self._push_norm is None or self._push_norm[0] != key:
+            self.undo.keep_attrs(self, "_push_norm")
             self._push_norm = (key, push_norm(push.deltas))
         return self._push_norm[1]
 
-    def of_theta(self, core: SyncerCore, fragment: int) -> float:
-        version = core.fragments[fragment].version
+    def of_theta(self, fragment: int, version: int, values: dict[str, torch.Tensor]) -> float:
+        """‖Θ_p‖ of `fragment` at `version`, whose tensors are `values`."""
         cached = self._theta_norm.get(fragment)
         if cached is None or cached[0] != version:  # Θ_p changes only with its version
-            names = core.fragments[fragment].fragment.names
-            cached = self._theta_norm[fragment] = (version, push_norm({n: core.theta[n] for n in names}))
+            self.undo.keep(self._theta_norm, fragment)
+            cached = self._theta_norm[fragment] = (version, push_norm(values))
         return cached[1]
 
     def current_reference(self, fragment: int) -> float | None:
         """Lower median of the learners' votes, grown at most GROWTH× since the last accepted push."""
-        votes = [_lower_median(list(s)) for s in self.sizes[fragment].values() if s]
+        if fragment not in self._current:
+            self.undo.keep(self._current, fragment)
+            self._current[fragment] = self._count_votes(fragment)
+        return self._current[fragment]
+
+    def _count_votes(self, fragment: int) -> float | None:
+        votes = list(self._votes[fragment].values())
         if not votes:
             return None
         reference = _lower_median(votes)
@@ -106,9 +115,16 @@ class NormHistory:
 
     def accept(self, fragment: int, learner: int, norm: float, steps: int) -> None:
         """A push accepted as it was (not clipped): its size votes from now on."""
+        self.undo.keep(self.sizes[fragment], learner, lambda kept: deque(kept, maxlen=WINDOW))
+        self.undo.keep(self.reference, fragment)
+        self.undo.keep(self._votes[fragment], learner)
+        self.undo.keep(self._current, fragment)
         sizes = self.sizes[fragment].setdefault(learner, deque(maxlen=WINDOW))
         sizes.append(norm / math.sqrt(max(steps, 1)))
+        self._votes[fragment][learner] = _lower_median(list(sizes))
+        self._current.pop(fragment, None)
         self.reference[fragment] = self.current_reference(fragment)
+        self._current.pop(fragment, None)  # the reference it grows from moved
 
     def state_dict(self) -> dict:
         return {"sizes": {p: {m: list(s) for m, s in by.items()} for p, by in self.sizes.items()},
@@ -117,24 +133,5 @@ class NormHistory:
     def load_state_dict(self, state: dict) -> None:
         self.sizes = {p: {m: deque(s, maxlen=WINDOW) for m, s in by.items()} for p, by in state["sizes"].items()}
         self.reference = dict(state["reference"])
-
-
-def outlier_bounds(core: SyncerCore, push: Push) -> tuple[float, float, float | None]:
-    """The push's norm, the most any push may have (refused above), and the most the history allows
-    (clipped or refused above; None before there is any history)."""
-    norm = core.norms.of_push(push)
-    theta_norm = core.norms.of_theta(core, push.fragment)
-    return norm, core.norms.hard_bound(theta_norm), core.norms.soft_bound(push.fragment, push.steps,
-                                                                         core.outlier_factor)
-
-
-def bounded(core: SyncerCore, push: Push) -> Push:
-    """Clip an outlier (rule `clip`); a push accepted as it was votes in the outlier history."""
-    if core.outlier == "off":
-        return push
-    norm, _, bound = outlier_bounds(core, push)
-    if bound is not None and norm > bound:  # only `clip` gets here: `reject` refused it in `check`
-        core.ledger[push.learner].clipped += 1
-        return dataclasses.replace(push, deltas={n: d * (bound / norm) for n, d in push.deltas.items()})
-    core.norms.accept(push.fragment, push.learner, norm, push.steps)
-    return push
+        self._votes = {p: {m: _lower_median(list(s)) for m, s in by.items() if s} for p, by in self.sizes.items()}
+        self._current = {}

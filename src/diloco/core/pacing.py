@@ -34,6 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from diloco.core.messages import Progress
+from diloco.core.undo import UndoLog
 
 STEP_EMA = 0.1
 """Weight of the newest report in the syncer's running step time of a learner (reports come often)."""
@@ -50,11 +51,19 @@ class Pace:
     due_in: dict[int, float] = field(default_factory=dict)
     """Per fragment, how long after `reported_at` the learner said it would push it next."""
 
+    def copy(self) -> Pace:
+        return dataclasses.replace(self, due_in=dict(self.due_in))
+
 
 class Pacer:
-    def __init__(self, period: float, grace: float, cap_steps: float) -> None:
+    def __init__(self, period: float, grace: float, cap_steps: float, undo: UndoLog | None = None) -> None:
+        self.undo = undo or UndoLog()
+        """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
         self.period, self.grace, self.cap_steps = period, grace, cap_steps
         self.paces: dict[int, Pace] = {}
+        self._fastest: tuple[frozenset[int], float | None, int | None] | None = None
+        """The learners last asked about (`_fastest_step`), the fastest step time among them and whose:
+        kept up to date as reports come, so that a round's bound costs the same whatever their number."""
 
     # ------------------------------------------------------------ what learners say
 
@@ -62,6 +71,7 @@ class Pacer:
         """A report of where a learner stands (one without a schedule only says it is alive)."""
         if not report.due_in_s:
             return
+        self.undo.keep(self.paces, report.learner, Pace.copy)
         pace = self.paces.setdefault(report.learner, Pace())
         if report.step < pace.step:
             return  # overtaken by a newer report
@@ -69,17 +79,32 @@ class Pacer:
         if report.step_time_s > 0:
             pace.step_time = report.step_time_s if pace.step_time <= 0 else \
                 pace.step_time + STEP_EMA * (report.step_time_s - pace.step_time)
+            self._moved(report.learner, pace.step_time)
         pace.due_in = dict(enumerate(report.due_in_s))
 
     def on_push(self, learner: int, fragment: int) -> None:
         """A push arrived: until the learner's next report, nothing is known of the one after."""
+        self.undo.keep(self.paces, learner, Pace.copy)
         pace = self.paces.get(learner)
         if pace is not None:
             pace.due_in.pop(fragment, None)
 
     def forget(self, learner: int) -> None:
         """A learner restarts: what it reports from now on starts from its checkpoint."""
+        self.undo.keep(self.paces, learner, Pace.copy)
         self.paces.pop(learner, None)
+        self._moved(learner, None)
+
+    def _moved(self, learner: int, step_time: float | None) -> None:
+        """`learner`'s step time is now `step_time` (None: unknown): the fastest may have changed."""
+        if self._fastest is None or learner not in self._fastest[0]:
+            return
+        self.undo.keep_attrs(self, "_fastest")
+        asked, fastest, whose = self._fastest
+        if learner == whose:
+            self._fastest = None  # it slowed down or left: another may be the fastest now
+        elif step_time is not None and step_time > 0 and (fastest is None or step_time < fastest):
+            self._fastest = (asked, step_time, learner)
 
     # ------------------------------------------------------------ predictions
 
@@ -95,8 +120,12 @@ class Pacer:
         return None if fastest is None else self.period * fastest
 
     def _fastest_step(self, learners: set[int]) -> float | None:
-        times = [self.paces[m].step_time for m in learners if m in self.paces and self.paces[m].step_time > 0]
-        return min(times) if times else None
+        if self._fastest is None or self._fastest[0] != learners:
+            self.undo.keep_attrs(self, "_fastest")
+            times = [(self.paces[m].step_time, m) for m in learners if m in self.paces and self.paces[m].step_time > 0]
+            fastest, whose = min(times) if times else (None, None)
+            self._fastest = (frozenset(learners), fastest, whose)
+        return self._fastest[1]
 
     def bound(self, opened: float, learners: set[int]) -> float:
         """The latest a round opened at `opened` waits for anyone."""
@@ -105,10 +134,15 @@ class Pacer:
             return opened
         return opened + min(self.grace * self.period * fastest / 2, self.cap_steps * fastest)
 
-    def waiting_for(self, fragment: int, missing: set[int], opened: float, learners: set[int]) -> set[int]:
-        """The learners in `missing` that a round of `fragment` opened at `opened` should wait for."""
-        bound = self.bound(opened, learners)
-        return {m for m in missing if (at := self.predict(m, fragment)) is not None and at <= bound}
+    def anyone_due(self, fragment: int, missing: set[int], bound: float) -> bool:
+        """Whether a round of `fragment` should wait for one of the learners in `missing`: one predicted to
+        push it by the round's `bound`."""
+        for m in missing:  # `predict`, inlined: this runs for every round held, over every learner missing
+            pace = self.paces.get(m)
+            due_in = None if pace is None else pace.due_in.get(fragment)
+            if due_in is not None and pace.reported_at + due_in <= bound:
+                return True
+        return False
 
     # ------------------------------------------------------------ alignment
 
@@ -122,3 +156,4 @@ class Pacer:
 
     def load_state_dict(self, state: dict) -> None:
         self.paces = {m: Pace(**s) for m, s in state.items()}
+        self._fastest = None

@@ -34,7 +34,7 @@ from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, 
                                 SyncerEvent)
 from diloco.core.learner_core import LearnerCore
 from diloco.core.messages import Progress, Push, Update
-from diloco.core.rounds import Action, RunOver, Timer
+from diloco.core.actions import Action, RunOver, Timer
 from diloco.core.syncer_core import SyncerCore
 
 __all__ = ["RegionalSyncer", "Upstream"]

@@ -1,30 +1,27 @@
-"""What the syncer core keeps per fragment and per learner, and what it tells its driver to do.
+"""What the syncer core keeps per fragment and per learner: plain data, which the core's parts change.
 
-Plain data: the core (`syncer.py`) decides, these only hold. Actions are typed and dispatched by type.
+ProtocolError and RoundRefused (`refusals.py`) are importable from here too, as the drivers always have.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from diloco.core.accumulate import Contribution, Sampler
 from diloco.core.downlink import Downlink
-from diloco.core.messages import Update
+from diloco.core.refusals import ProtocolError, RoundRefused
+from diloco.core.undo import UndoLog
 from diloco.fragments import Fragment
 from diloco.outer.merge import MergeSums
 
 
-class ProtocolError(Exception):
-    """A message that breaks the protocol; the syncer's state is left as it was."""
-
-
-class RoundRefused(ProtocolError):
-    """Closing a round would have made Θ or the outer optimizer's state non-finite: the call that
-    closed it is undone whole (its push or report included) and refused."""
+__all__ = ["ProtocolError", "RoundRefused", "OuterOptimizer", "LedgerEntry", "RoundRecord", "FragmentState",
+           "mean_cosine", "token_weight"]
 
 
 class OuterOptimizer(Protocol):
@@ -37,71 +34,6 @@ class OuterOptimizer(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-# ---------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True)
-class Publish:
-    """A new version of a fragment, as each participant of its round is to receive it: the answer
-    itself, or with `answers_when_taken` a notice (no values, no wire) the driver turns into the answer
-    when it can send it (`events.AnswerTaken`)."""
-
-    fragment: int
-    version: int
-    updates: dict[int, Update]
-
-    @property
-    def recipients(self) -> tuple[int, ...]:
-        return tuple(self.updates)
-
-
-@dataclass(frozen=True)
-class SendUpdate:
-    """An answer made when taken (`events.AnswerTaken`): send it to `learner` now."""
-
-    learner: int
-    update: Update
-
-
-@dataclass(frozen=True)
-class Timer:
-    """Call `on_timer` at (or after) this time: a round stops waiting."""
-
-    at: float
-
-
-@dataclass(frozen=True)
-class Stop:
-    """The shared token budget is spent: every learner should stop training and push what it has."""
-
-
-@dataclass(frozen=True)
-class LearnerDead:
-    """A learner was silent past its allowance (`liveness.py`): rounds no longer count on it."""
-
-    learner: int
-    silent_s: float
-    joined: bool
-    """False: it was never heard from at all."""
-
-
-@dataclass(frozen=True)
-class SendState:
-    """Θ of the fragments a (re)starting learner takes, whole, with their versions: what it now holds."""
-
-    learner: int
-    values: dict[str, torch.Tensor]
-    versions: dict[int, int]
-
-
-@dataclass(frozen=True)
-class RunOver:
-    """Every learner has left and what was still open is merged: the syncer has nothing more to do."""
-
-
-Action = Publish | SendUpdate | Timer | Stop | LearnerDead | SendState | RunOver
 
 
 # ---------------------------------------------------------------- records
@@ -132,6 +64,9 @@ class LedgerEntry:
         return {"pushes": self.pushes, "merged": dict(self.merged), "stale": dict(self.stale),
                 "steps_merged": self.steps_merged, "duplicates": self.duplicates, "last_seq": self.last_seq,
                 "clipped": self.clipped}
+
+    def copy(self) -> LedgerEntry:
+        return LedgerEntry.of(self.plain())
 
     @classmethod
     def of(cls, plain: dict) -> LedgerEntry:
@@ -202,7 +137,7 @@ class FragmentState:
     sums: MergeSums = field(default_factory=MergeSums)
     unjudged: dict[str, torch.Tensor] | None = None
     """The round's only push so far, kept whole while there is no weight to judge its own against
-    (`closing.join_round`)."""
+    (`Merging.join_round`)."""
     first_arrival: float | None = None
     quorum_at: float | None = None
     deadline: float | None = None
@@ -210,10 +145,23 @@ class FragmentState:
     """When this fragment's next round is meant to gather its pushes: the pacing grid."""
     deferred: dict[int, tuple[int, float | None]] = field(default_factory=dict)
     """Per learner of a round closed with its answers held back (`SyncerCore.defer`): the push its answer
-    acknowledges and when it should push next. `closing.release` answers them."""
+    acknowledges and when it should push next. `Merging.release` answers them."""
     correction: dict[str, torch.Tensor] | None = None
     """A move of Θ decided elsewhere (a regional syncer's answer from the global one), added to Θ by the
     next round of the fragment, so that it reaches learners as part of a version like any other."""
+
+    def keep(self, undo: UndoLog) -> None:
+        """Its round is about to change: keep what it holds now (`undo.py`), a few fields and the sums'
+        dicts (by tensor), none of it by learner. Contributions are kept one by one (`keep_contribution`)."""
+        undo.keep_attrs(self, "version", "optimizer", "correction", "target", "pending", "unjudged",
+                        "first_arrival", "quorum_at", "deadline")
+        undo.keep_attrs(self, "sums", copy=lambda s: replace(s, weighted=dict(s.weighted), plain_sum=dict(s.plain_sum),
+                                                             directions=dict(s.directions), radius=dict(s.radius)))
+
+    def keep_contribution(self, undo: UndoLog, learner: int) -> None:
+        """`learner`'s contribution to the open round is about to change or appear."""
+        self.keep(undo)
+        undo.keep(self.pending, learner, copy.copy)
 
     def reset(self) -> None:
         """The open round closed: the next one starts empty."""

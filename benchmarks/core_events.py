@@ -1,0 +1,104 @@
+"""CPU time per event of the syncer core, 4 vs 64 learners: its per-event cost must not grow with them.
+
+    python benchmarks/core_events.py [--events N] [--json PATH]
+
+Drives `SyncerCore.handle` by hand (no gRPC, no journal), with the core built as both drivers build it:
+from the default config's strategy spec (`build_strategy(load_config()).syncer_core`). The model is a few
+small tensors, one per fragment, so that what is measured is the core's per-event overhead (checks,
+bookkeeping, undo on refusal), not the merge arithmetic. Every learner steps in turn and sends a
+progress report, a heartbeat and a push of its next fragment (a round closes whenever the strategy
+says so, as in a run); each `handle` call is timed with the process's CPU clock. Prints a table with
+the 64/4 ratio per event kind and writes JSON (default benchmarks/results/core_events.json). About
+10 s on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from diloco.config import load_config
+from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived
+from diloco.core.messages import Progress, Push
+from diloco.fragments import Fragment
+from diloco.strategies import build_strategy
+
+SIZES = (4, 64)
+NUMEL = 16
+"""Elements per fragment: small pushes."""
+STEPS_PER_PUSH = 4
+TOKENS_PER_STEP = 64
+TICK_S = 0.001
+"""Time between two events: every learner is heard from well within its allowance."""
+KINDS = ("push", "progress", "heartbeat")
+
+
+def measure(learners: int, events: int) -> dict[str, float]:
+    """Mean CPU ns per `handle` call, by event kind, over `events` calls of each kind after a warm-up."""
+    spec = build_strategy(load_config())
+    fragments = [Fragment(p, (f"w{p}",), NUMEL, False) for p in range(spec.fragments)]
+    generator = torch.Generator().manual_seed(0)
+    params = {f"w{p}": torch.randn(NUMEL, generator=generator) for p in range(spec.fragments)}
+    core = spec.syncer_core(params, fragments, range(learners), embeddings=())
+    for m in range(learners):
+        core.declare(m, TOKENS_PER_STEP)
+        core.rejoin_state(m, after_seq=0)
+    step = dict.fromkeys(range(learners), 0)
+    seq = dict.fromkeys(range(learners), 0)
+    spent = dict.fromkeys(KINDS, 0)
+    counted = dict.fromkeys(KINDS, 0)
+    now = 0.0
+    seen = dict.fromkeys(KINDS, 0)
+    warmup = max(events // 4, 2 * learners)
+    while min(counted.values()) < events:
+        for m in range(learners):
+            step[m] += STEPS_PER_PUSH
+            seq[m] += 1
+            fragment = seq[m] % spec.fragments
+            tokens = step[m] * TOKENS_PER_STEP
+            delta = {f"w{fragment}": torch.randn(NUMEL, generator=generator) * 1e-3}
+            push = Push(m, fragment, core.version(fragment), seq[m], delta, STEPS_PER_PUSH * TOKENS_PER_STEP,
+                        STEPS_PER_PUSH, step_time_s=TICK_S, sent_at=now, step=step[m])
+            due = tuple(float(STEPS_PER_PUSH * TICK_S) for _ in fragments)
+            for kind, event in (("progress", ProgressArrived(Progress(m, step[m], tokens, TICK_S, due))),
+                                ("heartbeat", HeartbeatArrived(m, step[m], tokens)),
+                                ("push", PushArrived(push))):
+                now += TICK_S
+                started = time.process_time_ns()
+                core.handle(event, now)
+                elapsed = time.process_time_ns() - started
+                seen[kind] += 1
+                if seen[kind] > warmup and counted[kind] < events:
+                    spent[kind] += elapsed
+                    counted[kind] += 1
+    assert not core.budget_spent and core.rounds_closed > 0, "the run ended or never merged: not a fair measure"
+    return {kind: spent[kind] / counted[kind] for kind in KINDS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=1000, help="timed events of each kind per fleet size")
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "core_events.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = [{"learners": n, "ns_per_event": measure(n, args.events)} for n in SIZES]
+    small, large = (r["ns_per_event"] for r in results)
+    ratio = {kind: large[kind] / small[kind] for kind in KINDS}
+    print(f"{'event':<10}" + "".join(f"{f'{n} learners':>14}" for n in SIZES) + f"{'ratio':>8}")
+    for kind in KINDS:
+        print(f"{kind:<10}" + "".join(f"{r['ns_per_event'][kind] / 1000:>11.1f} µs" for r in results)
+              + f"{ratio[kind]:>8.2f}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"learners": list(SIZES), "ns_per_event": {r["learners"]: r["ns_per_event"]
+                                                                         for r in results},
+                               "ratio_64_vs_4": ratio}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

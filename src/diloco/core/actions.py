@@ -1,0 +1,71 @@
+"""What the syncer core tells its driver to do: typed, dispatched by type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diloco.core.messages import Update
+
+
+@dataclass(frozen=True)
+class Publish:
+    """A new version of a fragment, as each participant of its round is to receive it: the answer
+    itself, or with `answers_when_taken` a notice (no values, no wire) the driver turns into the answer
+    when it can send it (`events.AnswerTaken`)."""
+
+    fragment: int
+    version: int
+    updates: dict[int, Update]
+
+    @property
+    def recipients(self) -> tuple[int, ...]:
+        return tuple(self.updates)
+
+
+@dataclass(frozen=True)
+class SendUpdate:
+    """An answer made when taken (`events.AnswerTaken`): send it to `learner` now."""
+
+    learner: int
+    update: Update
+
+
+@dataclass(frozen=True)
+class Timer:
+    """Call `on_timer` at (or after) this time: a round stops waiting."""
+
+    at: float
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The shared token budget is spent: every learner should stop training and push what it has."""
+
+
+@dataclass(frozen=True)
+class LearnerDead:
+    """A learner was silent past its allowance (`liveness.py`): rounds no longer count on it."""
+
+    learner: int
+    silent_s: float
+    joined: bool
+    """False: it was never heard from at all."""
+
+
+@dataclass(frozen=True)
+class SendState:
+    """Θ of the fragments a (re)starting learner takes, whole, with their versions: what it now holds."""
+
+    learner: int
+    values: dict[str, torch.Tensor]
+    versions: dict[int, int]
+
+
+@dataclass(frozen=True)
+class RunOver:
+    """Every learner has left and what was still open is merged: the syncer has nothing more to do."""
+
+
+Action = Publish | SendUpdate | Timer | Stop | LearnerDead | SendState | RunOver
