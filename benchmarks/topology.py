@@ -59,7 +59,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from diloco.config import Config, load_config
+from diloco.config import Config, Topology, load_config
 from diloco.sim import simulate
 
 SETTINGS: list[tuple[str, list[str]]] = [
@@ -83,7 +83,7 @@ RUN_TIMEOUT_S = 3600.0
 def row_of(name: str, outage: dict[str, Any] | None, seed: int, summary: dict[str, Any], config: Config,
            host_s: float) -> dict[str, Any]:
     """The fields the tables and the JSON keep, from a simulator's or a launcher's summary."""
-    down = set(config.learners_of(outage["region"])) if outage else set()
+    down = set(Topology(config).learners_of(outage["region"])) if outage else set()
     lost_region = sum(p["tokens_lost"] for p in summary["per_learner"] if p["learner"] in down)
     lost_others = sum(p["tokens_lost"] for p in summary["per_learner"] if p["learner"] not in down)
     return {
@@ -102,7 +102,7 @@ def row_of(name: str, outage: dict[str, Any] | None, seed: int, summary: dict[st
         "wan_links": {link["name"]: {"bytes_up": link["bytes_up"], "bytes_down": link["bytes_down"],
                                      "bytes": link["bytes_up"] + link["bytes_down"]}
                       for link in summary["links"] if link["kind"] == "wan"},
-        "per_learner": [{"learner": p["learner"], "region": config.region_of(p["learner"]),
+        "per_learner": [{"learner": p["learner"], "region": Topology(config).region_of(p["learner"]),
                          "busy_fraction": p["busy_fraction"], "tokens": p["tokens"],
                          "tokens_lost": p["tokens_lost"], "crashes": p.get("crashes", 0),
                          "down_s": p.get("down_s", 0.0)} for p in summary["per_learner"]],

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import TINY, tiny_config
-from diloco.config import load_config
+from diloco.config import Topology, load_config
 from diloco.core.accounting import learner_tokens
 from diloco.core.claims import RATE_SLACK_STEPS
 from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived, TimerFired
@@ -543,8 +543,8 @@ def test_the_example_runs_regional_as_configured():
     """examples/regions.toml with `topology = regional`: the tier is on, one regional syncer per region with
     learners, and each region but the syncer's reaches it over its WAN link."""
     config = load_config(str(EXAMPLE), ["topology=regional"])
-    assert config.tiered and not load_config(str(EXAMPLE), []).tiered
-    assert [r.name for r in config.tier_regions()] == ["us-east", "us-west", "eu-west", "ap-south"]
-    assert config.region_route("us-east") == []
-    assert [h.kind for h in config.region_route("eu-west")] == ["wan"]
-    assert [h.kind for h in config.route(4)] == ["lan"]  # a learner's syncer is its region's, over its LAN
+    assert Topology(config).tiered and not Topology(load_config(str(EXAMPLE), [])).tiered
+    assert [r.name for r in Topology(config).tier_regions()] == ["us-east", "us-west", "eu-west", "ap-south"]
+    assert Topology(config).region_route("us-east") == []
+    assert [h.kind for h in Topology(config).region_route("eu-west")] == ["wan"]
+    assert [h.kind for h in Topology(config).route(4)] == ["lan"]  # a learner's syncer is its region's, over its LAN

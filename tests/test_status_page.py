@@ -14,7 +14,7 @@ from html.parser import HTMLParser
 import pytest
 
 from diloco.status.page import TIMELINE_ROUNDS, render_page
-from diloco.status.server import StatusServer
+from diloco.status.status_server import StatusServer
 
 CHROMIUM = "/usr/bin/chromium"
 HOSTILE = "<script>alert(1)</script>"

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # these load torch and gRPC: the commands import them when th
 
     from diloco.launch.launcher import Launcher
     from diloco.shard.server import SyncerShard
-    from diloco.status.server import StatusServer
+    from diloco.status.status_server import StatusServer
 
 METRICS_EVERY_S = 2.0
 """How often a syncer shard records its own metrics."""
@@ -380,7 +380,7 @@ def _serve_shard(shard: SyncerShard, args: argparse.Namespace, security: Transpo
 
 def _serve_status(shard: SyncerShard, http: HttpExposure, port: int) -> StatusServer:
     from diloco.status.endpoint import join_bind
-    from diloco.status.server import StatusServer
+    from diloco.status.status_server import StatusServer
 
     bind = join_bind(http.host, port)
     try:

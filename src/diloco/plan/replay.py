@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from diloco.config import Topology
 from diloco.errors import DilocoError
 from diloco.plan.layout import Layout, model_layout
 from diloco.plan.wire import LEAVE_BYTES, all_reduce_share, progress_bytes, push_bytes, update_bytes
@@ -70,7 +71,7 @@ def replay_problem(config: Config, spec: StrategySpec | None = None) -> str | No
         return "failures are configured (crashes or outages)"
     if spec.exchange == "gradients":
         return None
-    if config.tiered:
+    if Topology(config).tiered:
         return "the regional tier's syncers decide from timings of their own"
     if spec.quorum is not None or spec.shared_budget or spec.pacing or not spec.wait_for_updates:
         return f"{spec.name} is asynchronous: its rounds depend on timings the syncer estimates as it goes"
@@ -171,7 +172,7 @@ class _SyncReplay:
         self.queue = EventQueue()
         self.schedules = [Schedule(spec.period(m), self.count) for m in range(len(speeds))]
         self.network = Network(config)
-        home_of = config.fragment_homes(self.count)
+        home_of = Topology(config).fragment_homes(self.count)
         self.learners = [
             _Learner(m, StepTimer(lc.step_time_s, v, lc.jitter, config.seed, m, lc.drift, lc.drift_steps),
                      self.network.learner_link(m, [], home_of),

@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from diloco.config import Config
+from diloco.config import Config, Topology
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
                                 PushArrived, StreamOpened, SyncerEvent, TimerFired)
 from diloco.core.messages import Progress, Update
@@ -234,7 +234,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
     def members(self) -> int:
         """The learners the core counts from the start: the configured ones, or with the regional tier (on
         the global syncer) the regions' syncers."""
-        return len(self.config.tier_regions()) if self.config.tiered and self.tier is None else self.settings.learners
+        topology = Topology(self.config)
+        return len(topology.tier_regions()) if topology.tiered and self.tier is None else self.settings.learners
 
     def _declare(self, learner: int, tokens_per_step: int) -> None:
         """Hand a learner's declared tokens per step to the core (raises ProtocolError if it refuses). With the
@@ -242,8 +243,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
         declare = getattr(self.core, "declare", None)  # a core without declarations takes none
         if declare is None:
             return
-        regions = self.config.tier_regions() if self.tier is None else []
-        burst = RegionalSyncer.burst_steps(len(self.config.learners_of(regions[learner].name)), self.spec.H,
+        regions = Topology(self.config).tier_regions() if self.tier is None else []
+        burst = RegionalSyncer.burst_steps(len(Topology(self.config).learners_of(regions[learner].name)), self.spec.H,
                                            self.config.regional.push_every) if learner < len(regions) else 0
         declare(learner, tokens_per_step, burst)
 

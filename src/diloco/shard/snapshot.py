@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from diloco.config import Topology
 from diloco.core.syncer_core import RoundRecord
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def snapshot_regions(shard: SyncerShard) -> list[dict]:
     """The regions the status page groups the shard's learners by: every region on a flat run's syncer,
     its own on a region's syncer; none on the regional tier's global syncer, whose members are the
     regions' syncers, not learners."""
-    if shard.config.tiered and shard.tier is None:
+    if Topology(shard.config).tiered and shard.tier is None:
         return []
     own = shard.tier.name if shard.tier is not None else None
     return region_groups(shard.config, only=own)
@@ -91,5 +92,5 @@ def snapshot_regions(shard: SyncerShard) -> list[dict]:
 def region_groups(config: Config, only: str | None = None) -> list[dict]:
     """Per region (in config order, or just the one named `only`): its name, whether it holds the syncer,
     and its learners' ids. Empty without regions."""
-    return [{"name": r.name, "syncer": r.syncer, "learners": list(config.learners_of(r.name))}
+    return [{"name": r.name, "syncer": r.syncer, "learners": list(Topology(config).learners_of(r.name))}
             for r in config.regions if only in (None, r.name)]

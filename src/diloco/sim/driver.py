@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from diloco.config import Config
+from diloco.config import Config, Topology
 from diloco.core.learner_core import LearnerCore
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
                                 TimerFired, sender)
@@ -78,7 +78,7 @@ class Simulation:
         self.queue = EventQueue()
         self.learners: list[SimLearner] = []
         plans = self.spec.planned_steps(speeds, self.budget, tokens_per_step)
-        self.home_of = config.fragment_homes(self.spec.fragments) if self.spec.exchange == "outer" else []
+        self.home_of = Topology(config).fragment_homes(self.spec.fragments) if self.spec.exchange == "outer" else []
         """Per fragment, the region of its home shard (`placement`): its pushes and answers go there."""
         for m, (speed, planned) in enumerate(zip(speeds, plans)):
             sampler = ShardSampler(corpus.train, learner=m, learners=count, seq_len=t.seq_len,
@@ -114,7 +114,7 @@ class Simulation:
             learner.lost_tokens = [0] * len(self.fragments)
         params = {n: p for n, p in base.named_parameters() if p.requires_grad}
         tokens_per_step = self.config.train.batch_size * self.config.train.seq_len
-        if self.config.tiered:
+        if Topology(self.config).tiered:
             self._build_regions(params, embeddings, tokens_per_step)
             return
         self.syncer = spec.syncer_core(params, self.fragments, range(len(self.learners)), embeddings=embeddings)
@@ -125,10 +125,10 @@ class Simulation:
     def _build_regions(self, params: dict[str, torch.Tensor], embeddings: set[str], tokens_per_step: int) -> None:
         """The regional tier: the global syncer's learners are the regions' syncers, each of which starts
         from Θ's first version and is the syncer of its region's learners."""
-        for r in self.config.tier_regions():
-            self.regions.append(SimRegion(len(self.regions), r.name, list(self.config.learners_of(r.name)),
+        for r in Topology(self.config).tier_regions():
+            self.regions.append(SimRegion(len(self.regions), r.name, list(Topology(self.config).learners_of(r.name)),
                                           self.network.region_link(r.name, self.home_of),
-                                          self.config.region_period(r.name)))
+                                          Topology(self.config).region_period(r.name)))
         self.syncer = self.spec.syncer_core(params, self.fragments, range(len(self.regions)), embeddings=embeddings)
         self._embeddings = embeddings
         for region in self.regions:
