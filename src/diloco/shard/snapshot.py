@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from diloco.config import Topology
+from diloco.core.accounting import by_parameters
 from diloco.core.syncer_core import RoundRecord
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ def learner_state(shard: SyncerShard, m: int, now: float) -> str:
 def snapshot(shard: SyncerShard) -> dict:
     """Membership, each learner's state, the recent rounds and the regions, for the status page."""
     core, now = shard.core, shard.clock.now()
+    numel = {p: s.fragment.numel for p, s in core.fragments.items()} if core else {}
     learners = {}
     for m in sorted(set(range(shard.settings.learners)) | shard.joined):
         entry = core.ledger.get(m) if core else None
@@ -68,8 +70,8 @@ def snapshot(shard: SyncerShard) -> dict:
             "name": f"learner {m}", "host": shard.hosts.get(m, ""), "state": learner_state(shard, m, now),
             "tokens": core.tokens_reported(m) if core else 0, "steps": shard.steps.get(m, 0),
             "pushes": entry.pushes if entry else 0, "duplicates": entry.duplicates if entry else 0,
-            "tokens_merged": sum(entry.merged.values()) if entry else 0,
-            "tokens_stale": sum(entry.stale.values()) if entry else 0,
+            "tokens_merged": learner_share(entry.merged, numel) if entry else 0,
+            "tokens_stale": learner_share(entry.stale, numel) if entry else 0,
             "last_seen_s": now - heard if heard is not None else None,
             "held_versions": {str(p): v for p, v in core.held_versions.get(m, {}).items()} if core else {}}
     rounds = [round_view(shard, r) for r in (core.rounds[-200:] if core else [])]
@@ -77,6 +79,15 @@ def snapshot(shard: SyncerShard) -> dict:
             "uptime_s": now - shard.started, "finished": shard.finished, "fragments": shard.owned,
             "versions": {str(p): s.version for p, s in core.fragments.items()} if core else {},
             "learners": learners, "rounds": rounds, "regions": snapshot_regions(shard)}
+
+
+def learner_share(per_fragment: dict[int, int], numel: dict[int, int]) -> int:
+    """A learner's tokens counted per fragment, in the unit of the tokens it trained: each of this shard's
+    fragments weighted by its share of their parameters (`by_parameters`, as the run summary does), not
+    summed over fragments, which would count every trained token once per fragment."""
+    parameters = sum(numel.values())
+    owned = {p: tokens for p, tokens in per_fragment.items() if p in numel}
+    return round(by_parameters(owned, numel, parameters)) if parameters else 0
 
 
 def snapshot_regions(shard: SyncerShard) -> list[dict]:

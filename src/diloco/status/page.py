@@ -16,7 +16,9 @@ Snapshot shape (times in seconds; object keys are strings, as after a JSON round
                  "participants": [0, 2], "stale": 1, "staleness": [0, 1], "held_s": 0.2}],
      "regions": [{"name": "us-east", "syncer": True, "learners": [0, 1]}]}
 
-`regions` is optional: with it, the membership table groups learners under their region.
+`regions` is optional: with it, the membership table groups learners under their region. `tokens` is what
+a learner trained; `tokens_merged` and `tokens_stale` are in the same unit (`shard/snapshot.py`,
+`learner_share`: each fragment weighted by its size, not summed over fragments).
 """
 
 from __future__ import annotations
@@ -206,6 +208,8 @@ def _held(held: Any) -> str:
 
 
 _MEMBERSHIP_COLUMNS = 11
+_MERGED_UNIT = ("trained tokens whose progress this shard merged on time (merged) or in a later round (stale), "
+                "each of its fragments weighted by its share of their parameters: the unit of tokens")
 _NO_LEARNERS = f'<tr><td colspan="{_MEMBERSHIP_COLUMNS}" class="muted">No learners.</td></tr>'
 
 
@@ -273,7 +277,7 @@ def _membership(s: dict) -> str:
         "<th class=num>steps</th><th class=num>pushes</th><th class=num>duplicates</th>"
         "<th class=num>tokens merged</th><th class=num>tokens stale</th><th class=num>last seen</th>"
         "<th>held versions</th></tr></thead>"
-        f"{body}</table></section>"
+        f'{body}</table><p class="muted">tokens merged, tokens stale: {_MERGED_UNIT}.</p></section>'
     )
 
 
