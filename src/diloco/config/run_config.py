@@ -27,6 +27,8 @@ from diloco.config.train_section import TrainConfig, check_token_budget, check_t
 
 @dataclass
 class Config:
+    """A run, as data: one field per TOML table (`[train]`, `[[regions]]`, …) and the top-level keys."""
+
     seed: int = 0
     strategy: Strategy = "decoupled"
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -2,7 +2,7 @@
 
 Every sender (a learner; with the regional tier a region's syncer, its learners then on their LAN alone)
 has one flow per region that homes fragments (`placement`): its pushes of those fragments and a progress
-report per step go there over its route (`Config.route`: its LAN, then its region's WAN link there), the
+report per step go there over its route (`Topology.route`: its LAN, then its region's WAN link there), the
 answers come back. A link carries every flow whose route crosses it, in one direction or the other: with
 `placement = "links"` a WAN link between two regions carries one region's pushes and the other's answers
 the same way.

@@ -8,8 +8,8 @@ join any two regions: the regions stand on a ring, the syncer's at the top, and 
 fragments it homes. Each WAN link is one edge, labelled with its bytes each way (named by its ends) and,
 from the simulator, how busy each way was; labels are placed along their edges away from each other and
 from the boxes. Where each learner is, which link is whose and which region homes what come from the run's
-own config (`Config.learners_of`, `Config.route`, `Config.region_route`, `Config.fragment_homes`), the bytes
-and busy shares from summary.json's `links`.
+own config (`Topology(config)`: `learners_of`, `route`, `region_route`, `fragment_homes`), the bytes and busy
+shares from summary.json's `links`.
 """
 
 from __future__ import annotations
