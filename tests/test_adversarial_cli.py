@@ -25,7 +25,7 @@ from diloco.metrics import MetricsLog
 from diloco.metrics.sinks import PrometheusSink
 from diloco.transport.ports import wait_for_port
 from diloco.status.endpoint import MAX_CONNECTIONS, credentials_for
-from diloco.status.server import StatusServer
+from diloco.status.status_server import StatusServer
 from diloco.transport.security_settings import secret_token
 
 SECRET = b"correct horse battery staple"

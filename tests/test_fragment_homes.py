@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from conftest import tiny_config
-from diloco.config import config_from_dict, load_config
+from diloco.config import Topology, config_from_dict, load_config
 from diloco.errors import ConfigError
 from diloco.network.homes import Site, loads, place
 from diloco.sim import simulate
@@ -66,17 +66,19 @@ def test_the_links_are_as_light_as_any_placement_of_four_fragments_allows(answer
 
 def test_equal_regions_home_equal_shares_interleaved():
     config = load_config("examples/regions.toml", ["placement=links", "topology=regional"])
-    assert config.fragment_homes(8) == ["us-east", "us-west", "eu-west", "ap-south"] * 2
+    assert Topology(config).fragment_homes(8) == ["us-east", "us-west", "eu-west", "ap-south"] * 2
 
 
 def test_a_placement_is_the_same_everywhere_it_is_computed():
     """Every shard and learner derives it from the config alone: the same result each time."""
     config = load_config("examples/regions.toml", ["placement=links", "outer.fragments=8"])
-    homes = config.fragment_homes(8)
-    assert homes == load_config("examples/regions.toml", ["placement=links", "outer.fragments=8"]).fragment_homes(8)
-    assert set(homes) == {"us-east", "us-west", "eu-west", "ap-south"} and config.homes(8) == \
+    homes = Topology(config).fragment_homes(8)
+    again = load_config("examples/regions.toml", ["placement=links", "outer.fragments=8"])
+    assert homes == Topology(again).fragment_homes(8)
+    assert set(homes) == {"us-east", "us-west", "eu-west", "ap-south"} and Topology(config).homes(8) == \
         ["us-east", "us-west", "eu-west", "ap-south"]
-    assert load_config("examples/regions.toml").fragment_homes(8) == ["us-east"] * 8  # the default: the syncer's
+    default = Topology(load_config("examples/regions.toml"))
+    assert default.fragment_homes(8) == ["us-east"] * 8  # the default: the syncer's
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -128,7 +130,7 @@ def test_spreading_the_homes_lightens_the_busiest_wan_direction_and_accounts_eve
     common = [TWO_BY_TWO, "outer.fragments=2", f"topology={topology}", "train.tokens=20480", "codec.up=int8"]
     runs = {p: simulate(tiny_config(*common, f"placement={p}")) for p in ("syncer", "links")}
     config = tiny_config(*common, "placement=links")
-    assert config.fragment_homes(2) == ["home", "away"]
+    assert Topology(config).fragment_homes(2) == ["home", "away"]
     for result in runs.values():
         assert result.tokens_merged + result.tokens_stale + result.tokens_lost == pytest.approx(result.tokens)
         # No crash: nothing lost, and no push that overtook an earlier one on another route taken for a retry.
@@ -150,7 +152,7 @@ def test_spreading_the_homes_lightens_the_busiest_wan_direction_and_accounts_eve
 def test_the_default_placement_leaves_a_run_as_it_was():
     """`placement = "syncer"` is the layout runs had before placement existed: one way per sender."""
     config = config_from_dict({"placement": "syncer"})
-    assert config.fragment_homes(4) == [] and config.homes(4) == []
+    assert Topology(config).fragment_homes(4) == [] and Topology(config).homes(4) == []
 
 
 def test_homes_all_in_one_region_that_is_not_the_syncers_are_routed_there():

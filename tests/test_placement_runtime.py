@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY, tiny_config
-from diloco.config import load_config
+from diloco.config import Topology, load_config
 from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.errors import DilocoError
 from diloco.results import LearnerReport, links_from_learners, traffic_fields
@@ -42,7 +42,7 @@ def example(*overrides: str):
 def test_each_home_region_gets_one_shard_owning_exactly_its_fragments():
     config = example()
     count = build_strategy(config).fragments
-    homes, fragment_homes = config.homes(count), config.fragment_homes(count)
+    homes, fragment_homes = Topology(config).homes(count), Topology(config).fragment_homes(count)
     owners = fragment_owners(config)
     assert placed_shard_count(config, 1) == len(homes) == max(owners) + 1
     for i, home in enumerate(homes):
@@ -137,7 +137,7 @@ def test_diloco_run_homes_fragments_per_region_and_lists_the_simulators_links(tm
     run, sim = (json.loads((out / "summary.json").read_text()) for out in outs.values())
     config = example()
     count = build_strategy(config).fragments
-    homes, fragment_homes = config.homes(count), config.fragment_homes(count)
+    homes, fragment_homes = Topology(config).homes(count), Topology(config).fragment_homes(count)
     assert len(homes) > 1  # the example spreads its fragments
     # One shard per home region, each owning the fragments homed there.
     shards = json.loads((outs["run"] / "syncer" / "shards.json").read_text())
@@ -171,10 +171,10 @@ def sim_link_names(config) -> list[str]:
     from diloco.network.links import Network
 
     network = Network(config)
-    homes = config.fragment_homes(build_strategy(config).fragments)
+    homes = Topology(config).fragment_homes(build_strategy(config).fragments)
     for m in range(config.learners.count):
         network.learner_link(m, [], homes)
-    for region in config.tier_regions():
+    for region in Topology(config).tier_regions():
         network.region_link(region.name, homes)
     return sorted((e["name"] for e in network.link_entries(run_s=1.0)), key=lambda name: "LAN" not in name)
 
@@ -185,7 +185,7 @@ def test_regional_syncers_send_each_fragment_up_to_its_home_region(tmp_path):
     fragment go to that fragment's home, its progress to every home, each counted on its own WAN link."""
     config = example("topology=regional")
     count = build_strategy(config).fragments
-    homes, fragment_homes = config.homes(count), config.fragment_homes(count)
+    homes, fragment_homes = Topology(config).homes(count), Topology(config).fragment_homes(count)
     overrides = [x for o in [*SMALL, "topology=regional"] for x in ("--set", o)]
     done = subprocess.run([sys.executable, "-m", "diloco", "run", EXAMPLE, *overrides, "--out", str(tmp_path), "-q"],
                           capture_output=True, text=True, timeout=240)

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import TINY, computed, tiny_config
-from diloco.config import config_from_dict
+from diloco.config import Topology, config_from_dict
 from diloco.errors import ConfigError
 from diloco.results import links_from_learners, traffic_fields
 from diloco.sim import simulate
@@ -51,23 +51,23 @@ def inline(regions: list[dict]) -> str:
 def test_regions_set_the_learners_in_region_order_and_their_routes():
     config = regions_config()
     assert (config.learners.count, config.learners.speeds) == (3, [1.0, 1.0, 0.5])
-    assert [config.region_of(m) for m in range(4)] == ["us", "eu", "eu", None]
-    assert list(config.learners_of("eu")) == [1, 2] and config.syncer_region() == "us"
-    assert [h.name for h in config.route(0)] == ["learner 0 LAN"]  # the syncer's region: its LAN alone
-    lan, wan = config.route(2)
+    assert [Topology(config).region_of(m) for m in range(4)] == ["us", "eu", "eu", None]
+    assert list(Topology(config).learners_of("eu")) == [1, 2] and Topology(config).syncer_region() == "us"
+    assert [h.name for h in Topology(config).route(0)] == ["learner 0 LAN"]  # the syncer's region: its LAN alone
+    lan, wan = Topology(config).route(2)
     assert (lan.name, lan.kind, wan.name, wan.kind) == ("learner 2 LAN", "lan", "eu→us (WAN)", "wan")
     # eu→us is eu's override (its bandwidth left out: eu's default WAN); us→eu is us's default WAN.
     assert (wan.up.bandwidth_mbit, wan.up.latency_ms) == (8, 40)
     assert (wan.down.bandwidth_mbit, wan.down.latency_ms) == (8, 10)
     # The real runtime's one emulated link: the slowest hop, the latencies summed.
-    assert (config.emulated_link(2).bandwidth_mbit, config.emulated_link(2).latency_ms) == (8, 41)
-    assert config.emulated_link(0).latency_ms == 1 and config.emulated_link(None) is config.link
+    assert (Topology(config).emulated_link(2).bandwidth_mbit, Topology(config).emulated_link(2).latency_ms) == (8, 41)
+    assert Topology(config).emulated_link(0).latency_ms == 1 and Topology(config).emulated_link(None) is config.link
 
 
 def test_without_regions_nothing_changes():
     config = config_from_dict({})
-    assert config.regions == [] and config.route(0) == [] and config.region_of(0) is None
-    assert config.emulated_link(0) is config.link
+    assert config.regions == [] and Topology(config).route(0) == [] and Topology(config).region_of(0) is None
+    assert Topology(config).emulated_link(0) is config.link
 
 
 def test_a_region_that_leaves_out_its_links_takes_link():
@@ -148,7 +148,7 @@ def test_the_example_config_loads():
     from diloco.config import load_config
 
     config = load_config("examples/regions.toml")
-    assert config.learners.count == 8 and len(config.regions) == 4 and config.syncer_region() == "us-east"
+    assert config.learners.count == 8 and len(config.regions) == 4 and Topology(config).syncer_region() == "us-east"
     assert config.learners.speeds[6:] == [0.5, 0.5]
 
 

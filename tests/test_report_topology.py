@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from test_report import assert_png, parse, summary, write_run
 
-from diloco.config import load_config
+from diloco.config import Topology, load_config
 from diloco.report.report_cli import run
 from diloco.report.link_figures import links_table, summary_links, total_bytes
 from diloco.report.plots import write_run_plots
@@ -44,10 +44,11 @@ def mesh_summary(*overrides: str) -> dict[str, Any]:
     fragments, named the way it is first used, carrying (k + 1) MB the way its name points and k MB back,
     busy for a few percent of the run each way."""
     config = load_config(EXAMPLE, ["placement=links", *overrides])
-    homes = config.homes(build_strategy(config).fragments)
-    hops = [hop for r in config.regions if r.speeds for home in homes for hop in config.region_route(r.name, home)]
+    homes = Topology(config).homes(build_strategy(config).fragments)
+    topology = Topology(config)
+    hops = [hop for r in config.regions if r.speeds for home in homes for hop in topology.region_route(r.name, home)]
     wan = [hop for i, hop in enumerate(hops) if all({hop.near, hop.far} != {h.near, h.far} for h in hops[:i])]
-    lan = [hop for m in range(config.learners.count) for hop in config.route(m) if hop.kind == "lan"]
+    lan = [hop for m in range(config.learners.count) for hop in Topology(config).route(m) if hop.kind == "lan"]
     links = [link_entry(hop, 1_000_000 * (k + 1), 1_000_000 * k, 0.01 * (k + 1), 0.001 * k)
              for k, hop in enumerate(lan + wan)]
     return summary(learners=config.learners.count, config=config.to_dict(), **traffic_fields(links))
@@ -115,7 +116,7 @@ def test_each_region_shows_its_syncers_learners_and_lan_bytes() -> None:
     assert wan_labels(hop, links["ap-south→us-east (WAN)"]) == ("→ us-east 15.00 MB", "→ ap-south 1.00 MB")
 
     tiered = regions_config(regions_summary("topology=regional"))
-    assert tiered is not None and tiered.tiered
+    assert tiered is not None and Topology(tiered).tiered
     assert region_label(tiered, "us-east", links).splitlines()[:3] == ["us-east", "[global syncer]",
                                                                         "[regional syncer]"]
     assert region_label(tiered, "eu-west", links).splitlines()[:2] == ["eu-west", "[regional syncer]"]
@@ -151,7 +152,7 @@ def test_with_placement_links_every_wan_link_is_an_edge_not_only_those_to_the_sy
     links = {e["name"]: e for e in data["links"]}
     edges = wan_edges(config, links, homes(config))
     assert sorted(hop.name for hop, _ in edges) == sorted(e["name"] for e in data["links"] if e["kind"] == "wan")
-    assert any(config.syncer_region() not in (hop.near, hop.far) for hop, _ in edges)
+    assert any(Topology(config).syncer_region() not in (hop.near, hop.far) for hop, _ in edges)
     for hop, entry in edges:  # each way's label names where its bytes go, from the link's own name
         there, back = wan_labels(hop, entry)
         assert there.startswith(f"→ {hop.far} ") and back.startswith(f"→ {hop.near} ")
@@ -163,7 +164,7 @@ def test_with_placement_links_each_box_says_how_many_fragments_its_region_homes(
     config = regions_config(data)
     assert config is not None
     fragments = build_strategy(config).fragments
-    homed = {r: config.fragment_homes(fragments).count(r) for r in config.homes(fragments)}
+    homed = {r: Topology(config).fragment_homes(fragments).count(r) for r in Topology(config).homes(fragments)}
     assert homes(config) == homed and sum(homed.values()) == fragments
     for region in (r.name for r in config.regions):
         label = region_label(config, region, {}, homes(config))

@@ -12,21 +12,24 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import scale  # noqa: E402  (the benchmark itself)
+import scale_model  # noqa: E402
+import scale_report  # noqa: E402
+import scale_worker  # noqa: E402
 
 
 def test_layout_splits_params_into_fragments_and_bounded_tensors():
-    layout = scale.model_layout(10_000_003, 4, 1_000_000)
+    layout = scale_model.model_layout(10_000_003, 4, 1_000_000)
     assert len(layout) == 4
     assert sum(t.numel for f in layout for t in f) == 10_000_003
     assert all(t.numel <= 1_000_000 for f in layout for t in f)
     assert len({t.name for f in layout for t in f}) == sum(len(f) for f in layout)
-    assert scale.shard_fragments(5, 2) == [[0, 2, 4], [1, 3]]
+    assert scale_model.shard_fragments(5, 2) == [[0, 2, 4], [1, 3]]
 
 
 def test_a_push_counts_by_its_overlap_with_the_window():
-    assert scale.overlap(0.0, 2.0, 1.0, 5.0) == pytest.approx(0.5)
-    assert scale.overlap(2.0, 3.0, 1.0, 5.0) == 1.0
-    assert scale.overlap(5.5, 6.0, 1.0, 5.0) == 0.0
+    assert scale_worker.overlap(0.0, 2.0, 1.0, 5.0) == pytest.approx(0.5)
+    assert scale_worker.overlap(2.0, 3.0, 1.0, 5.0) == 1.0
+    assert scale_worker.overlap(5.5, 6.0, 1.0, 5.0) == 0.0
     assert scale.count("20M") == 20_000_000 and scale.count("1B") == 10**9 and scale.count("1e6") == 10**6
 
 
@@ -36,7 +39,7 @@ def test_targets_compare_runs_that_differ_only_in_learners():
                 "learners": learners, "status": "ok", "rss_bytes": rss, "push_mb_s": push, "pull_mb_s": pull,
                 "push_vs_socket": ratio}
 
-    rows = scale.targets([run(1, 100, 10.0, 10.0, 0.6), run(8, 110, 40.0, 20.0, 0.9), run(16, 130, 50.0, 25.0, 0.9)])
+    rows = scale_report.targets([run(1, 100, 10.0, 10.0, 0.6), run(8, 110, 40.0, 20.0, 0.9), run(16, 130, 50.0, 25.0, 0.9)])
     by = {r["measure"]: r for r in rows}
     assert by["syncer RSS, 16 learners / 1 learner"]["value"] == pytest.approx(1.3)
     assert by["syncer RSS, 16 learners / 1 learner"]["met"] is False

@@ -14,7 +14,7 @@ from html.parser import HTMLParser
 import pytest
 
 from diloco.status.page import TIMELINE_ROUNDS, render_page
-from diloco.status.server import StatusServer
+from diloco.status.status_server import StatusServer
 
 CHROMIUM = "/usr/bin/chromium"
 HOSTILE = "<script>alert(1)</script>"
@@ -303,3 +303,35 @@ def test_the_snapshot_groups_by_the_configs_regions():
     assert snapshot_regions(SimpleNamespace(config=config, tier=SimpleNamespace(name="eu-west"))) == \
         [{"name": "eu-west", "syncer": False, "learners": [4, 5]}]
     assert snapshot_regions(SimpleNamespace(config=config, tier=None)) == []
+
+
+def test_the_membership_counts_merged_tokens_once_per_learner_in_the_unit_of_its_trained_tokens():
+    """A learner's pushes of every fragment each carry the tokens it trained since that fragment's last
+    push: summed over fragments they would count each trained token once per fragment (444,416 trained
+    showed as 1,452,032 merged). The page shows them weighted by the fragments' sizes, beside `tokens`."""
+    import torch
+
+    from conftest import tiny_config
+    from diloco.clock import ManualClock
+    from diloco.core.events import HeartbeatArrived
+    from diloco.fragments import Fragment
+    from diloco.shard.server import ShardPlan, SyncerShard
+    from diloco.shard.snapshot import snapshot as shard_snapshot
+
+    clock = ManualClock()
+    shard = SyncerShard(tiny_config("learners.count=2", "outer.fragments=4"), ShardPlan(0, 1, ("",)), clock=clock)
+    sizes = (1, 1, 2, 4)
+    fragments = [Fragment(p, (f"w{p}",), n, False) for p, n in enumerate(sizes)]
+    with shard.lock:
+        shard.core = shard._make_core({f"w{p}": torch.zeros(n) for p, n in enumerate(sizes)}, fragments, set())
+        shard.joined |= {0, 1}
+        shard.apply(HeartbeatArrived(0, step=10, tokens=640), clock.now())
+        entry = shard.core.ledger[0]
+        for p in range(4):  # every fragment merged what learner 0 trained, one of them half of it stale
+            entry.merged[p], entry.stale[p] = (640, 0) if p != 3 else (320, 320)
+        row = shard_snapshot(shard)["learners"]["0"]
+    assert row["tokens"] == 640
+    assert row["tokens_merged"] + row["tokens_stale"] == row["tokens"]  # not 4 x 640
+    assert (row["tokens_merged"], row["tokens_stale"]) == (640 - 320 * 4 // 8, 320 * 4 // 8)
+    page = render_page(shard_snapshot(shard))
+    assert "tokens merged" in page and "weighted by" in page  # the header says what the column counts

@@ -200,7 +200,7 @@ def test_the_status_page_of_a_live_shard_shows_its_learners_by_name(shard):
     import json
     import urllib.request
 
-    from diloco.status.server import StatusServer
+    from diloco.status.status_server import StatusServer
 
     syncer, address = shard
     learners = [Learner(tiny_model(), syncer=address, learner=m, host=f"island-{m}") for m in range(2)]

@@ -22,8 +22,8 @@ from diloco.plan.plan_cli import add_arguments as add_plan_arguments
 from diloco.report.report_cli import add_arguments as add_report_arguments
 from diloco.transport.token_cli import add_arguments as add_token_arguments
 from diloco.launch.runtime_cli import (add_chaos_arguments, add_config_arguments, add_learner_arguments,
-                                     add_run_arguments, add_syncer_arguments, cmd_chaos, cmd_learner, cmd_run,
-                                     cmd_syncer)
+                                     add_run_arguments, cmd_chaos, cmd_learner, cmd_run)
+from diloco.launch.syncer_cli import add_syncer_arguments, cmd_syncer
 
 
 def cmd_sim(args: argparse.Namespace, console: Console) -> int:

@@ -6,6 +6,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from diloco.config import Topology
+
 if TYPE_CHECKING:
     from diloco.config import Config, Hop
 
@@ -116,7 +118,7 @@ def links_from_learners(config: Config, reports: list[LearnerReport],
     a learner without them sent everything to the syncer's region. A learner outside the regions (an
     elastic run's extra one) is on no listed link."""
     return listed_links(
-        (config.route(report.learner, home), up, down) for report in reports
+        (Topology(config).route(report.learner, home), up, down) for report in reports
         for home, (up, down) in ((by_home or {}).get(report.learner)
                                  or {None: (report.bytes_up, report.bytes_down)}).items())
 
@@ -131,13 +133,14 @@ def links_from_regions(config: Config, region_reports: list[dict[str, Any]], ord
         uplink = report.get("uplink", {})
         homes = (sent_by_home(uplink["bytes_by_home"], order) if "bytes_by_home" in uplink
                  else {None: (uplink.get("bytes_up", 0), uplink.get("bytes_down", 0))})
-        routes += [(config.region_route(report["region"], home), up, down) for home, (up, down) in homes.items()]
+        routes += [(Topology(config).region_route(report["region"], home), up, down)
+                   for home, (up, down) in homes.items()]
     return listed_links(routes)
 
 
 def sent_by_home(counted: dict[str, dict[str, int]], order: Sequence[str]) -> dict[str, tuple[int, int]]:
     """A sender's per-home counters (its report's `bytes_by_home`) as (up, down), in `order`: the order the
-    fragments first name their homes (`dict.fromkeys(config.fragment_homes(F))`), the simulator's."""
+    fragments first name their homes (`dict.fromkeys(Topology(config).fragment_homes(F))`), the simulator's."""
     return {home: (counted[home]["bytes_up"], counted[home]["bytes_down"]) for home in order if home in counted}
 
 

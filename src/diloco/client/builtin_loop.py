@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco.clock import SYSTEM_CLOCK as clock
-from diloco.config import Config
+from diloco.config import Config, Topology
 from diloco.core.recovery import RestorePolicy, restore_plan
 from diloco.data import ShardSampler
 from diloco.driver_kit.schedule import STEP_CAP, learner_plan
@@ -210,9 +210,9 @@ def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int
     # the learner syncs with its region's one syncer). Unlike the simulator, learners of a region do not
     # queue behind each other on its WAN link.
     link = _link_shape(config, learner, None) if emulate_link else None
-    owners = None if config.tiered else fragment_owners(config)
+    owners = None if Topology(config).tiered else fragment_owners(config)
     homes = None if owners is None else [HomeLink(home, _link_shape(config, learner, home) if emulate_link else None)
-                                         for home in config.homes(len(owners))]
+                                         for home in Topology(config).homes(len(owners))]
     return Learner(replica.model, replica.optimizer, syncer=syncer, learner=learner, link=link,
                    connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security,
                    tokens_per_step=config.train.batch_size * config.train.seq_len, homes=homes, owners=owners)
@@ -220,7 +220,7 @@ def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int
 
 def _link_shape(config: Config, learner: int | None, home: str | None) -> LinkShape:
     """The learner's route to the shards in region `home` (None: the syncer's) as one emulated link."""
-    shape = config.emulated_link(learner, home)
+    shape = Topology(config).emulated_link(learner, home)
     return LinkShape(shape.bandwidth_mbit, shape.latency_ms)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from diloco.clock import SYSTEM_CLOCK as clock
-from diloco.config import Config
+from diloco.config import Config, Topology
 from diloco.driver_kit.run_summary import build_run_result
 from diloco.driver_kit.schedule import EvalMarks, planned_tokens
 from diloco.errors import DilocoError
@@ -199,7 +199,7 @@ class Launcher:
 
     def _start_regions(self) -> None:
         """With the regional tier, a syncer per region with learners, each a learner of the global shards."""
-        for region in self.config.tier_regions():
+        for region in Topology(self.config).tier_regions():
             name = f"region-{region.name}"
             port_file = self.ports / f"{name}.port"
             host = self._place(name)
@@ -221,7 +221,7 @@ class Launcher:
 
     def syncer_of(self, m: int) -> str:
         """Where learner m syncs: its region's syncer with the regional tier, else the syncer."""
-        region = self.config.region_of(m)
+        region = Topology(self.config).region_of(m)
         return self.region_addresses[region] if region in self.region_addresses else self.addresses[0]
 
     def _start_learner(self, m: int) -> None:
@@ -325,7 +325,7 @@ class Launcher:
     def home_order(self) -> list[str]:
         """The home regions in the order the fragments first name them: the simulator lists a sender's
         routes to them, so their links, in that order."""
-        return list(dict.fromkeys(self.config.fragment_homes(build_strategy(self.config).fragments)))
+        return list(dict.fromkeys(Topology(self.config).fragment_homes(build_strategy(self.config).fragments)))
 
     def pull_theta(self) -> dict[str, torch.Tensor]:
         theta: dict[str, torch.Tensor] = {}

@@ -13,7 +13,7 @@ import threading
 from typing import Protocol
 
 from diloco.clock import SYSTEM_CLOCK as clock
-from diloco.config import Config
+from diloco.config import Config, Topology
 from diloco.launch.processes import Children
 
 
@@ -46,7 +46,7 @@ class RegionOutages:
             threading.Thread(target=self._run, name="outages", daemon=True).start()
 
     def _victims(self, region: str) -> list[str]:
-        learners = [f"learner-{m}" for m in self.launcher.config.learners_of(region)]
+        learners = [f"learner-{m}" for m in Topology(self.launcher.config).learners_of(region)]
         syncer = [f"region-{region}"] if f"region-{region}" in self.launcher.children.children else []
         return syncer + learners
 
@@ -56,7 +56,7 @@ class RegionOutages:
             if self.done.wait(0.1):
                 return
         for at_s, duration_s, region in self.plan:
-            members = list(launcher.config.learners_of(region))
+            members = list(Topology(launcher.config).learners_of(region))
             while not all(launcher.progress.tokens.get(m, 0) > 0 for m in members):
                 if self.done.wait(0.1):
                     return

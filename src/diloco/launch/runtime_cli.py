@@ -1,10 +1,10 @@
-"""The real runtime's commands: `diloco run`, `diloco syncer`, `diloco learner`."""
+"""The real runtime's commands `diloco run`, `diloco chaos` and `diloco learner`, and the plumbing every command
+of the runtime shares (config, logging, signals, HTTP endpoints); `diloco syncer` is in `syncer_cli.py`."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import logging
 import signal
@@ -19,23 +19,13 @@ from rich.console import Console
 from diloco.config import Config, load_config
 from diloco.console import learners_table, print_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
-from diloco.metrics import open_metrics
 from diloco.outputs import output_folder, write_output
 from diloco.launch.ignored_keys import warn_ignored
-from diloco.transport.ports import report_port, resolve_address, write_port_file
-from diloco.status.endpoint import LOOPBACK, HttpExposure, credentials_for
+from diloco.status.endpoint import HttpExposure, credentials_for
 from diloco.transport.security_settings import TransportSecurity, add_security_arguments, security_from_args, with_run_secret
 
-if TYPE_CHECKING:  # these load torch and gRPC: the commands import them when they run
-    import grpc
-
+if TYPE_CHECKING:  # it loads torch and gRPC: the commands import it when they run
     from diloco.launch.launcher import Launcher
-    from diloco.shard.server import SyncerShard
-    from diloco.status.server import StatusServer
-
-METRICS_EVERY_S = 2.0
-"""How often a syncer shard records its own metrics."""
-
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="TOML config; the built-in default when omitted")
@@ -247,35 +237,6 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
     return 0 if faulty["tokens_counted_twice"] == 0 else 1
 
 
-# ---------------------------------------------------------------- diloco syncer
-
-
-def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_arguments(p)
-    add_security_arguments(p)
-    p.add_argument("--bind", default="127.0.0.1:7070", metavar="HOST:PORT",
-                   help="address to serve on; port 0 takes any free port (see --port-file)")
-    p.add_argument("--port-file", metavar="PATH", help="write the port it listens on to PATH, once it listens")
-    p.add_argument("--shard", default="0/1", metavar="i/N", help="this shard's index and the shard count")
-    p.add_argument("--shards", metavar="ADDR,...",
-                   help="every shard's address, by index (needed when N > 1); HOST:@PATH stands for the port "
-                        "that shard writes to its --port-file PATH (learners' joins wait until it is known)")
-    p.add_argument("--out", metavar="DIR", help="where to journal events and save state (and the report on exit)")
-    p.add_argument("--resume", action="store_true", help="continue from the state a previous process left in --out")
-    p.add_argument("--exit-when-finished", action="store_true",
-                   help="exit once every learner has left and the last rounds are merged")
-    p.add_argument("--region", metavar="NAME",
-                   help="serve as this region's syncer (topology = \"regional\"): its learners sync here, and it "
-                        "syncs with the global syncer at --upstream")
-    p.add_argument("--upstream", metavar="HOST:PORT", help="any global syncer shard (with --region)")
-    p.add_argument("--emulate-link", action="store_true",
-                   help="with --region: shape the traffic to the global syncer as the region's WAN link in the config")
-    add_http_arguments(p, default_host="--bind's host")
-    p.add_argument("--status-port", type=port_number, metavar="PORT",
-                   help="serve the HTML status page on PORT (0: any), on the --http-bind host")
-    p.add_argument("--status-port-file", metavar="PATH", help="write the status page's port to PATH")
-
-
 def add_http_arguments(p: argparse.ArgumentParser, default_host: str) -> None:
     """The Prometheus endpoint, and where (and for whom) this process's HTTP endpoints serve."""
     p.add_argument("--metrics-port", type=port_number, metavar="PORT",
@@ -285,108 +246,6 @@ def add_http_arguments(p: argparse.ArgumentParser, default_host: str) -> None:
                    help=f"host the metrics (and status page) listen on (default: {default_host}); "
                         "0.0.0.0 for every interface")
     add_http_auth_argument(p)
-
-
-def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
-    from diloco.client.builtin_loop import run_origin
-    from diloco.launch.processes import die_with_parent
-    from diloco.transport.run_settings import check_shards
-    from diloco.shard.regional_shard import RegionTier
-    from diloco.shard.ownership import global_shard_plan
-    from diloco.shard.server import ShardPlan, SyncerShard, parse_shard
-
-    die_with_parent()
-    setup_logging(args.verbose)
-    config = runtime_config(args)
-    security = security_from_args(args, role="server")
-    index, count = parse_shard(args.shard)
-    check_shards(config, count)
-    if bool(args.region) != bool(args.upstream):
-        raise DilocoError("--region and --upstream go together: a region's syncer syncs with the global one")
-    if args.region and (count != 1 or args.resume):
-        raise DilocoError("a region's syncer is one shard and keeps no journal: drop --shard/--shards/--resume")
-    addresses = tuple(a.strip() for a in args.shards.split(",")) if args.shards else (args.bind,)
-    if len(addresses) != count:
-        raise DilocoError(f"--shards lists {len(addresses)} address(es) but --shard says there are {count} shards")
-    plan = ShardPlan(index, count, addresses) if args.region else global_shard_plan(config, index, count, addresses)
-    http = http_exposure(args, _bind_host(args.bind), security)
-    stop = stop_on_signals()
-    out = output_folder(Path(args.out)) if args.out else None
-    name = f"region-{args.region}" if args.region else f"syncer-{index}"
-    metrics = open_metrics(out / "metrics" if out else None, name=name,
-                           tensorboard=config.metrics.tensorboard, wandb=config.metrics.wandb,
-                           prometheus_port=args.metrics_port, http=http, origin=run_origin())
-    if args.metrics_port is not None:
-        report_port(metrics.prometheus_port, f"shard {index}'s Prometheus metrics", args.metrics_port_file)
-    tier = RegionTier(config, args.region, args.upstream, security_from_args(args, role="client"),
-                      emulate_link=args.emulate_link, out=out) if args.region else None
-    shard = SyncerShard(config, plan, metrics,
-                        state_dir=out / "syncer" if out and tier is None else None, resume=args.resume, tier=tier)
-    server, status = _serve_shard(shard, args, security, http)
-    halted = None
-    while not stop.wait(METRICS_EVERY_S):
-        shard.record_metrics()
-        if args.exit_when_finished and shard.finished:
-            break
-        if shard.store is not None and (halted := shard.store.halted) is not None:
-            break  # its journal can take nothing more: stop, and resume from disk once it is fixed
-    shard.stop()
-    if tier is not None:
-        tier.close()
-    if halted is not None:
-        server.stop(grace=2).wait()
-        raise DilocoError(f"shard {index} stopped: {halted}; fix the disk, then restart it with --resume")
-    if out:
-        shard.save_state()
-        with shard.lock:
-            report = shard.report()
-        write_output(out / "syncer" / f"{'region-' + args.region if args.region else f'shard-{index}'}.json",
-                     json.dumps(report, indent=2) + "\n")
-    server.stop(grace=2).wait()
-    if status:
-        status.close()
-    metrics.close()
-    return 0
-
-
-def _bind_host(bind: str) -> str:
-    """The host of --bind HOST:PORT, without the brackets of an IPv6 address."""
-    return bind.rpartition(":")[0].strip("[]") or "0.0.0.0"
-
-
-def _serve_shard(shard: SyncerShard, args: argparse.Namespace, security: TransportSecurity,
-                 http: HttpExposure = LOOPBACK) -> tuple[grpc.Server, StatusServer | None]:
-    """Serve the shard and its status page, report their ports, then complete the shard map learners
-    get at Join: its own address, and the ports other shards report. Joins take the shard's lock, held
-    until the map is complete, so no learner is ever given an address still unknown."""
-    from diloco.shard.server import serve
-
-    plan, host = shard.plan, args.bind.rsplit(":", 1)[0]
-    with shard.lock:
-        server, port = serve(shard, args.bind, security=security)
-        status = None
-        if args.status_port is not None:
-            status = _serve_status(shard, http, args.status_port)
-            print(f"status page: {status.url}", flush=True)
-            write_port_file(args.status_port_file, status.port)
-        write_port_file(args.port_file, port)
-        shard.plan = dataclasses.replace(plan, addresses=tuple(
-            f"{host}:{port}" if i == plan.index and args.bind.endswith(":0") else
-            resolve_address(address, f"syncer shard {i}") for i, address in enumerate(plan.addresses)))
-    print(f"diloco syncer shard {plan.index}/{plan.count} listening on {host}:{port} ({security.describe()})",
-          flush=True)
-    return server, status
-
-
-def _serve_status(shard: SyncerShard, http: HttpExposure, port: int) -> StatusServer:
-    from diloco.status.endpoint import join_bind
-    from diloco.status.server import StatusServer
-
-    bind = join_bind(http.host, port)
-    try:
-        return StatusServer(shard.snapshot, bind, credentials=http.credentials)
-    except OSError as exc:
-        raise DilocoError(f"cannot serve the status page on {bind}: {exc.strerror or exc}") from None
 
 
 # ---------------------------------------------------------------- diloco learner

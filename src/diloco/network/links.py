@@ -8,6 +8,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from diloco.config import Topology
+
 if TYPE_CHECKING:
     from diloco.config import Config, Hop, LinkConfig
 
@@ -271,17 +273,17 @@ class Network:
         """A learner's ways to the syncer's shards, its outages on its own link: without regions its own
         `Link`; with them its route to each region in `home_of` (per fragment, its home's region; empty:
         the syncer's region homes every fragment)."""
-        if not self.config.route(learner):
+        if not Topology(self.config).route(learner):
             link = Link(self.config.link.bandwidth_mbit, self.config.link.latency_ms, outages)
             return Routes(Fanout({"": link.up}), Fanout({"": link.down}))
         # With the regional tier a learner's one syncer is its region's, over its LAN, whatever the homes.
-        return self._routes(lambda home: self.config.route(learner, home),
-                            [] if self.config.tiered else home_of or [], outages)
+        return self._routes(lambda home: Topology(self.config).route(learner, home),
+                            [] if Topology(self.config).tiered else home_of or [], outages)
 
     def region_link(self, region: str, home_of: list[str] | None = None) -> Routes:
         """A regional syncer's ways to the global syncer's shards: its region's WAN link to each home
         (none to its own region, where both run side by side)."""
-        return self._routes(lambda home: self.config.region_route(region, home), home_of or [], [])
+        return self._routes(lambda home: Topology(self.config).region_route(region, home), home_of or [], [])
 
     def _routes(self, route_to: Callable[[str | None], list[Hop]], home_of: list[str],
                 outages: list[Window]) -> Routes:

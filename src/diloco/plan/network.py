@@ -2,7 +2,7 @@
 
 Every sender (a learner; with the regional tier a region's syncer, its learners then on their LAN alone)
 has one flow per region that homes fragments (`placement`): its pushes of those fragments and a progress
-report per step go there over its route (`Config.route`: its LAN, then its region's WAN link there), the
+report per step go there over its route (`Topology.route`: its LAN, then its region's WAN link there), the
 answers come back. A link carries every flow whose route crosses it, in one direction or the other: with
 `placement = "links"` a WAN link between two regions carries one region's pushes and the other's answers
 the same way.
@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from diloco.config import Topology
 from diloco.plan.deployment import Deployment, traffic
 from diloco.plan.steady_links import Site, Traffic, steady_state, verdict
 from diloco.plan.reports import LinkReport
@@ -69,20 +70,20 @@ def flows(d: Deployment, config: Config, homes: list[str]) -> list[Flow]:
     by_home: dict[str, tuple[int, ...]] = {}
     for p, home in enumerate(homes):
         by_home[home] = (*by_home.get(home, ()), p)
-    out = []
+    out, topology = [], Topology(config)
     for m, speed in enumerate(d.speeds):
         step_s = d.grid_step_s if d.synchronous else d.step_time_s / speed
-        if config.tiered:
-            out.append(Flow(f"learner {m}", step_s, f"region {config.region_of(m)}", tuple(range(len(homes))),
-                            tuple(config.route(m)), d.H))
+        if topology.tiered:
+            out.append(Flow(f"learner {m}", step_s, f"region {topology.region_of(m)}", tuple(range(len(homes))),
+                            tuple(topology.route(m)), d.H))
             continue
-        out += [Flow(f"learner {m}", step_s, home, fragments, tuple(config.route(m, home)), d.H)
+        out += [Flow(f"learner {m}", step_s, home, fragments, tuple(topology.route(m, home)), d.H)
                 for home, fragments in by_home.items()]
     push_every = config.regional.push_every
-    for r in config.tier_regions():
+    for r in topology.tier_regions():
         # it forwards its region's progress once per step of its learners on average (`core/regional.py`)
         step_s = d.step_time_s * len(r.speeds) / sum(r.speeds)
-        out += [Flow(f"{r.name} syncer", step_s, home, fragments, tuple(config.region_route(r.name, home)),
+        out += [Flow(f"{r.name} syncer", step_s, home, fragments, tuple(topology.region_route(r.name, home)),
                      d.H * push_every)
                 for home, fragments in by_home.items() if home != r.name]
     return out
@@ -144,7 +145,7 @@ def network_report(d: Deployment, exact_links: list[dict] | None = None, time_s:
     if config is None or d.exchange != "outer":
         return NetworkReport((), ())
     t = traffic(d)
-    all_flows = flows(d, config, config.fragment_homes(len(t.push)))
+    all_flows = flows(d, config, Topology(config).fragment_homes(len(t.push)))
     links = _gather(all_flows)
     exact = {e["name"]: e for e in exact_links or []}
     reports = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from diloco.config import Topology
 from diloco.plan.deployment import Deployment, traffic
 from diloco.plan.steady_links import LinkState, Site, Traffic, steady_state, verdict
 from diloco.plan.memory import shard_memory, shards_needed
@@ -99,10 +100,10 @@ def plan(d: Deployment, replayed: ReplayResult | None = None) -> Plan:
     sites = site_reports(d)
     numels = tuple(f.numel for f in d.layout.fragments)
     needed, shards = None, []
-    homes = d.network.fragment_homes(len(numels)) if d.network and d.exchange == "outer" else []
+    homes = Topology(d.network).fragment_homes(len(numels)) if d.network and d.exchange == "outer" else []
     if d.exchange == "outer" and d.network is not None and d.network.placement == "links":
         # One shard per home region, owning the fragments homed there, as `diloco run` starts them.
-        regions = d.network.homes(len(numels))
+        regions = Topology(d.network).homes(len(numels))
         placed_shard_count(d.network, d.shards or 1)  # another count is refused, as `diloco run` refuses it
         shards = shard_reports(d, sites, len(regions), [regions.index(h) for h in homes])
         if d.shard_memory_bytes is not None and all(s.memory.peak_bytes <= d.shard_memory_bytes for s in shards):

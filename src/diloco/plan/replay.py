@@ -21,6 +21,7 @@ steady-state rates, not totals.
 
 from __future__ import annotations
 
+from diloco.config import Topology
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,7 +80,7 @@ def replay_problem(config: Config, spec: StrategySpec | None = None) -> str | No
         return "failures are configured (crashes or outages)"
     if spec.exchange == "gradients":
         return None
-    if config.tiered:
+    if Topology(config).tiered:
         return "the regional tier's syncers decide from timings of their own"
     if spec.quorum is not None or spec.shared_budget or spec.pacing or not spec.wait_for_updates:
         return f"{spec.name} is asynchronous: its rounds depend on timings the syncer estimates as it goes"
@@ -175,7 +176,7 @@ class _CoreReplay:
         self.last_step = [p.last_step for p in plans]
         self.queue = EventQueue()
         self.network = Network(config)
-        home_of = config.fragment_homes(len(fragments))
+        home_of = Topology(config).fragment_homes(len(fragments))
         self.syncer = spec.syncer_core(stand_in, fragments, range(len(plans)), embeddings=embeddings)
         self.learners = []
         for m, plan in enumerate(plans):

@@ -8,8 +8,8 @@ join any two regions: the regions stand on a ring, the syncer's at the top, and 
 fragments it homes. Each WAN link is one edge, labelled with its bytes each way (named by its ends) and,
 from the simulator, how busy each way was; labels are placed along their edges away from each other and
 from the boxes. Where each learner is, which link is whose and which region homes what come from the run's
-own config (`Config.learners_of`, `Config.route`, `Config.region_route`, `Config.fragment_homes`), the bytes
-and busy shares from summary.json's `links`.
+own config (`Topology(config)`: `learners_of`, `route`, `region_route`, `fragment_homes`), the bytes and busy
+shares from summary.json's `links`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from diloco.config import Config, Hop, config_from_dict
+from diloco.config import Config, Hop, Topology, config_from_dict
 from diloco.errors import ConfigError
 from diloco.report.figures import new_figure
 from diloco.report.link_figures import busy_share, link_bytes, total_bytes
@@ -62,7 +62,7 @@ def topology_figure(run: Run) -> Figure | None:
     """The regions as boxes (name, syncers, learners, fragments homed, LAN total) and each WAN link that
     carried traffic, or should have, as an edge labelled with its bytes and busy share each way."""
     config = regions_config(run.summary)
-    syncer = config.syncer_region() if config is not None else None
+    syncer = Topology(config).syncer_region() if config is not None else None
     if config is None or syncer is None or run.summary is None:
         return None
     links = {e.get("name"): e for e in run.summary.get("links") or [] if isinstance(e, dict)}
@@ -84,7 +84,7 @@ def topology_figure(run: Run) -> Figure | None:
                   bbox={"boxstyle": "round,pad=0.6", "linewidth": 1.5 if name == syncer else 1,
                         "facecolor": SYNCER_COLOUR if name == syncer else REGION_COLOUR, "edgecolor": EDGE_COLOUR})
     axes.axis("off")
-    tier = "a syncer per region, under the global one" if config.tiered else "one syncer"
+    tier = "a syncer per region, under the global one" if Topology(config).tiered else "one syncer"
     axes.set_title(f"{run.name}: regions ({config.topology} topology: {tier}; placement {config.placement})")
     figure.text(0.5, 0.02, "WAN links: each way's bytes near where they leave (→ the region they go to); busy: "
                 "the share of the run that way spent carrying bytes", ha="center", fontsize="small", color=EDGE_COLOUR)
@@ -96,7 +96,7 @@ def homes(config: Config) -> dict[str, int]:
     from diloco.strategies import build_strategy
 
     spec = build_strategy(config)
-    return dict(Counter(config.fragment_homes(spec.fragments))) if spec.exchange == "outer" else {}
+    return dict(Counter(Topology(config).fragment_homes(spec.fragments))) if spec.exchange == "outer" else {}
 
 
 def wan_edges(config: Config, links: dict[Any, dict[str, Any]], homed: dict[str, int]
@@ -105,12 +105,13 @@ def wan_edges(config: Config, links: dict[Any, dict[str, Any]], homed: dict[str,
     and every one the config says traffic should take, from each region that sends (its learners, or
     with the regional tier its syncer) to each region homing fragments (`homed`; none: the syncer's),
     None where nothing crossed it."""
-    senders = {r.name for r in (config.tier_regions() if config.tiered else config.regions) if r.speeds}
-    targets = set(homed) or {config.syncer_region()}
+    topology = Topology(config)
+    senders = {r.name for r in (topology.tier_regions() if topology.tiered else config.regions) if r.speeds}
+    targets = set(homed) or {topology.syncer_region()}
     edges: dict[frozenset[str], tuple[Hop, dict[str, Any] | None]] = {}
     for a in config.regions:
         for b in config.regions:
-            hops = config.region_route(a.name, b.name)
+            hops = topology.region_route(a.name, b.name)
             if not hops:
                 continue
             pair = frozenset((a.name, b.name))
@@ -139,7 +140,8 @@ def ring_positions(names: list[str], first: str | None) -> dict[str, tuple[float
 
 def lan_entries(config: Config, region: str, links: dict[Any, dict[str, Any]]) -> list[dict[str, Any]]:
     """The summary's entries for the LAN links of a region's learners."""
-    names = [hop.name for m in config.learners_of(region) for hop in config.route(m) if hop.kind == "lan"]
+    topology = Topology(config)
+    names = [hop.name for m in topology.learners_of(region) for hop in topology.route(m) if hop.kind == "lan"]
     return [links[name] for name in names if name in links]
 
 
@@ -147,10 +149,10 @@ def region_label(config: Config, region: str, links: dict[Any, dict[str, Any]],
                  homed: dict[str, int] | None = None) -> str:
     """A region's box: its name, the syncers it runs, its learners, the fragments it homes (where
     `placement` spreads them) and its LAN links' bytes."""
-    syncers = []
-    if region == config.syncer_region():
-        syncers.append("global syncer" if config.tiered else "syncer")
-    if config.tiered:
+    syncers, topology = [], Topology(config)
+    if region == topology.syncer_region():
+        syncers.append("global syncer" if topology.tiered else "syncer")
+    if topology.tiered:
         syncers.append("regional syncer")
     up, down = total_bytes(lan_entries(config, region, links))
     fragments = sum((homed or {}).values())
@@ -165,7 +167,7 @@ def learner_lines(config: Config, region: str) -> list[str]:
     """Its learners, runs of consecutive ids at one speed on one line: `learners 0–1, speed 1`."""
     speeds = config.speeds()
     runs: list[list[int]] = []
-    for m in config.learners_of(region):
+    for m in Topology(config).learners_of(region):
         if runs and runs[-1][-1] == m - 1 and speeds[runs[-1][-1]] == speeds[m]:
             runs[-1].append(m)
         else:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.config import Config
+from diloco.config import Config, Topology
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.transport.frames import FrameError
@@ -40,15 +40,15 @@ class ShardPlan:
 
 def fragment_owners(config: Config) -> tuple[int, ...] | None:
     """Per fragment, the index of its home shard when `placement = "links"` spreads the homes over the
-    regions (shard i runs for `config.homes(F)[i]`); None otherwise (the modulo rule, any shard count).
+    regions (shard i runs for `Topology(config).homes(F)[i]`); None otherwise (the modulo rule, any shard count).
     Every shard and learner derives it from the config alone, so all agree without asking."""
     if config.placement != "links":
         return None
     from diloco.strategies import build_strategy
 
     count = build_strategy(config).fragments
-    homes = config.homes(count)
-    return tuple(homes.index(home) for home in config.fragment_homes(count))
+    homes = Topology(config).homes(count)
+    return tuple(homes.index(home) for home in Topology(config).fragment_homes(count))
 
 
 def placed_shard_count(config: Config, asked: int) -> int:
@@ -69,7 +69,7 @@ def global_shard_plan(config: Config, index: int, count: int, addresses: tuple[s
     owners = fragment_owners(config)
     if owners is not None and count != max(owners) + 1:
         raise DilocoError(f'placement = "links" homes fragments in {max(owners) + 1} regions '
-                          f"({', '.join(config.homes(len(owners)))}): run that many shards, not {count}")
+                          f"({', '.join(Topology(config).homes(len(owners)))}): run that many shards, not {count}")
     return ShardPlan(index, count, addresses, owners)
 
 

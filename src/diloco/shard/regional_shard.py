@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diloco.config import Config, LinkConfig
+from diloco.config import Config, LinkConfig, Topology
 from diloco.core.events import PushArrived, SyncerEvent
 from diloco.core.messages import Push, Update
 from diloco.core.regional import RegionalSyncer, Upstream
@@ -41,8 +41,8 @@ log = logging.getLogger("diloco.region")
 class RegionTier:
     def __init__(self, config: Config, name: str, upstream: str, security: TransportSecurity | None, *,
                  emulate_link: bool = False, out: Path | None = None) -> None:
-        names = [r.name for r in config.tier_regions()]
-        if not config.tiered:
+        names = [r.name for r in Topology(config).tier_regions()]
+        if not Topology(config).tiered:
             raise DilocoError("--region needs topology = \"regional\" and [[regions]] in the config")
         if name not in names:
             raise DilocoError(f"--region {name!r} is not a region with learners ({', '.join(names)})")
@@ -50,7 +50,7 @@ class RegionTier:
         up, down = self._wan_link(None, emulate_link)
         owners = fragment_owners(config)
         homes = None if owners is None else [HomeRoute(home, *self._wan_link(home, emulate_link))
-                                             for home in config.homes(len(owners))]
+                                             for home in Topology(config).homes(len(owners))]
         self.uplink = Uplink(upstream, self.index, security, up=up, down=down, homes=homes, owners=owners)
         self.region: RegionalSyncer | None = None
         self.ledger_path = out / "syncer" / f"region-{name}.ledger.json" if out is not None else None
@@ -60,7 +60,7 @@ class RegionTier:
     def _wan_link(self, home: str | None, emulate: bool) -> tuple[LinkConfig | None, LinkConfig | None]:
         """The region's WAN link to the shards in region `home` (None: the syncer's), each way, to emulate
         (none from that region itself, or without emulation)."""
-        hops = self.config.region_route(self.name, home)
+        hops = Topology(self.config).region_route(self.name, home)
         return (hops[0].up, hops[0].down) if hops and emulate else (None, None)
 
     def _load_banked(self) -> dict[int, dict[int, list[int]]]:
@@ -84,8 +84,8 @@ class RegionTier:
         joined = self.uplink.join(values, fragments, tokens_per_step)
         self.region = shard.spec.regional_syncer(
             self.index, joined.theta, [joined.versions[p] for p in range(len(fragments))], fragments,
-            self.config.learners_of(self.name), embeddings=embeddings, settings=self.config.regional,
-            period=self.config.region_period(self.name), first_seq=joined.last_seq, encode_later=True)
+            Topology(self.config).learners_of(self.name), embeddings=embeddings, settings=self.config.regional,
+            period=Topology(self.config).region_period(self.name), first_seq=joined.last_seq, encode_later=True)
         core = self.region.down
         core.liveness.start(shard.clock.now())
         core.answers_when_taken = True

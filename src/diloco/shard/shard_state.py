@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from diloco.clock import SYSTEM_CLOCK, Clock
-from diloco.config import Config
+from diloco.config import Config, Topology
 from diloco.core.events import AnswerTaken, LearnerLeft, LearnerRejoined, SyncerEvent, TimerFired
 from diloco.core.messages import Update
 from diloco.core.regional import RegionalSyncer, Upstream
@@ -191,7 +191,7 @@ class ShardState:
     def members(self) -> int:
         """The learners the core counts from the start: the configured ones, or with the regional tier (on
         the global syncer) the regions' syncers."""
-        return len(self.config.tier_regions()) if self.config.tiered and self.tier is None else self.settings.learners
+        return len(Topology(self.config).tier_regions()) if Topology(self.config).tiered and self.tier is None else self.settings.learners
 
     def _declare(self, learner: int, tokens_per_step: int) -> None:
         """Hand a learner's declared tokens per step to the core (raises ProtocolError if it refuses). With the
@@ -199,8 +199,8 @@ class ShardState:
         declare = getattr(self.core, "declare", None)  # a core without declarations takes none
         if declare is None:
             return
-        regions = self.config.tier_regions() if self.tier is None else []
-        burst = RegionalSyncer.burst_steps(len(self.config.learners_of(regions[learner].name)), self.spec.H,
+        regions = Topology(self.config).tier_regions() if self.tier is None else []
+        burst = RegionalSyncer.burst_steps(len(Topology(self.config).learners_of(regions[learner].name)), self.spec.H,
                                            self.config.regional.push_every) if learner < len(regions) else 0
         declare(learner, tokens_per_step, burst)
 

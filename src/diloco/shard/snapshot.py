@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from diloco.config import Topology
+from diloco.core.accounting import by_parameters
 from diloco.core.syncer_core import RoundRecord
 
 if TYPE_CHECKING:
@@ -59,6 +61,7 @@ def learner_state(shard: SyncerShard, m: int, now: float) -> str:
 def snapshot(shard: SyncerShard) -> dict:
     """Membership, each learner's state, the recent rounds and the regions, for the status page."""
     core, now = shard.core, shard.clock.now()
+    numel = {p: s.fragment.numel for p, s in core.fragments.items()} if core else {}
     learners = {}
     for m in sorted(set(range(shard.settings.learners)) | shard.joined):
         entry = core.ledger.get(m) if core else None
@@ -67,8 +70,8 @@ def snapshot(shard: SyncerShard) -> dict:
             "name": f"learner {m}", "host": shard.hosts.get(m, ""), "state": learner_state(shard, m, now),
             "tokens": core.tokens_reported(m) if core else 0, "steps": shard.steps.get(m, 0),
             "pushes": entry.pushes if entry else 0, "duplicates": entry.duplicates if entry else 0,
-            "tokens_merged": sum(entry.merged.values()) if entry else 0,
-            "tokens_stale": sum(entry.stale.values()) if entry else 0,
+            "tokens_merged": learner_share(entry.merged, numel) if entry else 0,
+            "tokens_stale": learner_share(entry.stale, numel) if entry else 0,
             "last_seen_s": now - heard if heard is not None else None,
             "held_versions": {str(p): v for p, v in core.held_versions.get(m, {}).items()} if core else {}}
     rounds = [round_view(shard, r) for r in (core.rounds[-200:] if core else [])]
@@ -78,11 +81,20 @@ def snapshot(shard: SyncerShard) -> dict:
             "learners": learners, "rounds": rounds, "regions": snapshot_regions(shard)}
 
 
+def learner_share(per_fragment: dict[int, int], numel: dict[int, int]) -> int:
+    """A learner's tokens counted per fragment, in the unit of the tokens it trained: each of this shard's
+    fragments weighted by its share of their parameters (`by_parameters`, as the run summary does), not
+    summed over fragments, which would count every trained token once per fragment."""
+    parameters = sum(numel.values())
+    owned = {p: tokens for p, tokens in per_fragment.items() if p in numel}
+    return round(by_parameters(owned, numel, parameters)) if parameters else 0
+
+
 def snapshot_regions(shard: SyncerShard) -> list[dict]:
     """The regions the status page groups the shard's learners by: every region on a flat run's syncer,
     its own on a region's syncer; none on the regional tier's global syncer, whose members are the
     regions' syncers, not learners."""
-    if shard.config.tiered and shard.tier is None:
+    if Topology(shard.config).tiered and shard.tier is None:
         return []
     own = shard.tier.name if shard.tier is not None else None
     return region_groups(shard.config, only=own)
@@ -91,5 +103,5 @@ def snapshot_regions(shard: SyncerShard) -> list[dict]:
 def region_groups(config: Config, only: str | None = None) -> list[dict]:
     """Per region (in config order, or just the one named `only`): its name, whether it holds the syncer,
     and its learners' ids. Empty without regions."""
-    return [{"name": r.name, "syncer": r.syncer, "learners": list(config.learners_of(r.name))}
+    return [{"name": r.name, "syncer": r.syncer, "learners": list(Topology(config).learners_of(r.name))}
             for r in config.regions if only in (None, r.name)]

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from diloco.config import Config
+from diloco.config import Config, Topology
 from diloco.data import ShardSampler
 from diloco.driver_kit.schedule import EvalMarks, learner_plans
 from diloco.fragments import embedding_names, partition
@@ -71,7 +71,7 @@ class Simulation(LearnerSteps, SyncerShell, RegionalWiring, CrashRecovery, DataP
         self.network = Network(config)
         self.queue = EventQueue()
         self.learners = []
-        self.home_of = config.fragment_homes(self.spec.fragments) if self.spec.exchange == "outer" else []
+        self.home_of = Topology(config).fragment_homes(self.spec.fragments) if self.spec.exchange == "outer" else []
         for m, plan in enumerate(plans):
             sampler = ShardSampler(corpus.train, learner=m, learners=count, seq_len=t.seq_len,
                                    batch_size=t.batch_size, seed=config.seed)
@@ -103,7 +103,7 @@ class Simulation(LearnerSteps, SyncerShell, RegionalWiring, CrashRecovery, DataP
             learner.lost_tokens = [0] * len(self.fragments)
         params = {n: p for n, p in base.named_parameters() if p.requires_grad}
         tokens_per_step = self.config.train.batch_size * self.config.train.seq_len
-        if self.config.tiered:
+        if Topology(self.config).tiered:
             self._build_regions(params, embeddings, tokens_per_step)
             return
         self.syncer = spec.syncer_core(params, self.fragments, range(len(self.learners)), embeddings=embeddings)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diloco.config import Config, FailuresConfig
+from diloco.config import Config, FailuresConfig, Topology
 from diloco.sim.sim_events import Crash
 
 
@@ -22,7 +22,7 @@ class CrashPlan:
         cfg = self.cfg = config.failures
         self.fixed = [(c.at_s, Crash(c.learner)) for c in cfg.crashes] + [
             (o.at_s, Crash(m, until=o.at_s + o.duration_s))
-            for o in cfg.outages if o.region for m in config.learners_of(o.region)]
+            for o in cfg.outages if o.region for m in Topology(config).learners_of(o.region)]
         self._rngs = [np.random.default_rng((config.seed, m, 0xC0A5)) for m in range(config.learners.count)]
 
     @property

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from diloco.config import Topology
+
 from diloco.core.events import LearnerRejoined, PushArrived
 from diloco.core.liveness import HEARTBEAT_S
 from diloco.core.messages import MESSAGE_HEADER_BYTES
@@ -19,10 +21,10 @@ class RegionalWiring(SimState):
     def _build_regions(self, params: dict[str, torch.Tensor], embeddings: set[str], tokens_per_step: int) -> None:
         """The regional tier: the global syncer's learners are the regions' syncers, each of which starts
         from Θ's first version and is the syncer of its region's learners."""
-        for r in self.config.tier_regions():
-            self.regions.append(SimRegion(len(self.regions), r.name, list(self.config.learners_of(r.name)),
+        for r in Topology(self.config).tier_regions():
+            self.regions.append(SimRegion(len(self.regions), r.name, list(Topology(self.config).learners_of(r.name)),
                                           self.network.region_link(r.name, self.home_of),
-                                          self.config.region_period(r.name)))
+                                          Topology(self.config).region_period(r.name)))
         self.syncer = self.spec.syncer_core(params, self.fragments, range(len(self.regions)), embeddings=embeddings)
         self._embeddings = embeddings
         for region in self.regions:
