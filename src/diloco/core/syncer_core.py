@@ -51,7 +51,7 @@ from diloco.core.closing import all_finite, answer, answers_lost, close_round, j
 from diloco.core.downlink import Downlink
 from diloco.core.saving import load_saved_state, saved_state
 from diloco.core.checks import check_progress, check_push
-from diloco.core.claims import MAX_SEQ_JUMP, Claims
+from diloco.core.claims import MAX_SEQ_JUMP, MAX_TOKENS_PER_STEP, Claims
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
                                 PushArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired, sender)
 from diloco.core.liveness import Liveness
@@ -79,10 +79,11 @@ class SyncerCore:
                  tau: int = 0, participation: bool = False, down_codec: Codec | None = None,
                  outlier: str = "off", outlier_factor: float = 5.0, pacing: bool = False, period: float = 1,
                  consolidate: bool = False, stale_weight: str = "full", budget: int | None = None,
-                 detect_s: float = 5.0) -> None:
+                 detect_s: float = 5.0, max_tokens_per_step: int = MAX_TOKENS_PER_STEP) -> None:
         """`pacing`: wait for the learners about to push and align their next pushes (`period`: H, the
         fastest learner's steps per sync of a fragment). `budget`: the shared token budget, if any.
-        `detect_s`: the silence after which a learner counts as dead (`liveness.py`)."""
+        `detect_s`: the silence after which a learner counts as dead (`liveness.py`).
+        `max_tokens_per_step`: the most a learner may declare (`claims.tokens_per_step_ceiling`)."""
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
         self.down_codec = down_codec or get_codec("fp32")
         self.fragments = {f.index: FragmentState(f, optimizer(), Downlink(self.down_codec, f.names, self.theta),
@@ -119,7 +120,7 @@ class SyncerCore:
         self.stopped = False
         """The shared budget is spent: the run is ending."""
         self.liveness = Liveness(detect_s=detect_s)
-        self.claims = Claims()
+        self.claims = Claims(max_tokens_per_step)
         """Declared rates and accepted claims: what a learner's next counters are judged against."""
         self._in_transaction = False
         self.lost: set[int] = set()

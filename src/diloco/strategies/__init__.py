@@ -28,7 +28,8 @@ def build_strategy(config: Config) -> StrategySpec:
     c = config.codec
     wiring = Wiring(codec_up=c.up, codec_down=c.down, block=c.block, error_feedback=c.error_feedback,
                     outlier=config.outer.outlier, outlier_factor=config.outer.outlier_factor,
-                    budget=config.token_budget(), detect_s=config.failures.detect_s)
+                    budget=config.token_budget(), detect_s=config.failures.detect_s,
+                    batch_tokens=config.train.batch_size * config.train.seq_len)
     return dataclasses.replace(BUILDERS[config.strategy](config), wiring=wiring)
 
 

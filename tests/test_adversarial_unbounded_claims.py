@@ -1,0 +1,52 @@
+"""Issue 32: claims a peer or a file makes that the hardening had left unbounded, each refused in one
+line with nothing changed."""
+
+import copy
+
+import pytest
+import torch
+
+from diloco.config import Config
+from diloco.core.events import HeartbeatArrived, ProgressArrived
+from diloco.core.messages import Progress, Push
+from diloco.core.rounds import ProtocolError, Stop
+from diloco.fragments import Fragment
+from diloco.strategies import build_strategy
+
+FRAGMENT = [Fragment(0, ("w",), 4, False)]
+
+
+def run_core(members=(0, 1)):
+    """The syncer core exactly as both drivers build it from the default config (shared budget on)."""
+    spec = build_strategy(Config())
+    return spec.syncer_core({"w": torch.tensor([1.0, -1.0, 0.5, 2.0])}, FRAGMENT, members, embeddings=())
+
+
+def refused(call) -> str:
+    with pytest.raises(ProtocolError) as caught:
+        call()
+    message = str(caught.value)
+    assert message and "\n" not in message
+    return message
+
+
+def test_one_learner_cannot_declare_a_rate_that_ends_the_run():
+    core = run_core()
+    assert core.budget is not None
+    assert "tokens per step" in refused(lambda: core.declare(0, 10**12))
+    before = copy.deepcopy(core.claims.state_dict())
+    claim = 10**12
+    refused(lambda: core.on_push(Push(0, 0, 0, 1, {"w": torch.zeros(4)}, claim, 1, step=1), now=1.0))
+    refused(lambda: core.handle(HeartbeatArrived(0, step=1, tokens=claim), now=1.0))
+    refused(lambda: core.handle(ProgressArrived(Progress(0, 1, claim, 0.1)), now=1.0))
+    assert not core.stopped and not core.budget_spent
+    assert core.claims.state_dict() == before and core.tokens_reported() == 0
+    core.declare(0, 16 * 64)  # the run's own batch x sequence: honest
+    actions = core.handle(HeartbeatArrived(0, step=1, tokens=16 * 64), now=1.1)
+    assert not any(isinstance(a, Stop) for a in actions)
+
+
+def test_a_learner_that_declares_nothing_is_held_to_the_run_s_rate_too():
+    core = run_core()
+    refused(lambda: core.handle(HeartbeatArrived(0, step=1, tokens=2**24), now=1.0))
+    assert not core.stopped
