@@ -10,7 +10,9 @@ from diloco.config import Config
 from diloco.core.events import HeartbeatArrived, ProgressArrived
 from diloco.core.messages import Progress, Push
 from diloco.core.rounds import ProtocolError, Stop
+from diloco.errors import DilocoError
 from diloco.fragments import Fragment
+from diloco.shard.store import ShardStore
 from diloco.strategies import build_strategy
 
 FRAGMENT = [Fragment(0, ("w",), 4, False)]
@@ -50,3 +52,33 @@ def test_a_learner_that_declares_nothing_is_held_to_the_run_s_rate_too():
     core = run_core()
     refused(lambda: core.handle(HeartbeatArrived(0, step=1, tokens=2**24), now=1.0))
     assert not core.stopped
+
+
+# ---------------------------------------------------------------- 2. --resume of a shard that had run
+
+
+def seeded_store(state_dir):
+    """A shard's store that seeded Θ, saved and exited cleanly: its journal is empty."""
+    store = ShardStore(state_dir, 0, resume=False)
+    store.open(last_seq=0)
+    store.save({"core": {}})
+    store.journal.close()
+    assert (state_dir / "shard-0.journal").stat().st_size == 0
+    return store
+
+
+@pytest.mark.parametrize("damage", ["missing", "a directory"])
+def test_resume_of_a_shard_that_seeded_theta_never_starts_fresh(tmp_path, damage):
+    store = seeded_store(tmp_path)
+    store.state_path.unlink()
+    if damage == "a directory":
+        store.state_path.mkdir()
+    with pytest.raises(DilocoError) as caught:
+        ShardStore(tmp_path, 0, resume=True)
+    assert "\n" not in str(caught.value)
+    assert ("had seeded" if damage == "missing" else "is not a file") in str(caught.value)
+
+
+def test_only_a_shard_that_never_seeded_starts_fresh_on_resume(tmp_path):
+    ShardStore(tmp_path, 0, resume=False)  # killed before any learner seeded Θ: an empty journal, no mark
+    assert not ShardStore(tmp_path, 0, resume=True).saved

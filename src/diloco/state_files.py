@@ -57,10 +57,10 @@ def save_checked(state: dict, path: Path) -> None:
         digest = _digest_of(file, length)
         file.seek(length)
         file.write(TRAILER.pack(TRAILER_MARK, length, digest))
-    _sync_folder(path.parent)
+    sync_folder(path.parent)
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
     """The rename itself on disk (where the platform allows opening a folder)."""
     try:
         fd = os.open(folder, os.O_RDONLY)

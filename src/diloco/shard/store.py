@@ -8,14 +8,20 @@ so no code is ever unpickled from it. The journal's records are checked one by o
 What `--resume` finds decides what happens, never silently:
 - a saved state (and the journal after it): the shard continues from it; a state that is damaged,
   unreadable or saved by another shard or config is a one-line error;
-- no saved state but the empty journal a shard creates when it starts: it was stopped before a
-  learner seeded Θ, so there is nothing to lose and it starts fresh (saying so);
-- nothing at all, or a journal without the state it applies to: a one-line error.
+- no saved state but the empty journal a shard creates when it starts, and no seeded mark: it was
+  stopped before a learner seeded Θ, so there is nothing to lose and it starts fresh (saying so);
+- nothing at all, a journal without the state it applies to, a state path that is not a file, or the
+  seeded mark without a state: a one-line error.
+
+How a shard knows it never seeded Θ: before its first state is saved (when Θ is seeded), it writes the
+seeded mark `shard-N.seeded` next to it, synced, and never removes it. A journal is emptied at every
+save, so an empty journal says nothing; the mark does. Only a folder without it can start fresh.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 
@@ -25,7 +31,7 @@ from diloco.errors import DilocoError
 from diloco.clock import SYSTEM_CLOCK, Clock
 from diloco.shard.journal import (QUIET_EVENTS, Journal, JournalCorrupt, JournalError, JournalHalted,
                                     JournalRecord, decode_event, encode_event)
-from diloco.state_files import load_checked, save_checked
+from diloco.state_files import load_checked, save_checked, sync_folder
 
 log = logging.getLogger("diloco.syncer")
 
@@ -40,13 +46,20 @@ class ShardStore:
         self.state_dir, self.index = state_dir, index
         self.state_path = state_dir / f"shard-{index}.state.pt"
         self.journal_path = state_dir / f"shard-{index}.journal"
+        self.seeded_path = state_dir / f"shard-{index}.seeded"
         self.clock = clock
         self.saved = self.state_path.is_file()
+        if self.state_path.exists() and not self.saved:
+            raise DilocoError(f"{self.state_path} is not a file: the saved state of shard {index} cannot be there; "
+                              f"remove what is there, or give another --out")
         journal_bytes = self.journal_path.stat().st_size if self.journal_path.is_file() else None
         if not resume:
             if self.saved:
                 raise DilocoError(f"{state_dir} holds the saved state of shard {index}: pass --resume to continue "
                                   f"that run, or give another --out")
+            if self.seeded_path.exists():
+                raise DilocoError(f"{state_dir} holds {self.seeded_path.name}, the mark of a shard that seeded Θ: "
+                                  f"give another --out")
             if journal_bytes:
                 raise DilocoError(f"{self.journal_path} holds {journal_bytes} bytes of journal without a saved state: "
                                   f"give another --out, or remove it to start a new run here")
@@ -57,6 +70,10 @@ class ShardStore:
                 raise DilocoError(f"cannot keep the state of shard {index} in {state_dir} "
                                   f"({exc.strerror or exc}): give another --out") from None
         elif not self.saved:
+            if self.seeded_path.exists():
+                raise DilocoError(f"--resume: shard {index} had seeded Θ ({self.seeded_path.name} says so) but "
+                                  f"{self.state_path.name} is missing from {state_dir}: restore the state file, or "
+                                  f"start the run afresh in another --out")
             if journal_bytes is None:
                 raise DilocoError(f"--resume: {state_dir} holds no saved state of shard {index} (no "
                                   f"{self.state_path.name}): nothing to resume; give the --out of the run to "
@@ -65,8 +82,8 @@ class ShardStore:
                 raise DilocoError(f"--resume: {self.journal_path} holds {journal_bytes} bytes of journal but "
                                   f"{self.state_path.name} is missing, so its events cannot be replayed: restore "
                                   f"the state file, or start the run afresh in another --out")
-            log.warning("shard %d: --resume found no saved state in %s and an empty journal: it stopped before "
-                        "Θ was seeded, so it starts fresh and a learner seeds Θ again", index, state_dir)
+            log.warning("shard %d: --resume found no saved state in %s, an empty journal and no seeded mark: it "
+                        "stopped before Θ was seeded, so it starts fresh and a learner seeds Θ again", index, state_dir)
         self.journal: Journal | None = None
         self.saved_at: float | None = None
         self._cut_journal_at: int | None = None
@@ -159,6 +176,7 @@ class ShardStore:
         """The whole state, with its digest, atomically; the journal then starts empty (its numbers go
         on). OSError (a full disk) leaves the old state and the journal as they were."""
         state = {**state, "journal_seq": self.journal.seq, "format": STATE_FORMAT}
+        self._mark_seeded()
         save_checked(state, self.state_path)
         self.saved = True
         try:
@@ -166,6 +184,16 @@ class ShardStore:
         except JournalError as exc:  # harmless: a replay skips records the state already holds
             log.warning("%s", exc)
         self.saved_at = self.clock.now()
+
+    def _mark_seeded(self) -> None:
+        """The seeded mark, on disk before the first state is: from now on this shard cannot start fresh."""
+        if self.seeded_path.exists():
+            return
+        with open(self.seeded_path, "wb") as file:
+            file.write(b"this shard seeded its parameters: resume it only from its saved state\n")
+            file.flush()
+            os.fsync(file.fileno())
+        sync_folder(self.state_dir)
 
     def age_s(self) -> float | None:
         return None if self.saved_at is None else self.clock.now() - self.saved_at
