@@ -312,3 +312,32 @@ def test_an_init_larger_than_the_host_can_hold_is_refused_from_its_header(served
         release.set()
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "bad Init" in details
     assert shard.core is None
+
+
+def init_stream(shard: SyncerShard, fill: float) -> Iterator[pb.Frame]:
+    values = {f"w{p}": torch.full((4,), fill) for p in shard.owned}
+    layout = [pb.FragmentLayout(index=p, tensors=[pb.TensorSpec(name=f"w{p}", shape=[4])]) for p in shard.owned]
+    encoded = encode_fp32(values)
+    header = pb.Frame(state=pb.StateHeader(layout=layout, tensors=[tensor_header(n, e) for n, e in encoded.items()]))
+    return iter(list(message_frames(header, encoded)))
+
+
+@pytest.mark.integration  # a live server over real gRPC
+def test_theta_cannot_be_seeded_with_values_no_model_has(served):
+    shard, address = served()
+    learner = as_learner(address, 0)
+    learner.Join(pb.JoinRequest(learner=-1), timeout=TIMEOUT)
+    code, details = refusal(lambda: learner.Init(init_stream(shard, 3e38), timeout=TIMEOUT))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "RMS" in details and shard.core is None
+    assert learner.Init(init_stream(shard, 0.02), timeout=TIMEOUT).accepted  # an honest seed still goes in
+
+
+@pytest.mark.integration  # a live server over real gRPC
+def test_with_operator_seeds_only_the_run_secret_seeds_theta(served):
+    shard, address = served()
+    shard.operator_seeds = True
+    learner = as_learner(address, 0)
+    learner.Join(pb.JoinRequest(learner=-1), timeout=TIMEOUT)
+    code, details = refusal(lambda: learner.Init(init_stream(shard, 0.02), timeout=TIMEOUT))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "--operator-seeds" in details and shard.core is None
+    assert stub(address, RUN).Init(init_stream(shard, 0.02), timeout=TIMEOUT).accepted

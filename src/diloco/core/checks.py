@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import torch
+
 from diloco.core.closing import all_finite
 from diloco.core.outliers import outlier_bounds
 from diloco.core.claims import MAX_SEQ_JUMP, overlap_problem, step_problem, token_problem
@@ -28,6 +30,24 @@ MAX_DUE_S = 1e9
 """Longest a learner may say it will take to push a fragment again."""
 MAX_FRAGMENTS = 1 << 16
 """Fragments a learner's schedule may name."""
+MAX_THETA_RMS = 1e3
+"""Largest root-mean-square a tensor of Θ may have, seeded or loaded: trained models' tensors have RMS
+well below 10 (weights ~0.02-1, norms' gains ~1); a seed above it is an attack (3e38 would scale the
+outlier bounds up with it) or a broken model, and either would make every later step meaningless."""
+
+
+def theta_problem(values: dict[str, torch.Tensor]) -> str | None:
+    """Why `values` cannot be a model's parameters (a tensor not finite, or of RMS above MAX_THETA_RMS),
+    or None: what seeding Θ (Init) and loading a saved Θ both check."""
+    for name, value in values.items():
+        if not value.is_floating_point():
+            return f"tensor {name!r} is not a float tensor"
+        if not all_finite([value]):
+            return f"tensor {name!r} holds NaN or Inf"
+        rms = float(torch.linalg.vector_norm(value, dtype=torch.float64)) / math.sqrt(max(value.numel(), 1))
+        if not rms <= MAX_THETA_RMS:
+            return f"tensor {name!r} has RMS {rms:.4g}, above the {MAX_THETA_RMS:g} a model's parameters can have"
+    return None
 
 
 def check_push(core: SyncerCore, push: Push, now: float) -> None:

@@ -27,6 +27,7 @@ import grpc
 import torch
 
 from diloco.config import Config
+from diloco.core.checks import theta_problem
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
                                 PushArrived, StreamOpened, SyncerEvent, TimerFired)
 from diloco.core.messages import Progress, Update
@@ -74,11 +75,12 @@ flight is then two fragments in fp32 plus the others as they came, whatever the 
 class SyncerShard(pb_grpc.SyncerServicer):
     def __init__(self, config: Config, plan: ShardPlan, metrics: MetricsLog | None = None,
                  state_dir: Path | None = None, resume: bool = False, clock: Clock = SYSTEM_CLOCK,
-                 tier: RegionTier | None = None) -> None:
+                 tier: RegionTier | None = None, operator_seeds: bool = False) -> None:
         """With a `state_dir`, the shard journals every event and saves its state there now and then;
         `resume` continues from what a previous process of this shard left there. With a `tier`, it is a
         region's syncer (`regional_shard.py`): it journals nothing, and its own Θ starts from the global
-        syncer's when its first learner seeds it. No thread runs until `start()`."""
+        syncer's when its first learner seeds it. `operator_seeds`: only the run secret's holder may seed Θ
+        (a learner's own credential may not). No thread runs until `start()`."""
         check_shards(config, plan.count)
         self.config, self.plan, self.clock = config, plan, clock
         self.spec = build_strategy(config)
@@ -86,7 +88,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self.owned = plan.fragments(self.spec.fragments)
         self.lock = threading.RLock()
         self.core: SyncerCore | None = None
-        self.tier = tier
+        self.tier, self.operator_seeds = tier, operator_seeds
         self.layout: list[pb.FragmentLayout] = []
         self.outboxes: dict[int, queue.Queue[Update]] = {}
         self.streams: dict[int, int] = {}
@@ -282,6 +284,10 @@ class SyncerShard(pb_grpc.SyncerServicer):
     def Init(self, request_iterator, context: grpc.ServicerContext) -> pb.InitReply:
         if self.core is not None:
             return pb.InitReply(accepted=False)  # seeded already: not worth reading
+        if self.operator_seeds and current_caller().kind != "operator":
+            log.warning("refused Init from %s: %s, and only the operator seeds", context.peer(), current_caller())
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "only the run secret's holder may seed Θ here "
+                                                             "(the syncer runs with --operator-seeds)")
         try:
             message = read_message(iter(request_iterator), "state", limit=serving.init_limit_bytes())
             if not context.is_active():
@@ -291,6 +297,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
             header, tensors = message
             fragments, embeddings = fragments_of(self.plan, self.owned, header.layout, tensors)
             values = {name: decode(e) for name, e in tensors.items()}
+            if (problem := theta_problem(values)) is not None:  # Θ's first values are a claim too
+                raise FrameError(f"Θ {problem}")
         except FrameError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad Init: {exc}")
         with self.lock:
