@@ -2,15 +2,16 @@
 line with nothing changed."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
-from diloco.config import Config
+from diloco.config import Config, load_config
 from diloco.core.events import HeartbeatArrived, ProgressArrived
 from diloco.core.messages import Progress, Push
 from diloco.core.rounds import ProtocolError, Stop
-from diloco.errors import DilocoError
+from diloco.errors import ConfigError, DilocoError
 from diloco.fragments import Fragment
 from diloco.shard.store import ShardStore
 from diloco.strategies import build_strategy
@@ -82,3 +83,23 @@ def test_resume_of_a_shard_that_seeded_theta_never_starts_fresh(tmp_path, damage
 def test_only_a_shard_that_never_seeded_starts_fresh_on_resume(tmp_path):
     ShardStore(tmp_path, 0, resume=False)  # killed before any learner seeded Θ: an empty journal, no mark
     assert not ShardStore(tmp_path, 0, resume=True).saved
+
+
+# ---------------------------------------------------------------- 4. config numbers training cannot live with
+
+
+@pytest.mark.parametrize("override", ["outer.lr=1e308", "outer.lr=1e3", "train.lr=50", "regional.lr=1e12",
+                                      "link.bandwidth_mbit=1e308", "failures.detect_s=1e300",
+                                      "learners.step_time_s=1e20", "outer.outlier_factor=1e300"])
+def test_every_config_number_has_a_range_training_can_live_with(override):
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [override])
+    assert override.split("=")[0] in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_an_outer_step_the_config_cannot_take_is_one_line_at_start_up():
+    config = Config()
+    unchecked = dataclasses.replace(config, outer=dataclasses.replace(config.outer, lr=1e308))  # past validation
+    with pytest.raises(DilocoError) as caught:
+        build_strategy(unchecked)
+    assert "outer step" in str(caught.value) and "\n" not in str(caught.value)

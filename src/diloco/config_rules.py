@@ -23,6 +23,12 @@ MAX_STEPS = 2**31 - 1
 """Step counts (H, warmup, checkpoint and metrics intervals): far beyond any run, still a 32-bit int."""
 MAX_SEED = 2**63 - 1
 """The largest seed torch and numpy both take."""
+MAX_QUANTITY = 1e9
+"""Largest magnitude of any non-integer number in a config (a time of 30 years, a rate of 10^9): above
+it no run has such a quantity, and products of it (lr × Δ, a time × a rate) leave float32."""
+LEARNING_RATES = {"train.lr": 1.0, "outer.lr": 10.0, "regional.lr": 10.0}
+"""The largest learning rate each step can live with: the inner AdamW moves each weight by about lr per
+step; the outer Nesterov step moves Θ by lr × the merged progress (honest: 0.7 to 1)."""
 
 
 def _require(ok: bool, key: str, rule: str, value: Any) -> None:
@@ -56,12 +62,26 @@ def _validate_finite(config: Config) -> None:
         _require(math.isfinite(value), key, "must be a finite number", value)
 
 
+def _validate_quantities(config: Config) -> None:
+    """Every non-integer number within ±MAX_QUANTITY, and the learning rates within what a step can take:
+    a value the type allows but training cannot live with (outer.lr = 1e308 makes every outer step fail)
+    is refused here, once, not by every push."""
+    for key, high in LEARNING_RATES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        _require(value <= high, key, f"must be at most {high:g}", value)
+    for key, value in _numbers(config, ""):
+        if isinstance(value, float):
+            _require(abs(value) <= MAX_QUANTITY, key, f"must be within ±{MAX_QUANTITY:g}", value)
+
+
 def validate(config: Config) -> None:
     """Rules the types cannot say. Each failure names its key.
 
     The first failing rule is the one reported, so the checks run in a fixed order, section by section.
     """
     _validate_finite(config)
+    _validate_quantities(config)
     _validate_regions(config.regions)
     _validate_counts(config)
     _validate_bounds(config)
