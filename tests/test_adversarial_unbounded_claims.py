@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from diloco.client.checkpoints import checkpoint_key
 from diloco.config import Config, load_config
 from diloco.core.events import HeartbeatArrived, ProgressArrived
 from diloco.core.messages import Progress, Push
@@ -14,6 +15,7 @@ from diloco.core.rounds import ProtocolError, Stop
 from diloco.errors import ConfigError, DilocoError
 from diloco.fragments import Fragment
 from diloco.shard.store import ShardStore
+from diloco.state_files import file_key, load_checked, save_checked
 from diloco.strategies import build_strategy
 
 FRAGMENT = [Fragment(0, ("w",), 4, False)]
@@ -103,3 +105,35 @@ def test_an_outer_step_the_config_cannot_take_is_one_line_at_start_up():
     with pytest.raises(DilocoError) as caught:
         build_strategy(unchecked)
     assert "outer step" in str(caught.value) and "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- 5. state files sealed with the run's secret
+
+
+def test_a_state_file_is_sealed_with_the_run_s_secret_and_a_rewritten_one_is_refused(tmp_path):
+    key = file_key(b"the run's secret")
+    path = tmp_path / "shard-0.state.pt"
+    state = {"core": {"theta": {"w": torch.full((4,), 0.02)}}}
+    save_checked(state, path, key)
+    assert torch.equal(load_checked(path, "state", "advice", key)["core"]["theta"]["w"], state["core"]["theta"]["w"])
+    state["core"]["theta"]["w"] = torch.full((4,), 3e38)
+    for forged, why in ((None, "not sealed"), (file_key(b"another run's secret"), "does not match its seal")):
+        save_checked(state, path, forged)  # rewritten, its checksum recomputed as well as the writer can
+        with pytest.raises(DilocoError) as caught:
+            load_checked(path, "state", "advice", key)
+        assert why in str(caught.value) and "\n" not in str(caught.value)
+    save_checked(state, path, key)
+    with pytest.raises(DilocoError, match="none is given"):
+        load_checked(path, "state", "advice")  # a sealed file needs the secret
+
+
+def test_a_shard_store_seals_its_state_and_a_checkpoint_is_sealed_by_the_learner_s_credential(tmp_path):
+    key = file_key(b"secret")
+    store = ShardStore(tmp_path, 0, resume=False, key=key)
+    store.open(last_seq=0)
+    store.save({"core": {}})
+    store.journal.close()
+    with pytest.raises(DilocoError, match="sealed with a run secret"):
+        ShardStore(tmp_path, 0, resume=True).load()
+    assert ShardStore(tmp_path, 0, resume=True, key=key).load()["core"] == {}
+    assert checkpoint_key(None, "ab" * 32) != checkpoint_key(None, "cd" * 32) and checkpoint_key(None) is None

@@ -24,6 +24,7 @@ from diloco.outputs import output_folder, write_output
 from diloco.launch.ignored_keys import warn_ignored
 from diloco.transport.ports import report_port, resolve_address, write_port_file
 from diloco.status.endpoint import LOOPBACK, HttpExposure, credentials_for
+from diloco.state_files import file_key
 from diloco.transport.security_settings import TransportSecurity, add_security_arguments, security_from_args, with_run_secret
 
 if TYPE_CHECKING:  # these load torch and gRPC: the commands import them when they run
@@ -326,7 +327,8 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
         raise DilocoError("--operator-seeds needs the run secret (--secret-file or DILOCO_SECRET): without it "
                           "no caller is known to be the operator")
     shard = SyncerShard(config, plan, metrics, state_dir=out / "syncer" if out and tier is None else None,
-                        resume=args.resume, tier=tier, operator_seeds=args.operator_seeds)
+                        resume=args.resume, tier=tier, operator_seeds=args.operator_seeds,
+                        state_key=file_key(security.secret))
     server, status = _serve_shard(shard, args, security, http)
     halted = None
     while not stop.wait(METRICS_EVERY_S):

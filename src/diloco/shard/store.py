@@ -40,10 +40,12 @@ STATE_FORMAT = 2
 
 
 class ShardStore:
-    def __init__(self, state_dir: Path, index: int, resume: bool, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, state_dir: Path, index: int, resume: bool, clock: Clock = SYSTEM_CLOCK,
+                 key: bytes | None = None) -> None:
         """Refuses to overwrite another run's saved state unless asked to `resume` it, and refuses to
-        `resume` from nothing (see the module's docstring for what starts fresh)."""
-        self.state_dir, self.index = state_dir, index
+        `resume` from nothing (see the module's docstring for what starts fresh). `key` seals the state
+        file (`state_files.file_key` of the run's secret)."""
+        self.state_dir, self.index, self.key = state_dir, index, key
         self.state_path = state_dir / f"shard-{index}.state.pt"
         self.journal_path = state_dir / f"shard-{index}.journal"
         self.seeded_path = state_dir / f"shard-{index}.seeded"
@@ -100,7 +102,7 @@ class ShardStore:
             return None
         state = load_checked(self.state_path, f"the saved state of shard {self.index}",
                              "this shard cannot resume from it; restore a good copy, or start the run afresh "
-                             "in another --out")
+                             "in another --out", self.key)
         if state.get("format") != STATE_FORMAT:
             raise DilocoError(f"the saved state of shard {self.index} {self.state_path} has format "
                               f"{state.get('format')!r}, not {STATE_FORMAT}: it was saved by another version of "
@@ -177,7 +179,7 @@ class ShardStore:
         on). OSError (a full disk) leaves the old state and the journal as they were."""
         state = {**state, "journal_seq": self.journal.seq, "format": STATE_FORMAT}
         self._mark_seeded()
-        save_checked(state, self.state_path)
+        save_checked(state, self.state_path, self.key)
         self.saved = True
         try:
             self.journal.truncate()
