@@ -17,6 +17,7 @@ from diloco.fragments import Fragment
 from diloco.shard.store import ShardStore
 from diloco.state_files import file_key, load_checked, save_checked
 from diloco.strategies import build_strategy
+from diloco.transport.security import LEARNER_KEY, METADATA_KEY, CredentialInterceptor, learner_token
 
 FRAGMENT = [Fragment(0, ("w",), 4, False)]
 
@@ -137,3 +138,19 @@ def test_a_shard_store_seals_its_state_and_a_checkpoint_is_sealed_by_the_learner
         ShardStore(tmp_path, 0, resume=True).load()
     assert ShardStore(tmp_path, 0, resume=True, key=key).load()["core"] == {}
     assert checkpoint_key(None, "ab" * 32) != checkpoint_key(None, "cd" * 32) and checkpoint_key(None) is None
+
+
+# ---------------------------------------------------------------- credentials: one canonical form
+
+
+def test_a_credential_has_one_canonical_form():
+    secret = b"secret"
+    interceptor = CredentialInterceptor(secret)
+    right = learner_token(secret, 1)
+    assert interceptor.identify([(METADATA_KEY, right), (LEARNER_KEY, "1")])[0].learner == 1
+    for metadata in ([(METADATA_KEY, right), (LEARNER_KEY, "01")],
+                     [(METADATA_KEY, right), (LEARNER_KEY, "+1")],
+                     [(METADATA_KEY, "wrong"), (METADATA_KEY, right), (LEARNER_KEY, "1")],
+                     [(METADATA_KEY, right), (METADATA_KEY, "wrong"), (LEARNER_KEY, "1")]):
+        caller, why = interceptor.identify(metadata)
+        assert caller is None and why
