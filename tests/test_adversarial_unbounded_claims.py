@@ -17,7 +17,7 @@ from diloco.fragments import Fragment
 from diloco.shard.store import ShardStore
 from diloco.state_files import file_key, load_checked, save_checked
 from diloco.strategies import build_strategy
-from diloco.transport.security import LEARNER_KEY, METADATA_KEY, CredentialInterceptor, learner_token
+from diloco.transport.security import LEARNER_KEY, METADATA_KEY, CredentialInterceptor, call_token, learner_token
 
 FRAGMENT = [Fragment(0, ("w",), 4, False)]
 
@@ -146,7 +146,7 @@ def test_a_shard_store_seals_its_state_and_a_checkpoint_is_sealed_by_the_learner
 def test_a_credential_has_one_canonical_form():
     secret = b"secret"
     interceptor = CredentialInterceptor(secret)
-    right = learner_token(secret, 1)
+    right = call_token(learner_token(secret, 1), None)
     assert interceptor.identify([(METADATA_KEY, right), (LEARNER_KEY, "1")])[0].learner == 1
     for metadata in ([(METADATA_KEY, right), (LEARNER_KEY, "01")],
                      [(METADATA_KEY, right), (LEARNER_KEY, "+1")],

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import queue
+import secrets
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,6 +117,8 @@ class SyncerShard(pb_grpc.SyncerServicer):
         self._stopping = False
         self.waker = Waker(threading.Condition(self.lock), self._wake, self._save_if_seeded, SAVE_EVERY_S, clock)
         self.store = ShardStore(state_dir, plan.index, resume, clock, state_key) if state_dir is not None else None
+        self.run_id = self.store.run_id if self.store is not None else secrets.token_hex(16)
+        """This run's identity: callers' credentials are bound to it (`security.call_token`)."""
         if self.store is not None:
             with self.lock:
                 shard_resume.resume(self)
@@ -501,7 +504,7 @@ class SyncerShard(pb_grpc.SyncerServicer):
                                   versions=versions, rounds=core.rounds_closed if core else 0,
                                   tokens_reported=min(core.tokens_reported() if core else 0, MAX_TOKENS),
                                   alive=sorted(core.alive) if core else [],
-                                  report_json=json.dumps(self.report()))
+                                  report_json=json.dumps(self.report()), run=self.run_id)
 
     # ------------------------------------------------------------ reports and state
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from pathlib import Path
 
 
@@ -35,6 +36,8 @@ from diloco.state_files import load_checked, save_checked, sync_folder
 
 log = logging.getLogger("diloco.syncer")
 
+RUN_ID_CHARS = 32
+"""Hex digits of a run identity (128 random bits)."""
 STATE_FORMAT = 2
 """Version of what a state file holds: 2 adds its digest and the identity of the shard that saved it."""
 
@@ -86,6 +89,8 @@ class ShardStore:
                                   f"the state file, or start the run afresh in another --out")
             log.warning("shard %d: --resume found no saved state in %s, an empty journal and no seeded mark: it "
                         "stopped before Θ was seeded, so it starts fresh and a learner seeds Θ again", index, state_dir)
+        self.run_id = self._run_identity(new_run=not resume)
+        """The run this shard serves, kept across restarts: what callers' credentials are bound to."""
         self.journal: Journal | None = None
         self.saved_at: float | None = None
         self._cut_journal_at: int | None = None
@@ -186,6 +191,25 @@ class ShardStore:
         except JournalError as exc:  # harmless: a replay skips records the state already holds
             log.warning("%s", exc)
         self.saved_at = self.clock.now()
+
+    def _run_identity(self, new_run: bool) -> str:
+        """The run identity in `shard-N.run`: kept when resuming, a new random one for a new run."""
+        path = self.state_dir / f"shard-{self.index}.run"
+        if not new_run and path.is_file():
+            run = path.read_text(errors="replace").strip()
+            if len(run) == RUN_ID_CHARS and all(c in "0123456789abcdef" for c in run):
+                return run
+        run = secrets.token_hex(RUN_ID_CHARS // 2)
+        try:
+            with open(path, "w") as file:
+                file.write(run + "\n")
+                file.flush()
+                os.fsync(file.fileno())
+        except OSError as exc:
+            raise DilocoError(f"cannot keep the run identity of shard {self.index} in {path} "
+                              f"({exc.strerror or exc}): give another --out") from None
+        sync_folder(self.state_dir)
+        return run
 
     def _mark_seeded(self) -> None:
         """The seeded mark, on disk before the first state is: from now on this shard cannot start fresh."""

@@ -35,8 +35,9 @@ import grpc
 from diloco.errors import DilocoError
 from diloco.transport.security_settings import (  # the settings are also found here, next to their enforcement
     LEARNER_TOKEN_ENV, MAX_LEARNER_ID, PLAINTEXT, SECRET_ENV, LearnerCredential, TransportSecurity,
-    add_security_arguments, check_ca, check_cert_and_key, default_security, learner_token, load_security, read_pem,
-    resolve_secret, secret_token, security_from_args, with_run_secret)
+    add_security_arguments, call_token, check_ca, check_cert_and_key, default_security, learner_token, load_security,
+    read_pem, resolve_secret, secret_token, security_from_args, with_run_secret)
+from diloco.v1 import diloco_pb2 as pb
 
 __all__ = ["BUSY", "Caller", "CallLimits", "ClientIdentity", "CredentialInterceptor", "LEARNER_KEY",
            "LEARNER_TOKEN_ENV", "LearnerCredential", "METADATA_KEY", "PLAINTEXT", "REFUSED", "SECRET_ENV",
@@ -53,6 +54,11 @@ REFUSED = "missing or wrong shared secret: set DILOCO_SECRET or --secret-file to
 BUSY = "busy: "
 """How a refusal for want of capacity starts: the client waits and tries again."""
 _LEARNER_NAME = re.compile(r"learner-(\d{1,10})")
+UNBOUND_METHODS = ("/Join", "/Status")
+"""Calls made before a client knows the shard's run identity: they carry `call_token(..., None)`."""
+STATUS_METHOD = "/diloco.v1.Syncer/Status"
+RUN_LOOKUP_S = 30.0
+_RUN_ID = re.compile(r"[0-9a-f]{0,64}")
 
 
 # ---------------------------------------------------------------- credentials
@@ -159,18 +165,20 @@ class CredentialInterceptor(grpc.ServerInterceptor):
     and makes its `Caller` known to the handler."""
 
     def __init__(self, secret: bytes | None, learner_certificates: bool = False,
-                 limits: CallLimits | None = None) -> None:
+                 limits: CallLimits | None = None, run: str | None = None) -> None:
+        """`run`: the shard's run identity, which every call but Join and Status must be bound to."""
         if secret is not None and not secret:
             raise ValueError("an empty shared secret")
-        self._secret = secret
-        self._run_token = secret_token(secret).encode("ascii") if secret is not None else None
+        self._secret, self._run = secret, run
+        self._run_token = secret_token(secret) if secret is not None else None
         self._learner_certificates = learner_certificates
         self._limits = limits
         self._active: dict[Caller, int] = collections.Counter()
         self._active_lock = threading.Lock()
 
-    def identify(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> tuple[Caller | None, str]:
-        """The caller the metadata proves, or None and why not."""
+    def identify(self, metadata: Sequence[tuple[str, str | bytes]] | None, method: str = STATUS_METHOD
+                 ) -> tuple[Caller | None, str]:
+        """The caller the metadata of a call to `method` proves, or None and why not."""
         if self._secret is None:
             return UNCHECKED, ""
         given = [v if isinstance(v, bytes) else v.encode("utf-8", "replace")
@@ -184,8 +192,9 @@ class CredentialInterceptor(grpc.ServerInterceptor):
         if len(names) > 1 or (names and not _canonical_id(names[0])):
             return None, "a malformed learner id"
         learner = int(names[0]) if names else None
-        expected = self._run_token if learner is None else learner_token(self._secret, learner).encode("ascii")
-        if not hmac.compare_digest(given[0], expected):
+        token = self._run_token if learner is None else learner_token(self._secret, learner)
+        run = None if self._run is None or method.endswith(UNBOUND_METHODS) else self._run
+        if not hmac.compare_digest(given[0], call_token(token, run).encode("ascii")):
             return None, "a wrong shared secret" if learner is None else f"a wrong credential for learner {learner}"
         return (OPERATOR if learner is None else Caller("learner", learner)), ""
 
@@ -194,7 +203,7 @@ class CredentialInterceptor(grpc.ServerInterceptor):
         if handler is None:  # an unknown method: gRPC answers UNIMPLEMENTED and runs nothing
             return None
         method = handler_call_details.method
-        caller, why = self.identify(handler_call_details.invocation_metadata)
+        caller, why = self.identify(handler_call_details.invocation_metadata, method)
         if caller is None:
             return _refusal(grpc.StatusCode.UNAUTHENTICATED, REFUSED, method, why, handler.response_serializer)
         return self._admitted(handler, caller, method)
@@ -269,12 +278,12 @@ class CredentialInterceptor(grpc.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
-def server_interceptors(security: TransportSecurity, limits: CallLimits | None = None
+def server_interceptors(security: TransportSecurity, limits: CallLimits | None = None, run: str | None = None
                         ) -> list[grpc.ServerInterceptor]:
-    """For `grpc.server(..., interceptors=...)`."""
+    """For `grpc.server(..., interceptors=...)`; `run`: the run identity calls are bound to."""
     if security.secret is None and not security.requires_client_certs and limits is None:
         return []
-    return [CredentialInterceptor(security.secret, security.requires_client_certs, limits)]
+    return [CredentialInterceptor(security.secret, security.requires_client_certs, limits, run)]
 
 
 def secure_server_port(server: grpc.Server, bind: str, security: TransportSecurity) -> int:
@@ -295,11 +304,25 @@ class ClientIdentity:
     def __init__(self, security: TransportSecurity) -> None:
         self._secret, self._own = security.secret, security.learner
         self._learner: int | None = None
-        self.metadata: tuple[tuple[str, str], ...] = ()
+        self._token: str | None = None
+        """The credential calls are made from (`call_token`): the run token, or a learner's own."""
+        self.run: str | None = None
+        """The run identity of the shard this identity's channel reaches, once learned ("": it binds none)."""
         if security.learner is not None:
             self._use(security.learner)
         elif security.secret is not None:
-            self.metadata = ((METADATA_KEY, secret_token(security.secret)),)
+            self._token = secret_token(security.secret)
+
+    @property
+    def authenticates(self) -> bool:
+        return self._token is not None
+
+    def metadata(self, run: str | None) -> tuple[tuple[str, str], ...]:
+        """What a call carries: the credential bound to `run` (None: Join and Status), and the learner id."""
+        if self._token is None:
+            return ()
+        named = ((LEARNER_KEY, str(self._learner)),) if self._learner is not None else ()
+        return ((METADATA_KEY, call_token(self._token, run)), *named)
 
     @property
     def learner(self) -> int | None:
@@ -307,8 +330,9 @@ class ClientIdentity:
         return self._learner
 
     def _use(self, credential: LearnerCredential) -> None:
-        self._learner = credential.learner
-        self.metadata = ((METADATA_KEY, credential.token), (LEARNER_KEY, str(credential.learner)))
+        self._learner, self._token = credential.learner, credential.token
+        if not self.run:
+            self.run = None  # "" may stand for the last credential's refusal: ask again with this one
 
     def act_as(self, learner: int) -> None:
         """Speak for `learner` from now on. A learner given only its own credential cannot be another."""
@@ -328,14 +352,41 @@ class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", 
 
 class CredentialClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the identity's credential to every call, of all four kinds (replacing any the caller set)."""
+    """Adds the identity's credential to every call, of all four kinds (replacing any the caller set),
+    bound to the shard's run identity: learned with one Status call on `channel` before the first call
+    that needs it."""
 
-    def __init__(self, identity: ClientIdentity) -> None:
-        self.identity = identity
+    def __init__(self, identity: ClientIdentity, channel: grpc.Channel) -> None:
+        self.identity, self._channel = identity, channel
+
+    def _run_for(self, method: str) -> str | None:
+        if method.endswith(UNBOUND_METHODS):
+            return None
+        if self.identity.run is None:
+            self.identity.run = self._learn_run()
+        return self.identity.run or None
+
+    def _learn_run(self) -> str:
+        """The shard's run identity, from its Status; "" from a service without one (nothing to bind), or
+        when the shard refuses this credential (the call goes out as it is, to be refused as itself)."""
+        status = self._channel.unary_unary(STATUS_METHOD, request_serializer=pb.StatusRequest.SerializeToString,
+                                           response_deserializer=pb.StatusReply.FromString)
+        try:
+            reply = status(pb.StatusRequest(), metadata=self.identity.metadata(None), timeout=RUN_LOOKUP_S)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return ""
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return ""  # until the credential changes (`act_as`): no call of this one can get through
+            raise
+        if not _RUN_ID.fullmatch(reply.run):
+            raise DilocoError(f"the syncer announced a run identity that is not one ({reply.run[:80]!r})")
+        return reply.run
 
     def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
         metadata = [m for m in (details.metadata or ()) if m[0] not in (METADATA_KEY, LEARNER_KEY)]
-        metadata += self.identity.metadata
+        metadata += self.identity.metadata(self._run_for(method) if self.identity.authenticates else None)
         return _CallDetails(details.method, details.timeout, metadata, details.credentials,
                             getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
 
@@ -373,6 +424,6 @@ def make_channel(address: str, security: TransportSecurity | None, options: Sequ
     else:
         channel = grpc.insecure_channel(address, options=options)
     identity = identity or ClientIdentity(security)
-    if identity.metadata:
-        channel = grpc.intercept_channel(channel, CredentialClientInterceptor(identity))
+    if identity.authenticates:
+        channel = grpc.intercept_channel(channel, CredentialClientInterceptor(identity, channel))
     return channel
