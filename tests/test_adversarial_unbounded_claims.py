@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 import torch
 
-from diloco.client.checkpoints import checkpoint_key
 from diloco.config import Config, load_config
 from diloco.core.events import HeartbeatArrived, ProgressArrived
 from diloco.core.messages import Progress, Push
@@ -15,9 +14,7 @@ from diloco.core.rounds import ProtocolError, Stop
 from diloco.errors import ConfigError, DilocoError
 from diloco.fragments import Fragment
 from diloco.shard.store import ShardStore
-from diloco.state_files import file_key, load_checked, save_checked
 from diloco.strategies import build_strategy
-from diloco.transport.security import LEARNER_KEY, METADATA_KEY, CredentialInterceptor, call_token, learner_token
 
 FRAGMENT = [Fragment(0, ("w",), 4, False)]
 
@@ -112,6 +109,8 @@ def test_an_outer_step_the_config_cannot_take_is_one_line_at_start_up():
 
 
 def test_a_state_file_is_sealed_with_the_run_s_secret_and_a_rewritten_one_is_refused(tmp_path):
+    from diloco.state_files import file_key, load_checked, save_checked
+
     key = file_key(b"the run's secret")
     path = tmp_path / "shard-0.state.pt"
     state = {"core": {"theta": {"w": torch.full((4,), 0.02)}}}
@@ -129,6 +128,9 @@ def test_a_state_file_is_sealed_with_the_run_s_secret_and_a_rewritten_one_is_ref
 
 
 def test_a_shard_store_seals_its_state_and_a_checkpoint_is_sealed_by_the_learner_s_credential(tmp_path):
+    from diloco.client.checkpoints import checkpoint_key
+    from diloco.state_files import file_key
+
     key = file_key(b"secret")
     store = ShardStore(tmp_path, 0, resume=False, key=key)
     store.open(last_seq=0)
@@ -144,6 +146,9 @@ def test_a_shard_store_seals_its_state_and_a_checkpoint_is_sealed_by_the_learner
 
 
 def test_a_credential_has_one_canonical_form():
+    from diloco.transport.security import LEARNER_KEY, METADATA_KEY, CredentialInterceptor, learner_token
+    from diloco.transport.security_settings import call_token
+
     secret = b"secret"
     interceptor = CredentialInterceptor(secret)
     right = call_token(learner_token(secret, 1), None)
