@@ -86,6 +86,17 @@ def test_a_state_file_with_non_finite_theta_or_wrong_shapes_is_refused(saved_sta
 
 
 @integration
+def test_a_state_file_rewritten_with_a_huge_theta_and_its_checksum_recomputed_is_refused(saved_state):
+    state_dir, config = saved_state  # no run secret: the checksum is unkeyed, so the values are checked
+    path = state_dir / "shard-0.state.pt"
+    state = torch.load(path, weights_only=True)
+    name = next(iter(state["core"]["theta"]))
+    state["core"]["theta"][name] = torch.full_like(state["core"]["theta"][name], 3e38)
+    save_checked(state, path)
+    assert "RMS" in resume_error(state_dir, config)
+
+
+@integration
 def test_a_state_file_of_another_config_or_shard_count_is_refused(saved_state):
     state_dir, _ = saved_state
     other = tiny_config("learners.count=2", "outer.fragments=1", "outer.H=4")

@@ -143,7 +143,8 @@ def test_half_open_calls_and_64_update_streams_leave_heartbeats_answered(served,
         for m in (0, 63):
             answered_within(lambda: learners[m].Heartbeat(pb.HeartbeatRequest(learner=m), timeout=1), 1.0)
         assert all(stream.running() for stream in streams)  # nobody's stream was pushed out
-        assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 64  # one line per refusal
+        # one line per refusal, and one for the wrong secret's lookup of the run identity (Status)
+        assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 64 + 1
     finally:
         release.set()
         for stream in streams:
@@ -312,3 +313,55 @@ def test_an_init_larger_than_the_host_can_hold_is_refused_from_its_header(served
         release.set()
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "bad Init" in details
     assert shard.core is None
+
+
+def init_stream(shard: SyncerShard, fill: float) -> Iterator[pb.Frame]:
+    values = {f"w{p}": torch.full((4,), fill) for p in shard.owned}
+    layout = [pb.FragmentLayout(index=p, tensors=[pb.TensorSpec(name=f"w{p}", shape=[4])]) for p in shard.owned]
+    encoded = encode_fp32(values)
+    header = pb.Frame(state=pb.StateHeader(layout=layout, tensors=[tensor_header(n, e) for n, e in encoded.items()]))
+    return iter(list(message_frames(header, encoded)))
+
+
+@pytest.mark.integration  # a live server over real gRPC
+def test_theta_cannot_be_seeded_with_values_no_model_has(served):
+    shard, address = served()
+    learner = as_learner(address, 0)
+    learner.Join(pb.JoinRequest(learner=-1), timeout=TIMEOUT)
+    code, details = refusal(lambda: learner.Init(init_stream(shard, 3e38), timeout=TIMEOUT))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "RMS" in details and shard.core is None
+    assert learner.Init(init_stream(shard, 0.02), timeout=TIMEOUT).accepted  # an honest seed still goes in
+
+
+@pytest.mark.integration  # a live server over real gRPC
+def test_with_operator_seeds_only_the_run_secret_seeds_theta(served):
+    shard, address = served()
+    shard.operator_seeds = True
+    learner = as_learner(address, 0)
+    learner.Join(pb.JoinRequest(learner=-1), timeout=TIMEOUT)
+    code, details = refusal(lambda: learner.Init(init_stream(shard, 0.02), timeout=TIMEOUT))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "--operator-seeds" in details and shard.core is None
+    assert stub(address, RUN).Init(init_stream(shard, 0.02), timeout=TIMEOUT).accepted
+
+
+@pytest.mark.integration  # two live runs over real gRPC
+def test_a_push_recorded_in_one_run_is_refused_by_a_fresh_run_with_the_same_secret(served, monkeypatch):
+    recorded = []
+    push = SyncerShard.Push
+
+    def recording(self, request_iterator, context):
+        recorded.append(tuple((k, v) for k, v in context.invocation_metadata() if k.startswith("x-diloco")))
+        return push(self, request_iterator, context)
+    monkeypatch.setattr(SyncerShard, "Push", recording)
+    first, first_address = served()
+    seed(first, first_address, range(1))
+    as_learner(first_address, 0).Push(iter(push_frames(0, 1)), timeout=TIMEOUT)
+    assert first.core.ledger[0].last_seq == 1
+    fresh, fresh_address = served()
+    seed(fresh, fresh_address, range(1))
+    before = state_of(fresh)
+    replayed = pb_grpc.SyncerStub(grpc.insecure_channel(fresh_address))
+    code, _ = refusal(lambda: replayed.Push(iter(push_frames(0, 1)), metadata=recorded[0], timeout=TIMEOUT))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and state_of(fresh) == before
+    as_learner(fresh_address, 0).Push(iter(push_frames(0, 1)), timeout=TIMEOUT)  # its own calls go through
+    assert fresh.core.ledger[0].last_seq == 1

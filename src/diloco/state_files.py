@@ -1,8 +1,13 @@
 """Files of saved state that vouch for themselves: a shard's state, a learner's checkpoint.
 
-Such a file is what torch.save wrote, then a trailer of 48 bytes: a marker (8 bytes, `DLCSUM01`), the
-length of what precedes it (8, little-endian) and its BLAKE2b-256 digest (32). It is written to a
-temporary file, synced, then renamed over the old one, so a crash leaves the old file or the new one.
+Such a file is what torch.save wrote, then a trailer of 48 bytes: a marker (8 bytes), the length of
+what precedes it (8, little-endian) and its BLAKE2b-256 digest (32). It is written to a temporary file,
+synced, then renamed over the old one, so a crash leaves the old file or the new one.
+
+With the run's secret (`file_key`), the digest is keyed (marker `DLCMAC01`): whoever can write the file
+but does not hold the secret cannot make a rewritten one pass, and a file sealed by another run (another
+secret) is refused. Without a secret it is a plain checksum (marker `DLCSUM01`) that only finds damage;
+a process with a secret refuses such a file, and one without a secret refuses a sealed one.
 
 Reading checks the trailer and the digest before torch.load sees a byte, then loads with
 weights_only=True (no code is ever unpickled). Every way a file can be unusable — missing, cut short,
@@ -14,6 +19,7 @@ trailer, so `torch.load(path, weights_only=True)` still opens these files by han
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import pickle
 import struct
@@ -26,6 +32,10 @@ from diloco.outputs import replacing
 
 TRAILER = struct.Struct("<8sQ32s")
 TRAILER_MARK = b"DLCSUM01"
+"""An unkeyed checksum: it finds damage, not tampering."""
+SEALED_MARK = b"DLCMAC01"
+"""A digest keyed with the run's secret."""
+_KEY_CONTEXT = b"diloco state file key"
 CHUNK_BYTES = 1 << 22
 
 
@@ -33,9 +43,15 @@ class StateFileError(DilocoError):
     """A saved state or checkpoint that cannot be trusted; the message names the file and why."""
 
 
-def _digest_of(file, length: int) -> bytes:
-    """BLAKE2b-256 of the first `length` bytes of an open file, read in chunks (state may be large)."""
-    digest = hashlib.blake2b(digest_size=32)
+def file_key(secret: bytes | None) -> bytes | None:
+    """The key that seals state files of the run whose secret is `secret` (None: no secret, no seal)."""
+    return None if secret is None else hmac.new(secret, _KEY_CONTEXT, hashlib.sha256).digest()
+
+
+def _digest_of(file, length: int, key: bytes | None = None) -> bytes:
+    """BLAKE2b-256 (keyed with `key`, if any) of the first `length` bytes of an open file, read in chunks
+    (state may be large)."""
+    digest = hashlib.blake2b(digest_size=32, key=key or b"")
     file.seek(0)
     left = length
     while left > 0:
@@ -47,20 +63,21 @@ def _digest_of(file, length: int) -> bytes:
     return digest.digest()
 
 
-def save_checked(state: dict, path: Path) -> None:
-    """`state` at `path`, with its digest, atomically and synced: the old file stays until the new one
-    is whole. A failure (a full disk) leaves no temporary file behind and raises OSError."""
+def save_checked(state: dict, path: Path, key: bytes | None = None) -> None:
+    """`state` at `path`, with its digest (sealed with `key`, if any), atomically and synced: the old file
+    stays until the new one is whole. A failure (a full disk) leaves no temporary file behind and raises
+    OSError."""
     with replacing(path, binary=True, durable=True) as file:
         torch.save(state, file)
         file.flush()
         length = file.tell()
-        digest = _digest_of(file, length)
+        digest = _digest_of(file, length, key)
         file.seek(length)
-        file.write(TRAILER.pack(TRAILER_MARK, length, digest))
-    _sync_folder(path.parent)
+        file.write(TRAILER.pack(TRAILER_MARK if key is None else SEALED_MARK, length, digest))
+    sync_folder(path.parent)
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
     """The rename itself on disk (where the platform allows opening a folder)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -74,9 +91,9 @@ def _sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def load_checked(path: Path, what: str, advice: str) -> dict:
-    """The dict saved at `path` by `save_checked`, once its digest matches; `what` names the file in
-    errors ("saved state of shard 0"), `advice` says what to do about one."""
+def load_checked(path: Path, what: str, advice: str, key: bytes | None = None) -> dict:
+    """The dict saved at `path` by `save_checked` (with the same `key`), once its digest matches; `what`
+    names the file in errors ("saved state of shard 0"), `advice` says what to do about one."""
     def refuse(why: str) -> StateFileError:
         return StateFileError(f"{what} {path} {why}: {advice}")
 
@@ -90,12 +107,17 @@ def load_checked(path: Path, what: str, advice: str) -> dict:
             raise refuse(f"is cut short ({size} bytes)")
         file.seek(size - TRAILER.size)
         mark, length, digest = TRAILER.unpack(file.read(TRAILER.size))
-        if mark != TRAILER_MARK:
+        if mark not in (TRAILER_MARK, SEALED_MARK):
             raise refuse("has no checksum (cut short, damaged, or not written by this version of diloco)")
+        if mark == TRAILER_MARK and key is not None:
+            raise refuse("is not sealed with this run's secret (its checksum is one anyone can recompute)")
+        if mark == SEALED_MARK and key is None:
+            raise refuse("is sealed with a run secret, and none is given (--secret-file or DILOCO_SECRET)")
         if length != size - TRAILER.size:
             raise refuse(f"is {size} bytes but its checksum covers {length} (cut short or padded)")
-        if _digest_of(file, length) != digest:
-            raise refuse("is damaged (its contents do not match its checksum)")
+        if not hmac.compare_digest(_digest_of(file, length, key), digest):
+            raise refuse("is damaged (its contents do not match its checksum)" if key is None else
+                         "does not match its seal (damaged, rewritten, or sealed by a run with another secret)")
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:

@@ -29,7 +29,7 @@ from diloco.errors import DilocoError
 from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
-from diloco.client.checkpoints import read_checkpoint, write_checkpoint
+from diloco.client.checkpoints import checkpoint_key, read_checkpoint, write_checkpoint
 from diloco.client.learner_client import HomeLink, Learner, LinkShape
 from diloco.transport.ports import report_port
 from diloco.shard.ownership import fragment_owners
@@ -104,12 +104,14 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     replica.sampler = _data_shard(config, materials.corpus.train, m, rank, world)
     replica.planned_steps = planned
     checkpoint = out / "checkpoints" / f"learner-{m}.pt" if out is not None else None
+    seal = checkpoint_key(security.secret, security.learner.token if security.learner else None) \
+        if security is not None else None
     if checkpoint is not None and checkpoint.is_file():
-        restore_checkpoint(checkpoint, replica, world, config.failures.restore)
+        restore_checkpoint(checkpoint, replica, world, config.failures.restore, seal)
         sync.resume(replica.steps)
         log.info("learner %d resumes at step %d from %s", m, replica.steps, checkpoint)
     resumed_from = replica.steps
-    writer = CheckpointWriter(checkpoint) if checkpoint is not None else None
+    writer = CheckpointWriter(checkpoint, seal) if checkpoint is not None else None
     if world > 1:
         replica.model = nn.parallel.DistributedDataParallel(model)
     if t.compile:
@@ -243,11 +245,12 @@ def run_origin() -> float:
     return float(os.environ.get(ORIGIN_ENV, clock.now()))
 
 
-def restore_checkpoint(path: Path, replica: Replica, world: int, policy: RestorePolicy) -> None:
+def restore_checkpoint(path: Path, replica: Replica, world: int, policy: RestorePolicy, key: bytes | None = None
+                       ) -> None:
     """A restarted learner's own state, as `core/recovery.py` says: data position and step count, and
     the inner optimizer unless the policy is `fresh`. Its parameters come from the syncer's current Θ
     instead, which is newer. Loaded without unpickling code, once checked (`checkpoints.py`)."""
-    state = read_checkpoint(path, replica.planned_steps * STEP_CAP, replica.optimizer)
+    state = read_checkpoint(path, replica.planned_steps * STEP_CAP, replica.optimizer, key)
     plan = restore_plan(policy, has_checkpoint=True)
     if plan.optimizer:
         replica.optimizer.load_state_dict(state["optimizer"])
@@ -272,8 +275,8 @@ class CheckpointWriter:
     """The learner's own state (model, inner optimizer, data position, step), written atomically on a
     background thread: the training thread only takes a copy, then trains on while it reaches the disk."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, key: bytes | None = None) -> None:
+        self.path, self.key = path, key
         self._thread: threading.Thread | None = None
 
     def save(self, model: nn.Module, replica: Replica, wait: bool = False) -> None:
@@ -286,7 +289,7 @@ class CheckpointWriter:
             self.wait()
 
     def _write(self, state: dict[str, Any]) -> None:
-        write_checkpoint(state, self.path)
+        write_checkpoint(state, self.path, self.key)
 
     def wait(self) -> None:
         if self._thread is not None:

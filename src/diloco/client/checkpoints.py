@@ -1,7 +1,8 @@
 """A learner's own checkpoint (inner optimizer, data position, step count): written with its digest,
 read back only once it is checked.
 
-The file is a `state_files.py` file (torch.save plus a BLAKE2b trailer). Reading refuses, in one line
+The file is a `state_files.py` file (torch.save plus a BLAKE2b trailer, keyed with the run's secret or
+the learner's own credential when it holds one). Reading refuses, in one line
 naming the file, anything a restarted learner should not build on: a damaged or foreign file, a step
 count above what the run could have taken, an optimizer state for other parameters (another number,
 other shapes) or holding NaN/Inf, a data position that is not one. Deleting the file restarts the
@@ -17,20 +18,26 @@ from typing import Any
 import torch
 
 from diloco.errors import DilocoError
-from diloco.state_files import load_checked, save_checked
+from diloco.state_files import file_key, load_checked, save_checked
 
 ADVICE = "delete it to restart this learner from the current Θ without its own state"
 
 
-def write_checkpoint(state: dict[str, Any], path: Path) -> None:
-    """The checkpoint at `path`, atomically, with its digest."""
-    save_checked(state, path)
+def write_checkpoint(state: dict[str, Any], path: Path, key: bytes | None = None) -> None:
+    """The checkpoint at `path`, atomically, with its digest (sealed with `key`: `checkpoint_key`)."""
+    save_checked(state, path, key)
 
 
-def read_checkpoint(path: Path, max_steps: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def checkpoint_key(secret: bytes | None, own_token: str | None = None) -> bytes | None:
+    """What seals a learner's checkpoint: the run's secret, else the learner's own credential, if any."""
+    return file_key(secret if secret is not None else own_token.encode("ascii") if own_token else None)
+
+
+def read_checkpoint(path: Path, max_steps: int, optimizer: torch.optim.Optimizer, key: bytes | None = None
+                    ) -> dict[str, Any]:
     """The checkpoint at `path`, checked against this run (`max_steps`: the most steps a learner of
     it can take) and this learner's `optimizer`; a one-line DilocoError for anything else."""
-    state = load_checked(path, "learner checkpoint", ADVICE)
+    state = load_checked(path, "learner checkpoint", ADVICE, key)
 
     def refuse(why: str) -> DilocoError:
         return DilocoError(f"learner checkpoint {path} {why}: {ADVICE}")

@@ -17,6 +17,12 @@ MAX_STEPS = 2**31 - 1
 """Step counts (H, warmup, checkpoint and metrics intervals): far beyond any run, still a 32-bit int."""
 MAX_SEED = 2**63 - 1
 """The largest seed torch and numpy both take."""
+MAX_QUANTITY = 1e9
+"""Largest magnitude of any non-integer number in a config (a time of 30 years, a rate of 10^9): above
+it no run has such a quantity, and products of it (lr × Δ, a time × a rate) leave float32."""
+LEARNING_RATES = {"train.lr": 1.0, "outer.lr": 10.0, "regional.lr": 10.0}
+"""The largest learning rate each step can live with: the inner AdamW moves each weight by about lr per
+step; the outer Nesterov step moves Θ by lr × the merged progress (honest: 0.7 to 1)."""
 
 
 def require(ok: bool, key: str, rule: str, value: Any) -> None:

@@ -21,7 +21,8 @@ from diloco.config.model_section import ModelConfig, check_model
 from diloco.config.outer_section import OuterConfig, Strategy, check_outer
 from diloco.config.regions_section import (LinkConfig, RegionalConfig, RegionConfig, check_link, check_regional,
                                           check_regions)
-from diloco.config.rules import MAX_LEARNERS, MAX_SEED, MAX_STEPS, MAX_TOKENS, require, require_at_most
+from diloco.config.rules import (LEARNING_RATES, MAX_LEARNERS, MAX_QUANTITY, MAX_SEED, MAX_STEPS, MAX_TOKENS, require,
+                                 require_at_most)
 from diloco.config.train_section import TrainConfig, check_token_budget, check_train
 
 
@@ -71,6 +72,7 @@ class Config:
 def validate(config: Config) -> None:
     """Rules the types cannot say, in a fixed order (the first failure is the one reported)."""
     _check_finite(config)
+    _check_quantities(config)
     check_regions(config.regions)
     _check_counts(config)
     _check_bounds(config)
@@ -106,6 +108,19 @@ def _check_finite(config: Config) -> None:
     schedule non-finite (and `x > 0` alone lets infinity through)."""
     for key, value in _numbers(config, ""):
         require(math.isfinite(value), key, "must be a finite number", value)
+
+
+def _check_quantities(config: Config) -> None:
+    """Every non-integer number within ±MAX_QUANTITY, and the learning rates within what a step can take:
+    a value the type allows but training cannot live with (outer.lr = 1e308 makes every outer step fail)
+    is refused here, once, not by every push."""
+    for key, high in LEARNING_RATES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        require(value <= high, key, f"must be at most {high:g}", value)
+    for key, value in _numbers(config, ""):
+        if isinstance(value, float):
+            require(abs(value) <= MAX_QUANTITY, key, f"must be within ±{MAX_QUANTITY:g}", value)
 
 
 def _check_counts(config: Config) -> None:

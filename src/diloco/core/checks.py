@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from diloco.core.claims import MAX_SEQ_JUMP, Claims, overlap_problem, step_problem, token_problem
 from diloco.core.closing import all_finite
 from diloco.core.membership import Membership
@@ -30,14 +32,32 @@ MAX_DUE_S = 1e9
 """Longest a learner may say it will take to push a fragment again."""
 MAX_FRAGMENTS = 1 << 16
 """Fragments a learner's schedule may name."""
+MAX_THETA_RMS = 1e3
+"""Largest root-mean-square a tensor of Θ may have, seeded or loaded: trained models' tensors have RMS
+well below 10 (weights ~0.02-1, norms' gains ~1); a seed above it is an attack (3e38 would scale the
+outlier bounds up with it) or a broken model, and either would make every later step meaningless."""
+
+
+def theta_problem(values: dict[str, torch.Tensor]) -> str | None:
+    """Why `values` cannot be a model's parameters (a tensor not finite, or of RMS above MAX_THETA_RMS),
+    or None: what seeding Θ (Init) and loading a saved Θ both check."""
+    for name, value in values.items():
+        if not value.is_floating_point():
+            return f"tensor {name!r} is not a float tensor"
+        if not all_finite([value]):
+            return f"tensor {name!r} holds NaN or Inf"
+        rms = float(torch.linalg.vector_norm(value, dtype=torch.float64)) / math.sqrt(max(value.numel(), 1))
+        if not rms <= MAX_THETA_RMS:
+            return f"tensor {name!r} has RMS {rms:.4g}, above the {MAX_THETA_RMS:g} a model's parameters can have"
+    return None
 
 
 class Admission:
     def __init__(self, membership: Membership, merging: Merging, *, undo: UndoLog, outlier: str,
-                 outlier_factor: float) -> None:
+                 outlier_factor: float, max_tokens_per_step: int) -> None:
         self.membership, self.merging, self.undo = membership, merging, undo
         self.outlier, self.outlier_factor = outlier, outlier_factor
-        self.claims = Claims(undo)
+        self.claims = Claims(undo, max_tokens_per_step)
         """Declared rates and accepted claims: what a learner's next counters are judged against."""
         self.norms = NormHistory(list(merging.fragments), undo)
         """Per fragment and learner, the sizes of the latest pushes accepted as they were (`outliers.py`)."""

@@ -7,6 +7,8 @@
 - Tokens may rise by at most the steps risen × the learner's tokens per step (what it `declare`d at
   join, else DEFAULT_TOKENS_PER_STEP), and one claim may add at most MAX_CLAIM_SHARE of the shared
   budget: no single message can spend it.
+- A declared tokens per step is itself a claim: at most PLAUSIBLE_STEP_FACTOR × the run's own batch ×
+  sequence (`tokens_per_step_ceiling`), which also caps the default of a learner that declared none.
 - A push's sequence number may be at most MAX_SEQ_JUMP above the learner's last one, and the steps it
   claims may not overlap those of the learner's earlier pushes of the fragment in this life.
 """
@@ -30,6 +32,9 @@ DEFAULT_TOKENS_PER_STEP = 1 << 24
 """Tokens per inner step of a learner that declared none: above any real batch × sequence × ranks."""
 MAX_TOKENS_PER_STEP = 1 << 40
 """Largest tokens per step a learner may declare."""
+PLAUSIBLE_STEP_FACTOR = 64
+"""Most a learner's tokens per step may exceed the run's configured batch × sequence (its ranks, a larger
+local batch): a declared rate above it is a lie that would let one learner spend the shared budget."""
 MAX_SEQ_JUMP = 1 << 16
 """Most a push's sequence number may be above the learner's last (pushes are numbered consecutively;
 this leaves room for many refused in a row)."""
@@ -37,6 +42,14 @@ MAX_BURST_STEPS = 1 << 24
 """Most steps a regional syncer may declare one of its claims can add at once."""
 MAX_CLAIM_SHARE = 0.25
 """Most of the shared budget one progress report or heartbeat may add."""
+
+
+def tokens_per_step_ceiling(batch_tokens: int | None) -> int:
+    """The most tokens per step a learner of a run whose batch × sequence is `batch_tokens` may declare
+    (None: the run does not say; only the absolute cap applies)."""
+    if batch_tokens is None:
+        return MAX_TOKENS_PER_STEP
+    return max(1, min(MAX_TOKENS_PER_STEP, PLAUSIBLE_STEP_FACTOR * batch_tokens))
 
 
 @dataclass
@@ -120,9 +133,11 @@ class Claims:
     """Every learner's declared tokens per step and latest accepted claims, and the core's sense of
     time (the first and the latest `now` it was told): what the checks judge a new claim against."""
 
-    def __init__(self, undo: UndoLog | None = None) -> None:
+    def __init__(self, undo: UndoLog | None = None, ceiling: int = MAX_TOKENS_PER_STEP) -> None:
         self.undo = undo or UndoLog()
         """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
+        self.ceiling = ceiling
+        """The most tokens per step a learner may declare (`tokens_per_step_ceiling`)."""
         self.declared: dict[int, int] = {}
         """Per learner, the tokens per inner step it declared at join."""
         self.bursts: dict[int, int] = {}
@@ -142,9 +157,9 @@ class Claims:
         self.clock = max(self.clock, now)
 
     def declare(self, learner: int, tokens_per_step: int, burst_steps: int = 0) -> None:
-        if not 0 < tokens_per_step <= MAX_TOKENS_PER_STEP:
+        if not 0 < tokens_per_step <= self.ceiling:
             raise ProtocolError(f"learner {learner} declares {tokens_per_step} tokens per step, outside "
-                                f"1..{MAX_TOKENS_PER_STEP}")
+                                f"1..{self.ceiling} ({PLAUSIBLE_STEP_FACTOR}x the run's batch x sequence at most)")
         if not 0 <= burst_steps <= MAX_BURST_STEPS:
             raise ProtocolError(f"learner {learner} declares bursts of {burst_steps} steps, outside 0..{MAX_BURST_STEPS}")
         self.undo.keep(self.declared, learner)
@@ -157,7 +172,7 @@ class Claims:
             self.counters[learner].burst = int(burst_steps)
 
     def tokens_per_step(self, learner: int) -> int:
-        return self.declared.get(learner, DEFAULT_TOKENS_PER_STEP)
+        return self.declared.get(learner, min(DEFAULT_TOKENS_PER_STEP, self.ceiling))
 
     def of(self, learner: int, now: float) -> Counters:
         """Its latest accepted claims (a fresh record, not kept, for one never heard from)."""

@@ -58,7 +58,7 @@ import torch
 from diloco.codecs import Codec, get_codec
 from diloco.core.actions import Action, LearnerDead, Publish, RunOver, SendState, SendUpdate, Stop, Timer
 from diloco.core.checks import Admission
-from diloco.core.claims import MAX_SEQ_JUMP
+from diloco.core.claims import MAX_SEQ_JUMP, MAX_TOKENS_PER_STEP
 from diloco.core.closing import all_finite
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
                                 PushArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired, sender)
@@ -101,10 +101,11 @@ class SyncerCore:
                  tau: int = 0, participation: bool = False, down_codec: Codec | None = None,
                  outlier: str = "off", outlier_factor: float = 5.0, pacing: bool = False, period: float = 1,
                  consolidate: bool = False, stale_weight: str = "full", budget: int | None = None,
-                 detect_s: float = 5.0) -> None:
+                 detect_s: float = 5.0, max_tokens_per_step: int = MAX_TOKENS_PER_STEP) -> None:
         """`pacing`: wait for the learners about to push and align their next pushes (`period`: H, the
         fastest learner's steps per sync of a fragment). `budget`: the shared token budget, if any.
-        `detect_s`: the silence after which a learner counts as dead (`liveness.py`)."""
+        `detect_s`: the silence after which a learner counts as dead (`liveness.py`).
+        `max_tokens_per_step`: the most a learner may declare (`claims.tokens_per_step_ceiling`)."""
         self.undo = UndoLog()
         self.down_codec = down_codec or get_codec("fp32")
         self.membership = Membership(members, [f.index for f in fragments], budget=budget, detect_s=detect_s,
@@ -115,7 +116,7 @@ class SyncerCore:
                                participation=participation, pacing=pacing, period=period,
                                consolidate=consolidate, stale_weight=stale_weight)
         self.admission = Admission(self.membership, self.merging, undo=self.undo, outlier=outlier,
-                                   outlier_factor=outlier_factor)
+                                   outlier_factor=outlier_factor, max_tokens_per_step=max_tokens_per_step)
 
     # The parts' state under the names drivers and tests use.
     theta, fragments, rounds = Of("merging"), Of("merging"), Of("merging", "records")

@@ -16,6 +16,7 @@ from diloco.launch.runtime_cli import (add_config_arguments, add_http_arguments,
 from diloco.metrics import open_metrics
 from diloco.outputs import output_folder, write_output
 from diloco.status.endpoint import LOOPBACK, HttpExposure
+from diloco.state_files import file_key
 from diloco.transport.ports import report_port, resolve_address, write_port_file
 from diloco.transport.security_settings import TransportSecurity, add_security_arguments, security_from_args
 
@@ -41,6 +42,8 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
                         "that shard writes to its --port-file PATH (learners' joins wait until it is known)")
     p.add_argument("--out", metavar="DIR", help="where to journal events and save state (and the report on exit)")
     p.add_argument("--resume", action="store_true", help="continue from the state a previous process left in --out")
+    p.add_argument("--operator-seeds", action="store_true",
+                   help="only the run secret's holder may seed Θ (Init), not a learner's own credential")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
     p.add_argument("--region", metavar="NAME",
@@ -88,8 +91,12 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
         report_port(metrics.prometheus_port, f"shard {index}'s Prometheus metrics", args.metrics_port_file)
     tier = RegionTier(config, args.region, args.upstream, security_from_args(args, role="client"),
                       emulate_link=args.emulate_link, out=out) if args.region else None
-    shard = SyncerShard(config, plan, metrics,
-                        state_dir=out / "syncer" if out and tier is None else None, resume=args.resume, tier=tier)
+    if args.operator_seeds and security.secret is None:
+        raise DilocoError("--operator-seeds needs the run secret (--secret-file or DILOCO_SECRET): without it "
+                          "no caller is known to be the operator")
+    shard = SyncerShard(config, plan, metrics, state_dir=out / "syncer" if out and tier is None else None,
+                        resume=args.resume, tier=tier, operator_seeds=args.operator_seeds,
+                        state_key=file_key(security.secret))
     server, status = _serve_shard(shard, args, security, http)
     halted = None
     while not stop.wait(METRICS_EVERY_S):

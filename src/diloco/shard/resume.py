@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diloco.core.checks import theta_problem
 from diloco.core.events import SyncerResumed
 from diloco.core.rounds import ProtocolError
 from diloco.errors import DilocoError
@@ -63,8 +64,9 @@ def check_theta(state: dict, layout: list[pb.FragmentLayout], where: str) -> Non
     for name, value in theta.items():
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or list(value.shape) != shapes[name]:
             raise DilocoError(f"{where}: Θ tensor {name!r} is not a float tensor of shape {shapes[name]}")
-        if not bool(torch.isfinite(value).all()):
-            raise DilocoError(f"{where}: Θ tensor {name!r} holds NaN or Inf: refusing to resume from it")
+    problem = theta_problem(theta)  # the same bound as a seeded Θ: a rewritten file is no way around it
+    if problem:
+        raise DilocoError(f"{where}: Θ {problem}: refusing to resume from it")
     for p, fragment in state["core"]["fragments"].items():
         for name, value in fragment["downlink"]["published"].items():
             if name not in shapes or not isinstance(value, torch.Tensor) or list(value.shape) != shapes[name]:

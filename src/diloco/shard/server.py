@@ -12,6 +12,7 @@ import queue
 
 import grpc
 
+from diloco.core.checks import theta_problem
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
                                 PushArrived, StreamOpened, SyncerEvent)
 from diloco.core.messages import Push, Update
@@ -104,6 +105,10 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
     def Init(self, request_iterator, context: grpc.ServicerContext) -> pb.InitReply:
         if self.core is not None:
             return pb.InitReply(accepted=False)  # seeded already: not worth reading
+        if self.operator_seeds and current_caller().kind != "operator":
+            log.warning("refused Init from %s: %s, and only the operator seeds", context.peer(), current_caller())
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "only the run secret's holder may seed Θ here "
+                                                             "(the syncer runs with --operator-seeds)")
         try:
             message = read_message(iter(request_iterator), "state", limit=serving.init_limit_bytes())
             if not context.is_active():
@@ -113,6 +118,8 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
             header, tensors = message
             fragments, embeddings = fragments_of(self.plan, self.owned, header.layout, tensors)
             values = {name: decode(e) for name, e in tensors.items()}
+            if (problem := theta_problem(values)) is not None:  # Θ's first values are a claim too
+                raise FrameError(f"Θ {problem}")
         except FrameError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad Init: {exc}")
         with self.lock:
@@ -299,4 +306,4 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
                                   versions=versions, rounds=core.rounds_closed if core else 0,
                                   tokens_reported=min(core.tokens_reported() if core else 0, MAX_TOKENS),
                                   alive=sorted(core.alive) if core else [],
-                                  report_json=json.dumps(self.report()))
+                                  report_json=json.dumps(self.report()), run=self.run_id)

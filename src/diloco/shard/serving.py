@@ -125,7 +125,7 @@ def serve(shard: SyncerShard, bind: str, workers: int | None = None,
     raise_open_file_limit()
     limit_malloc_arenas()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="syncer-rpc"),
-                         interceptors=server_interceptors(security, limits), options=SERVER_OPTIONS,
+                         interceptors=server_interceptors(security, limits, shard.run_id), options=SERVER_OPTIONS,
                          maximum_concurrent_rpcs=workers)
     pb_grpc.add_SyncerServicer_to_server(shard, server)
     check_bindable(bind)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import secrets
 import threading
 from pathlib import Path
 
@@ -55,11 +56,14 @@ flight is then two fragments in fp32 plus the others as they came, whatever the 
 class ShardState:
     def __init__(self, config: Config, plan: ShardPlan, metrics: MetricsLog | None = None,
                  state_dir: Path | None = None, resume: bool = False, clock: Clock = SYSTEM_CLOCK,
-                 tier: RegionTier | None = None) -> None:
+                 tier: RegionTier | None = None, operator_seeds: bool = False, state_key: bytes | None = None
+                 ) -> None:
         """With a `state_dir`, the shard journals every event and saves its state there now and then;
         `resume` continues from what a previous process of this shard left there. With a `tier`, it is a
         region's syncer (`regional_shard.py`): it journals nothing, and its own Θ starts from the global
-        syncer's when its first learner seeds it. No thread runs until `start()`."""
+        syncer's when its first learner seeds it. `operator_seeds`: only the run secret's holder may seed Θ
+        (a learner's own credential may not). `state_key` seals the state file (`state_files.file_key` of
+        the run's secret). No thread runs until `start()`."""
         check_shards(config, plan.count)
         self.config, self.plan, self.clock = config, plan, clock
         self.spec = build_strategy(config)
@@ -67,7 +71,7 @@ class ShardState:
         self.owned = plan.fragments(self.spec.fragments)
         self.lock = threading.RLock()
         self.core: SyncerCore | None = None
-        self.tier = tier
+        self.tier, self.operator_seeds = tier, operator_seeds
         self.layout: list[pb.FragmentLayout] = []
         self.outboxes: dict[int, queue.Queue[Update]] = {}
         self.streams: dict[int, int] = {}
@@ -94,7 +98,9 @@ class ShardState:
         self._replaying = False
         self._stopping = False
         self.waker = Waker(threading.Condition(self.lock), self._wake, self._save_if_seeded, SAVE_EVERY_S, clock)
-        self.store = ShardStore(state_dir, plan.index, resume, clock) if state_dir is not None else None
+        self.store = ShardStore(state_dir, plan.index, resume, clock, state_key) if state_dir is not None else None
+        self.run_id = self.store.run_id if self.store is not None else secrets.token_hex(16)
+        """This run's identity: callers' credentials are bound to it (`security.call_token`)."""
         if self.store is not None:
             with self.lock:
                 shard_resume.resume(self)

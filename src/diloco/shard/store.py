@@ -8,14 +8,21 @@ so no code is ever unpickled from it. The journal's records are checked one by o
 What `--resume` finds decides what happens, never silently:
 - a saved state (and the journal after it): the shard continues from it; a state that is damaged,
   unreadable or saved by another shard or config is a one-line error;
-- no saved state but the empty journal a shard creates when it starts: it was stopped before a
-  learner seeded Θ, so there is nothing to lose and it starts fresh (saying so);
-- nothing at all, or a journal without the state it applies to: a one-line error.
+- no saved state but the empty journal a shard creates when it starts, and no seeded mark: it was
+  stopped before a learner seeded Θ, so there is nothing to lose and it starts fresh (saying so);
+- nothing at all, a journal without the state it applies to, a state path that is not a file, or the
+  seeded mark without a state: a one-line error.
+
+How a shard knows it never seeded Θ: before its first state is saved (when Θ is seeded), it writes the
+seeded mark `shard-N.seeded` next to it, synced, and never removes it. A journal is emptied at every
+save, so an empty journal says nothing; the mark does. Only a folder without it can start fresh.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from pathlib import Path
 
 
@@ -25,28 +32,39 @@ from diloco.errors import DilocoError
 from diloco.clock import SYSTEM_CLOCK, Clock
 from diloco.shard.journal import (QUIET_EVENTS, Journal, JournalCorrupt, JournalError, JournalHalted,
                                     JournalRecord, decode_event, encode_event)
-from diloco.state_files import load_checked, save_checked
+from diloco.state_files import load_checked, save_checked, sync_folder
 
 log = logging.getLogger("diloco.syncer")
 
+RUN_ID_CHARS = 32
+"""Hex digits of a run identity (128 random bits)."""
 STATE_FORMAT = 2
 """Version of what a state file holds: 2 adds its digest and the identity of the shard that saved it."""
 
 
 class ShardStore:
-    def __init__(self, state_dir: Path, index: int, resume: bool, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, state_dir: Path, index: int, resume: bool, clock: Clock = SYSTEM_CLOCK,
+                 key: bytes | None = None) -> None:
         """Refuses to overwrite another run's saved state unless asked to `resume` it, and refuses to
-        `resume` from nothing (see the module's docstring for what starts fresh)."""
-        self.state_dir, self.index = state_dir, index
+        `resume` from nothing (see the module's docstring for what starts fresh). `key` seals the state
+        file (`state_files.file_key` of the run's secret)."""
+        self.state_dir, self.index, self.key = state_dir, index, key
         self.state_path = state_dir / f"shard-{index}.state.pt"
         self.journal_path = state_dir / f"shard-{index}.journal"
+        self.seeded_path = state_dir / f"shard-{index}.seeded"
         self.clock = clock
         self.saved = self.state_path.is_file()
+        if self.state_path.exists() and not self.saved:
+            raise DilocoError(f"{self.state_path} is not a file: the saved state of shard {index} cannot be there; "
+                              f"remove what is there, or give another --out")
         journal_bytes = self.journal_path.stat().st_size if self.journal_path.is_file() else None
         if not resume:
             if self.saved:
                 raise DilocoError(f"{state_dir} holds the saved state of shard {index}: pass --resume to continue "
                                   f"that run, or give another --out")
+            if self.seeded_path.exists():
+                raise DilocoError(f"{state_dir} holds {self.seeded_path.name}, the mark of a shard that seeded Θ: "
+                                  f"give another --out")
             if journal_bytes:
                 raise DilocoError(f"{self.journal_path} holds {journal_bytes} bytes of journal without a saved state: "
                                   f"give another --out, or remove it to start a new run here")
@@ -57,6 +75,10 @@ class ShardStore:
                 raise DilocoError(f"cannot keep the state of shard {index} in {state_dir} "
                                   f"({exc.strerror or exc}): give another --out") from None
         elif not self.saved:
+            if self.seeded_path.exists():
+                raise DilocoError(f"--resume: shard {index} had seeded Θ ({self.seeded_path.name} says so) but "
+                                  f"{self.state_path.name} is missing from {state_dir}: restore the state file, or "
+                                  f"start the run afresh in another --out")
             if journal_bytes is None:
                 raise DilocoError(f"--resume: {state_dir} holds no saved state of shard {index} (no "
                                   f"{self.state_path.name}): nothing to resume; give the --out of the run to "
@@ -65,8 +87,10 @@ class ShardStore:
                 raise DilocoError(f"--resume: {self.journal_path} holds {journal_bytes} bytes of journal but "
                                   f"{self.state_path.name} is missing, so its events cannot be replayed: restore "
                                   f"the state file, or start the run afresh in another --out")
-            log.warning("shard %d: --resume found no saved state in %s and an empty journal: it stopped before "
-                        "Θ was seeded, so it starts fresh and a learner seeds Θ again", index, state_dir)
+            log.warning("shard %d: --resume found no saved state in %s, an empty journal and no seeded mark: it "
+                        "stopped before Θ was seeded, so it starts fresh and a learner seeds Θ again", index, state_dir)
+        self.run_id = self._run_identity(new_run=not resume)
+        """The run this shard serves, kept across restarts: what callers' credentials are bound to."""
         self.journal: Journal | None = None
         self.saved_at: float | None = None
         self._cut_journal_at: int | None = None
@@ -83,7 +107,7 @@ class ShardStore:
             return None
         state = load_checked(self.state_path, f"the saved state of shard {self.index}",
                              "this shard cannot resume from it; restore a good copy, or start the run afresh "
-                             "in another --out")
+                             "in another --out", self.key)
         if state.get("format") != STATE_FORMAT:
             raise DilocoError(f"the saved state of shard {self.index} {self.state_path} has format "
                               f"{state.get('format')!r}, not {STATE_FORMAT}: it was saved by another version of "
@@ -159,13 +183,43 @@ class ShardStore:
         """The whole state, with its digest, atomically; the journal then starts empty (its numbers go
         on). OSError (a full disk) leaves the old state and the journal as they were."""
         state = {**state, "journal_seq": self.journal.seq, "format": STATE_FORMAT}
-        save_checked(state, self.state_path)
+        self._mark_seeded()
+        save_checked(state, self.state_path, self.key)
         self.saved = True
         try:
             self.journal.truncate()
         except JournalError as exc:  # harmless: a replay skips records the state already holds
             log.warning("%s", exc)
         self.saved_at = self.clock.now()
+
+    def _run_identity(self, new_run: bool) -> str:
+        """The run identity in `shard-N.run`: kept when resuming, a new random one for a new run."""
+        path = self.state_dir / f"shard-{self.index}.run"
+        if not new_run and path.is_file():
+            run = path.read_text(errors="replace").strip()
+            if len(run) == RUN_ID_CHARS and all(c in "0123456789abcdef" for c in run):
+                return run
+        run = secrets.token_hex(RUN_ID_CHARS // 2)
+        try:
+            with open(path, "w") as file:
+                file.write(run + "\n")
+                file.flush()
+                os.fsync(file.fileno())
+        except OSError as exc:
+            raise DilocoError(f"cannot keep the run identity of shard {self.index} in {path} "
+                              f"({exc.strerror or exc}): give another --out") from None
+        sync_folder(self.state_dir)
+        return run
+
+    def _mark_seeded(self) -> None:
+        """The seeded mark, on disk before the first state is: from now on this shard cannot start fresh."""
+        if self.seeded_path.exists():
+            return
+        with open(self.seeded_path, "wb") as file:
+            file.write(b"this shard seeded its parameters: resume it only from its saved state\n")
+            file.flush()
+            os.fsync(file.fileno())
+        sync_folder(self.state_dir)
 
     def age_s(self) -> float | None:
         return None if self.saved_at is None else self.clock.now() - self.saved_at

@@ -8,7 +8,7 @@ Prometheus endpoint are both served by it.
   headers (a slow sender gains nothing) and `WRITE_TIMEOUT_S` to take the answer; a request head over
   `MAX_REQUEST_BYTES` is refused. One request per connection; only GET and HEAD.
 - Optionally every request must carry the run's shared secret (`Authorization: Bearer TOKEN` or
-  `x-diloco-secret: TOKEN`; TOKEN is the secret itself or the HMAC token gRPC calls carry), compared in
+  `x-diloco-secret: TOKEN`; TOKEN is the secret itself or the run token, HMAC of the secret), compared in
   constant time; anything else is a 401.
 - Pages are rendered on a few worker threads (a page may wait on a lock), never on the loop.
 """
@@ -80,7 +80,7 @@ LOOPBACK = HttpExposure()
 
 def credentials_for(secret: bytes | None) -> tuple[bytes, ...]:
     """What a request may carry to prove it knows `secret`: the secret itself (what Prometheus sends
-    from a `credentials_file` holding the secret file) or the token gRPC calls carry. None: no check."""
+    from a `credentials_file` holding the secret file) or the run token (`secret_token`). None: no check."""
     if secret is None:
         return ()
     return (secret, secret_token(secret).encode())

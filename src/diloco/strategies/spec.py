@@ -11,6 +11,7 @@ from diloco.codecs import get_codec
 from diloco.core.learner_core import LearnerCore
 from diloco.core.regional import RegionalSyncer
 from diloco.core.rounds import OuterOptimizer
+from diloco.core.claims import tokens_per_step_ceiling
 from diloco.core.syncer_core import SyncerCore
 from diloco.fragments import Fragment, Schedule
 from diloco.outer.delayed_nesterov import DelayedNesterov
@@ -38,6 +39,8 @@ class Wiring:
     budget: int | None = None
     detect_s: float = 5.0
     """The silence after which the syncer counts a learner as dead."""
+    batch_tokens: int | None = None
+    """The run's batch × sequence: what bounds the tokens per step a learner may declare."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ class StrategySpec:
                           down_codec=get_codec(w.codec_down, w.block), outlier=w.outlier,
                           outlier_factor=w.outlier_factor, pacing=self.pacing, period=period or self.H,
                           consolidate=self.consolidate, stale_weight=self.stale_weight,
-                          budget=w.budget if self.shared_budget and counts_budget else None, detect_s=w.detect_s)
+                          budget=w.budget if self.shared_budget and counts_budget else None, detect_s=w.detect_s,
+                          max_tokens_per_step=tokens_per_step_ceiling(w.batch_tokens))
 
     def regional_syncer(self, region: int, params: dict[str, torch.Tensor], versions: list[int],
                         fragments: list[Fragment], members: Iterable[int], *, embeddings: Iterable[str],

@@ -61,6 +61,8 @@ class ShardClient:
         try:
             return fn(*args, **kwargs)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                self.identity.run = None  # a shard that started a new run: the next call learns it again
             if retryable(exc):
                 raise SyncerUnavailable(f"syncer at {self.address} unavailable during {what} ({describe(exc)})") \
                     from None

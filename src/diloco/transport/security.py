@@ -1,5 +1,6 @@
-"""The shared secret, each learner's identity and TLS on the wire: the syncer's interceptor, its listening
-port, the learners' channels. What the settings are, and how they are read, is `settings.py`.
+"""The shared secret, each learner's identity and TLS on the wire: the syncer's interceptor and its
+listening port (the learners' channels are `client_identity.py`). What the settings are, and how they
+are read, is `security_settings.py`.
 
 Nothing untrusted touches state or holds a thread: with a secret configured, the syncer's interceptor
 checks the call's metadata in constant time from its headers alone, before any body is read. A refused
@@ -28,27 +29,28 @@ import logging
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 
 from diloco.errors import DilocoError
 from diloco.transport.security_settings import (  # the settings are also found here, next to their enforcement
     LEARNER_TOKEN_ENV, MAX_LEARNER_ID, PLAINTEXT, SECRET_ENV, LearnerCredential, TransportSecurity,
-    add_security_arguments, check_ca, check_cert_and_key, default_security, learner_token, load_security, read_pem,
-    resolve_secret, secret_token, security_from_args, with_run_secret)
+    add_security_arguments, call_token, check_ca, check_cert_and_key, default_security, learner_token, load_security,
+    read_pem, resolve_secret, secret_token, security_from_args, with_run_secret)
+from diloco.transport.client_identity import (  # the learners' end, found here too
+    LEARNER_KEY, METADATA_KEY, STATUS_METHOD, UNBOUND_METHODS, ClientIdentity, CredentialClientInterceptor,
+    channel_tls, learner_security, make_channel)
 
 __all__ = ["BUSY", "Caller", "CallLimits", "ClientIdentity", "CredentialInterceptor", "LEARNER_KEY",
            "LEARNER_TOKEN_ENV", "LearnerCredential", "METADATA_KEY", "PLAINTEXT", "REFUSED", "SECRET_ENV",
            "TransportSecurity", "UNCHECKED", "add_security_arguments", "channel_credentials", "current_caller",
            "default_security", "learner_security", "learner_token", "load_security", "make_channel",
            "resolve_secret", "secret_token", "secure_server_port", "security_from_args", "server_credentials",
-           "server_interceptors", "server_tls", "channel_tls", "with_run_secret"]
+           "server_interceptors", "server_tls", "channel_tls", "with_run_secret", "CredentialClientInterceptor"]
 
 log = logging.getLogger("diloco.security")
 
-METADATA_KEY = "x-diloco-secret"
-LEARNER_KEY = "x-diloco-learner"
 REFUSED = "missing or wrong shared secret: set DILOCO_SECRET or --secret-file to the syncer's"
 BUSY = "busy: "
 """How a refusal for want of capacity starts: the client waits and tries again."""
@@ -58,16 +60,15 @@ _LEARNER_NAME = re.compile(r"learner-(\d{1,10})")
 # ---------------------------------------------------------------- credentials
 
 
+def _canonical_id(text: str) -> bool:
+    """A learner id as the client writes it: decimal digits, no sign, no leading zero ("01" is no id)."""
+    return text.isascii() and text.isdigit() and text == str(int(text)) and int(text) <= MAX_LEARNER_ID
+
+
 def server_tls(security: TransportSecurity) -> grpc.ServerCredentials:
     """The syncer's TLS; with a CA in the settings, clients must present a certificate it signed."""
     return grpc.ssl_server_credentials([(security.tls_key, security.tls_cert)], root_certificates=security.tls_ca,
                                        require_client_auth=security.tls_ca is not None)
-
-
-def channel_tls(security: TransportSecurity) -> grpc.ChannelCredentials:
-    """A learner's TLS: verify the syncer with the settings' CA; present their certificate if any."""
-    return grpc.ssl_channel_credentials(root_certificates=security.tls_ca, private_key=security.tls_key,
-                                        certificate_chain=security.tls_cert)
 
 
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None) -> grpc.ServerCredentials:
@@ -154,18 +155,20 @@ class CredentialInterceptor(grpc.ServerInterceptor):
     and makes its `Caller` known to the handler."""
 
     def __init__(self, secret: bytes | None, learner_certificates: bool = False,
-                 limits: CallLimits | None = None) -> None:
+                 limits: CallLimits | None = None, run: str | None = None) -> None:
+        """`run`: the shard's run identity, which every call but Join and Status must be bound to."""
         if secret is not None and not secret:
             raise ValueError("an empty shared secret")
-        self._secret = secret
-        self._run_token = secret_token(secret).encode("ascii") if secret is not None else None
+        self._secret, self._run = secret, run
+        self._run_token = secret_token(secret) if secret is not None else None
         self._learner_certificates = learner_certificates
         self._limits = limits
         self._active: dict[Caller, int] = collections.Counter()
         self._active_lock = threading.Lock()
 
-    def identify(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> tuple[Caller | None, str]:
-        """The caller the metadata proves, or None and why not."""
+    def identify(self, metadata: Sequence[tuple[str, str | bytes]] | None, method: str = STATUS_METHOD
+                 ) -> tuple[Caller | None, str]:
+        """The caller the metadata of a call to `method` proves, or None and why not."""
         if self._secret is None:
             return UNCHECKED, ""
         given = [v if isinstance(v, bytes) else v.encode("utf-8", "replace")
@@ -174,14 +177,14 @@ class CredentialInterceptor(grpc.ServerInterceptor):
                  if k == LEARNER_KEY]
         if not given:
             return None, "no shared secret"
-        if len(names) > 1 or (names and (not names[0].isdigit() or int(names[0]) > MAX_LEARNER_ID)):
+        if len(given) > 1:  # one credential per call: a wrong one next to a right one is not a right one
+            return None, "several credentials in one call"
+        if len(names) > 1 or (names and not _canonical_id(names[0])):
             return None, "a malformed learner id"
         learner = int(names[0]) if names else None
-        expected = self._run_token if learner is None else learner_token(self._secret, learner).encode("ascii")
-        ok = False
-        for value in given:  # compare every one: the time taken says nothing about which matched
-            ok |= hmac.compare_digest(value, expected)
-        if not ok:
+        token = self._run_token if learner is None else learner_token(self._secret, learner)
+        run = None if self._run is None or method.endswith(UNBOUND_METHODS) else self._run
+        if not hmac.compare_digest(given[0], call_token(token, run).encode("ascii")):
             return None, "a wrong shared secret" if learner is None else f"a wrong credential for learner {learner}"
         return (OPERATOR if learner is None else Caller("learner", learner)), ""
 
@@ -190,7 +193,7 @@ class CredentialInterceptor(grpc.ServerInterceptor):
         if handler is None:  # an unknown method: gRPC answers UNIMPLEMENTED and runs nothing
             return None
         method = handler_call_details.method
-        caller, why = self.identify(handler_call_details.invocation_metadata)
+        caller, why = self.identify(handler_call_details.invocation_metadata, method)
         if caller is None:
             return _refusal(grpc.StatusCode.UNAUTHENTICATED, REFUSED, method, why, handler.response_serializer)
         return self._admitted(handler, caller, method)
@@ -265,12 +268,12 @@ class CredentialInterceptor(grpc.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
-def server_interceptors(security: TransportSecurity, limits: CallLimits | None = None
+def server_interceptors(security: TransportSecurity, limits: CallLimits | None = None, run: str | None = None
                         ) -> list[grpc.ServerInterceptor]:
-    """For `grpc.server(..., interceptors=...)`."""
+    """For `grpc.server(..., interceptors=...)`; `run`: the run identity calls are bound to."""
     if security.secret is None and not security.requires_client_certs and limits is None:
         return []
-    return [CredentialInterceptor(security.secret, security.requires_client_certs, limits)]
+    return [CredentialInterceptor(security.secret, security.requires_client_certs, limits, run)]
 
 
 def secure_server_port(server: grpc.Server, bind: str, security: TransportSecurity) -> int:
@@ -279,96 +282,3 @@ def secure_server_port(server: grpc.Server, bind: str, security: TransportSecuri
     if security.serves_tls:
         return server.add_secure_port(bind, server_tls(security))
     return server.add_insecure_port(bind)
-
-
-# ---------------------------------------------------------------- the client's end
-
-
-class ClientIdentity:
-    """The credential a channel's calls carry; a learner that joined with the run secret switches to its
-    own (`act_as`) once it has an id."""
-
-    def __init__(self, security: TransportSecurity) -> None:
-        self._secret, self._own = security.secret, security.learner
-        self._learner: int | None = None
-        self.metadata: tuple[tuple[str, str], ...] = ()
-        if security.learner is not None:
-            self._use(security.learner)
-        elif security.secret is not None:
-            self.metadata = ((METADATA_KEY, secret_token(security.secret)),)
-
-    @property
-    def learner(self) -> int | None:
-        """The learner these calls speak for, if any."""
-        return self._learner
-
-    def _use(self, credential: LearnerCredential) -> None:
-        self._learner = credential.learner
-        self.metadata = ((METADATA_KEY, credential.token), (LEARNER_KEY, str(credential.learner)))
-
-    def act_as(self, learner: int) -> None:
-        """Speak for `learner` from now on. A learner given only its own credential cannot be another."""
-        if self._own is not None:
-            if learner != self._own.learner:
-                raise DilocoError(f"this learner holds learner {self._own.learner}'s credential, not learner "
-                                  f"{learner}'s: run it with --id {self._own.learner}, or give it the run secret")
-        elif self._secret is not None:
-            self._use(LearnerCredential.of(self._secret, learner))
-
-
-class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
-                                                           "wait_for_ready", "compression")),
-                   grpc.ClientCallDetails):
-    pass
-
-
-class CredentialClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the identity's credential to every call, of all four kinds (replacing any the caller set)."""
-
-    def __init__(self, identity: ClientIdentity) -> None:
-        self.identity = identity
-
-    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = [m for m in (details.metadata or ()) if m[0] not in (METADATA_KEY, LEARNER_KEY)]
-        metadata += self.identity.metadata
-        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                            getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
-
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation, client_call_details, request):
-        return continuation(self._details(client_call_details), request)
-
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return continuation(self._details(client_call_details), request_iterator)
-
-
-def learner_security(security: TransportSecurity, learner: int) -> TransportSecurity:
-    """Settings that carry only learner `learner`'s own credential, derived from the run secret."""
-    if security.secret is None:
-        raise DilocoError("a learner's credential is derived from the run secret: set DILOCO_SECRET or "
-                          "--secret-file")
-    return replace(security, secret=None, learner=LearnerCredential.of(security.secret, learner))
-
-
-def make_channel(address: str, security: TransportSecurity | None, options: Sequence[tuple[str, object]] = (),
-                 identity: ClientIdentity | None = None) -> grpc.Channel:
-    """A channel to a syncer at `address`: TLS when the settings have a CA or a client certificate,
-    every call carrying the credential of `identity` (by default the settings' own), if any."""
-    security = security or PLAINTEXT
-    options = list(options)
-    if security.connects_tls:
-        if security.server_name:
-            options.append(("grpc.ssl_target_name_override", security.server_name))
-        channel = grpc.secure_channel(address, channel_tls(security), options=options)
-    else:
-        channel = grpc.insecure_channel(address, options=options)
-    identity = identity or ClientIdentity(security)
-    if identity.metadata:
-        channel = grpc.intercept_channel(channel, CredentialClientInterceptor(identity))
-    return channel

@@ -11,7 +11,10 @@ sniffed and replayed, so use TLS on networks you do not trust.
 
 Each learner also has an identity of its own: learner m's credential is `m:` followed by
 HMAC-SHA256(secret, "diloco-learner:m"), and the syncer binds every call that speaks for a learner
-(push, heartbeat, leave, updates, pull) to the learner its credential names. A holder of the run secret
+(push, heartbeat, leave, updates, pull) to the learner its credential names. Calls carry neither the run
+token nor a credential itself but `call_token` of it: bound to the shard's run identity (a random id the
+shard keeps with its state, announced by Status), except for Join and Status, which carry a form of
+their own. A call recorded in one run is therefore refused by any other run with the same secret. A holder of the run secret
 can derive every credential; a learner given only its own (`--learner-token-file` or
 DILOCO_LEARNER_TOKEN, printed by `diloco token --learner m`) can act as nobody else.
 
@@ -40,6 +43,8 @@ SECRET_ENV = "DILOCO_SECRET"
 LEARNER_TOKEN_ENV = "DILOCO_LEARNER_TOKEN"
 _TOKEN_CONTEXT = b"diloco.v1 shared secret"
 _LEARNER_CONTEXT = b"diloco-learner:"
+_JOIN_CONTEXT = b"diloco-call:join"
+_RUN_CONTEXT = b"diloco-call:run:"
 MAX_LEARNER_ID = 2**32 - 1
 """Learner ids travel as uint32."""
 
@@ -80,6 +85,15 @@ def secret_token(secret: bytes) -> str:
 def learner_token(secret: bytes, learner: int) -> str:
     """Learner `learner`'s own token: only the run secret's holder can make it, and it names one learner."""
     return hmac.new(secret, _LEARNER_CONTEXT + str(learner).encode("ascii"), hashlib.sha256).hexdigest()
+
+
+def call_token(token: str, run: str | None) -> str:
+    """What a call carries, made from a credential `token` (the run token, or a learner's own): bound to
+    the shard's `run` identity, or (None) the form for Join and Status, made before the run is known. The
+    credential itself never travels: a call recorded in one run is refused by another, and nobody who
+    saw a call can make the form another run needs."""
+    context = _JOIN_CONTEXT if run is None else _RUN_CONTEXT + run.encode("ascii")
+    return hmac.new(token.encode("ascii"), context, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -259,7 +259,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard", "initialised", "finished", "versions", "rounds", "tokens_reported", "alive", "report_json")
+    __slots__ = ("shard", "initialised", "finished", "versions", "rounds", "tokens_reported", "alive", "report_json", "run")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     INITIALISED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,7 @@ class StatusReply(_message.Message):
     TOKENS_REPORTED_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     REPORT_JSON_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     shard: int
     initialised: bool
     finished: bool
@@ -276,4 +277,5 @@ class StatusReply(_message.Message):
     tokens_reported: int
     alive: _containers.RepeatedScalarFieldContainer[int]
     report_json: str
-    def __init__(self, shard: _Optional[int] = ..., initialised: _Optional[bool] = ..., finished: _Optional[bool] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., rounds: _Optional[int] = ..., tokens_reported: _Optional[int] = ..., alive: _Optional[_Iterable[int]] = ..., report_json: _Optional[str] = ...) -> None: ...
+    run: str
+    def __init__(self, shard: _Optional[int] = ..., initialised: _Optional[bool] = ..., finished: _Optional[bool] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., rounds: _Optional[int] = ..., tokens_reported: _Optional[int] = ..., alive: _Optional[_Iterable[int]] = ..., report_json: _Optional[str] = ..., run: _Optional[str] = ...) -> None: ...
