@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from diloco.core.events import PushArrived, TimerFired
-from diloco.core.rounds import ProtocolError
+from diloco.core.refusals import ProtocolError
 from diloco.errors import DilocoError
 from diloco.shard import journal as journal_module
 from diloco.shard.journal import RECORD_HEADER, Journal, JournalCorrupt, JournalHalted, JournalWriteFailed

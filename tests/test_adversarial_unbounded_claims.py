@@ -10,7 +10,8 @@ import torch
 from diloco.config import Config, load_config
 from diloco.core.events import HeartbeatArrived, ProgressArrived
 from diloco.core.messages import Progress, Push
-from diloco.core.rounds import ProtocolError, Stop
+from diloco.core.actions import Stop
+from diloco.core.refusals import ProtocolError
 from diloco.errors import ConfigError, DilocoError
 from diloco.fragments import Fragment
 from diloco.shard.store import ShardStore

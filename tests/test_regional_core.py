@@ -15,7 +15,8 @@ from diloco.core.claims import RATE_SLACK_STEPS
 from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived, TimerFired
 from diloco.core.messages import Progress, Push, Update
 from diloco.core.regional import HOLD_FALLBACK_S, RegionalSyncer, Upstream
-from diloco.core.rounds import ProtocolError, Publish, Timer
+from diloco.core.actions import Publish, Timer
+from diloco.core.refusals import ProtocolError
 from diloco.fragments import Fragment
 from diloco.strategies import build_strategy
 

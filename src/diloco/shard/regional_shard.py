@@ -23,7 +23,7 @@ from diloco.config import Config, LinkConfig, Topology
 from diloco.core.events import PushArrived, SyncerEvent
 from diloco.core.messages import Push, Update
 from diloco.core.regional import RegionalSyncer, Upstream
-from diloco.core.rounds import ProtocolError, RoundRefused
+from diloco.core.refusals import ProtocolError, RoundRefused
 from diloco.core.syncer_core import SyncerCore
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
@@ -33,7 +33,7 @@ from diloco.client.uplink import HomeRoute, Uplink, UplinkHandlers
 from diloco.transport.security import TransportSecurity
 
 if TYPE_CHECKING:
-    from diloco.shard.server import SyncerShard
+    from diloco.shard.shard_view import ShardView
 
 log = logging.getLogger("diloco.region")
 
@@ -76,7 +76,7 @@ class RegionTier:
 
     # ------------------------------------------------------------ seeding
 
-    def seed(self, shard: SyncerShard, values: dict[str, torch.Tensor], fragments: list[Fragment],
+    def seed(self, shard: ShardView, values: dict[str, torch.Tensor], fragments: list[Fragment],
              embeddings: set[str]) -> SyncerCore:
         """The region's first learner brought `values`: join the global syncer with them and start from the
         global Θ. Called under the shard's lock."""

@@ -12,7 +12,7 @@ import torch
 
 from diloco.core.checks import theta_problem
 from diloco.core.events import SyncerResumed
-from diloco.core.rounds import ProtocolError
+from diloco.core.refusals import ProtocolError
 from diloco.errors import DilocoError
 from diloco.shard.journal import JournalCorrupt
 from diloco.shard.ownership import ShardPlan, fragments_of
@@ -20,7 +20,7 @@ from diloco.shard.store import update_of
 from diloco.v1 import diloco_pb2 as pb
 
 if TYPE_CHECKING:
-    from diloco.shard.server import SyncerShard
+    from diloco.shard.shard_view import ShardView
 
 log = logging.getLogger("diloco.syncer")
 
@@ -73,7 +73,7 @@ def check_theta(state: dict, layout: list[pb.FragmentLayout], where: str) -> Non
                 raise DilocoError(f"{where}: what the learners hold of {name!r} (fragment {p}) does not fit Θ")
 
 
-def resume(shard: SyncerShard) -> None:
+def resume(shard: ShardView) -> None:
     """Load the saved state (checked: `shard_resume.py`), replay the journal after it,
     and go on journaling where it ended. A journaled event the core refuses on replay means the state is not
     the one it was journaled on (a one-line error), except the last record: a crash between

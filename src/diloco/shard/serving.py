@@ -28,7 +28,7 @@ from diloco.transport.security import (PLAINTEXT, CallLimits, TransportSecurity,
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from diloco.shard.server import SyncerShard
+    from diloco.shard.shard_view import ShardView
 
 log = logging.getLogger("diloco.syncer")
 
@@ -114,7 +114,7 @@ def init_limit_bytes() -> int:
     return min(INIT_LIMIT_BYTES, available_memory_bytes() // 2)
 
 
-def serve(shard: SyncerShard, bind: str, workers: int | None = None,
+def serve(shard: ShardView, bind: str, workers: int | None = None,
           security: TransportSecurity | None = None, limits: CallLimits | None = None) -> tuple[grpc.Server, int]:
     """Start serving `shard` on `bind` (HOST:PORT; port 0 picks a free one); return the server and its
     port. `workers` defaults to what the configured learners need (`pool_size`), up to `learners.max` of an

@@ -11,13 +11,13 @@ from diloco.core.syncer_core import RoundRecord
 
 if TYPE_CHECKING:
     from diloco.config import Config
-    from diloco.shard.server import SyncerShard
+    from diloco.shard.shard_view import ShardView
 
 SILENT_AFTER_S = 5.0
 """A learner not heard from (heartbeats, pushes) for this long shows as silent on the status page."""
 
 
-def shard_report(shard: SyncerShard) -> dict:
+def shard_report(shard: ShardView) -> dict:
     """What this shard counted, for run summaries and reports."""
     core = shard.core
     out = {"shard": shard.plan.index, "shards": shard.plan.count, "fragments": shard.owned,
@@ -37,14 +37,14 @@ def shard_report(shard: SyncerShard) -> dict:
     return out
 
 
-def round_view(shard: SyncerShard, r: RoundRecord) -> dict:
+def round_view(shard: ShardView, r: RoundRecord) -> dict:
     """One round for reports and the status page, on the shard's own time axis."""
     return {"fragment": r.fragment, "version": r.version, "opened_at": r.opened_at - shard.started,
             "closed_at": r.closed_at - shard.started, "participants": list(r.participants),
             "stale": r.stale, "staleness": list(r.staleness), "held_s": r.held_s, "final": r.final}
 
 
-def learner_state(shard: SyncerShard, m: int, now: float) -> str:
+def learner_state(shard: ShardView, m: int, now: float) -> str:
     core = shard.core
     heard = core.liveness.heard.get(m) if core is not None else None
     if m in shard.left:
@@ -58,7 +58,7 @@ def learner_state(shard: SyncerShard, m: int, now: float) -> str:
     return "training"
 
 
-def snapshot(shard: SyncerShard) -> dict:
+def snapshot(shard: ShardView) -> dict:
     """Membership, each learner's state, the recent rounds and the regions, for the status page."""
     core, now = shard.core, shard.clock.now()
     numel = {p: s.fragment.numel for p, s in core.fragments.items()} if core else {}
@@ -90,7 +90,7 @@ def learner_share(per_fragment: dict[int, int], numel: dict[int, int]) -> int:
     return round(by_parameters(owned, numel, parameters)) if parameters else 0
 
 
-def snapshot_regions(shard: SyncerShard) -> list[dict]:
+def snapshot_regions(shard: ShardView) -> list[dict]:
     """The regions the status page groups the shard's learners by: every region on a flat run's syncer,
     its own on a region's syncer; none on the regional tier's global syncer, whose members are the
     regions' syncers, not learners."""

@@ -24,7 +24,7 @@ a learner trained; `tokens_merged` and `tokens_stale` are in the same unit (`sha
 from __future__ import annotations
 
 from diloco.status.html_text import duration, esc, int_key, number
-from diloco.status.membership import membership_section
+from diloco.status.membership_table import membership_section
 from diloco.status.timeline import TIMELINE_ROUNDS, timeline_section
 
 __all__ = ["TIMELINE_ROUNDS", "render_content", "render_page"]
