@@ -6,7 +6,8 @@
 About 3 minutes per repeat with the defaults on 2 cores. Three measurements, all in one invocation:
   a  learner goodput in the default `diloco run` scenario (4 learners, speeds 1, 1, 0.5, 0.25, each link
      shaped to 100 Mbit/s and 50 ms): time inside inner steps over wall time, per learner and overall
-     (sum of busy seconds / sum of wall seconds, as summary.json's `goodput`). Target ≥ 0.98.
+     (sum of busy seconds / sum of each learner process's own wall seconds: what syncing costs a learner's
+     process, not the run's goodput, which summary.json counts over the whole training time). Target ≥ 0.98.
   b  tokens/s of those 4 learners with syncing (a `diloco run` subprocess) against the same 4 learners
      without it (4 `diloco learner --no-sync --id M` subprocesses started together, same config), the two
      variants run in alternation --repeats times. Each learner's rate is its tokens / its own wall_s
