@@ -1,6 +1,5 @@
 """An insider (a learner that knows the run secret) against the syncer core: every claim bounded."""
 
-import copy
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from diloco.core.actions import Publish, Stop
 from diloco.core.refusals import ProtocolError, RoundRefused
 from diloco.fragments import Fragment
 from diloco.outer import Nesterov
+from core_state import frozen, refused, same
 
 FRAGMENT = [Fragment(0, ("w",), 4, False)]
 THETA = torch.tensor([1.0, -1.0, 0.5, 2.0])
@@ -29,28 +29,6 @@ def push(learner, seq, delta, *, base=0, tokens=100, steps=1, step=None):
     """The learner's seq-th push, by default ending at inner step seq × steps (disjoint steps)."""
     return Push(learner, 0, base, seq, {"w": torch.tensor(delta, dtype=torch.float32)}, tokens, steps,
                 step=seq * steps if step is None else step)
-
-
-def refused(call) -> str:
-    with pytest.raises(ProtocolError) as caught:
-        call()
-    message = str(caught.value)
-    assert message and "\n" not in message
-    return message
-
-
-def frozen(core: SyncerCore) -> dict:
-    return copy.deepcopy(core.state_dict())
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def test_huge_finite_pushes_cannot_break_theta_even_with_the_outlier_rule_off():

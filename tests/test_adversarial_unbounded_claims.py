@@ -16,6 +16,7 @@ from diloco.errors import ConfigError, DilocoError
 from diloco.fragments import Fragment
 from diloco.shard.store import ShardStore
 from diloco.strategies import build_strategy
+from core_state import refused
 
 FRAGMENT = [Fragment(0, ("w",), 4, False)]
 
@@ -24,14 +25,6 @@ def run_core(members=(0, 1)):
     """The syncer core exactly as both drivers build it from the default config (shared budget on)."""
     spec = build_strategy(Config())
     return spec.syncer_core({"w": torch.tensor([1.0, -1.0, 0.5, 2.0])}, FRAGMENT, members, embeddings=())
-
-
-def refused(call) -> str:
-    with pytest.raises(ProtocolError) as caught:
-        call()
-    message = str(caught.value)
-    assert message and "\n" not in message
-    return message
 
 
 def test_one_learner_cannot_declare_a_rate_that_ends_the_run():

@@ -24,6 +24,7 @@ from diloco.core.refusals import RoundRefused
 from diloco.core.syncer_core import SyncerCore
 from diloco.fragments import Fragment
 from diloco.strategies import build_strategy
+from core_state import same
 
 LEARNERS = 6
 NUMEL = 8
@@ -41,16 +42,6 @@ def core_pair() -> tuple[SyncerCore, SyncerCore]:
             core.rejoin_state(m, after_seq=0)
         cores.append(core)
     return cores[0], cores[1]
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def summary(actions: list) -> list:

@@ -4,7 +4,6 @@ syncer checks a region's counters as any learner's, with the region's declared b
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -19,6 +18,7 @@ from diloco.core.actions import Publish, Timer
 from diloco.core.refusals import ProtocolError
 from diloco.fragments import Fragment
 from diloco.strategies import build_strategy
+from core_state import frozen, same
 
 
 # ---------------------------------------------------------------- the regional syncer's core, by hand
@@ -195,20 +195,6 @@ def test_lose_reports_exactly_the_tokens_merged_here_and_not_yet_sent_up():
 
 
 # ---------------------------------------------------------------- the global syncer checks a region's claims
-
-
-def frozen(core) -> dict:
-    return copy.deepcopy(core.state_dict())
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def test_the_global_syncer_refuses_a_regions_implausible_claims_and_changes_nothing():
