@@ -21,6 +21,7 @@ import torch
 
 from conftest import TINY
 from diloco.config import Topology, load_config
+from diloco.driver_kit.run_summary import whole_tokens
 from diloco.core.accounting import learner_tokens
 from diloco.errors import ConfigError
 from diloco.sim.driver import Simulation
@@ -139,8 +140,10 @@ def test_every_token_is_merged_once_through_both_tiers_or_counted_lost(name):
         tokens = learner_tokens(learner.tokens, *sim.ledger_of(learner.index), numel)
         assert tokens["counted_twice"] == 0
         assert tokens["merged"] + tokens["stale"] + tokens["lost"] == pytest.approx(learner.tokens)
-        assert tokens["lost"] == pytest.approx(result.per_learner[learner.index].tokens_lost)
-    assert result.tokens_merged + result.tokens_stale + result.tokens_lost == pytest.approx(result.tokens)
+        # the summary says it in whole tokens, each kind within one token of the exact share
+        assert whole_tokens(tokens)["lost"] == result.per_learner[learner.index].tokens_lost
+        assert abs(result.per_learner[learner.index].tokens_lost - tokens["lost"]) < 1
+    assert result.tokens_merged + result.tokens_stale + result.tokens_lost == result.tokens
     died = 0
     for region in sim.regions:
         assert region.syncer is not None and region.syncer.left  # it pushed its last and left the global syncer
