@@ -39,16 +39,19 @@ class Joined:
 
 def join_run(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
              partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
-             tokens_per_step: int = 0, owners: Sequence[int] | None = None) -> Joined:
+             tokens_per_step: int = 0, owners: Sequence[int] | None = None,
+             take: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> Joined:
     """Join every shard as `learner` (None: the syncer picks, or the one the learner's own credential
     names), declaring `tokens_per_step` (0: not known). Every call after the first join carries the
     joined learner's own credential: the shards bind learner calls to it. `owners`: per fragment, the
     shard this learner's config says owns it (`shard_plan.fragment_owners`); every shard's map must say
-    the same (None: the first shard's map, which every other shard's must match)."""
+    the same (None: the first shard's map, which every other shard's must match). `take`: each fragment's
+    Θ is handed to it as it arrives, on this thread, instead of being collected in `Joined.theta` (a
+    sharded learner spreads it over its ranks: no rank holds Θ whole)."""
     joined: list[tuple[ShardClient, int]] = []
     try:
         return _join_all(address, learner, timeout_s, host, params, partition, security, joined, tokens_per_step,
-                         owners)
+                         owners, take)
     except DilocoError:
         for client, me in joined:  # a refused learner must not stay counted as alive
             try:
@@ -61,7 +64,8 @@ def join_run(address: str, learner: int | None, timeout_s: float, host: str, par
 
 def _join_all(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
               partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
-              joined: list[tuple[ShardClient, int]], tokens_per_step: int, owners: Sequence[int] | None) -> Joined:
+              joined: list[tuple[ShardClient, int]], tokens_per_step: int, owners: Sequence[int] | None,
+              take: Callable[[int, dict[str, torch.Tensor]], None] | None) -> Joined:
     first = ShardClient(address, security)
     first.wait_ready(timeout_s)
     reply = with_retries(lambda: first.join(learner, host, tokens_per_step), what="join")
@@ -102,7 +106,10 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
                 lambda: shard.client.pull(me, after_seq=last_seq, fragments=[p]), what="pull")
             # Checked again: another learner may have seeded Θ between our join and our pull.
             _check_layout(layout, [fragments[p]], params, shard.client.address)
-            theta.update(values)
+            if take is not None:
+                take(p, values)
+            else:
+                theta.update(values)
             versions.update(fragment_versions)
     return Joined(me, settings, shards, fragments, theta, versions, last_seq)
 

@@ -9,15 +9,17 @@
 
 The training thread only reports steps and applies merges between them. Everything else runs on
 background threads: encoding pushes, sending them (through the emulated link when one is given),
-receiving and decoding new versions, heartbeats. Under torchrun, rank 0 talks to the syncer and
-broadcasts each merge to the other ranks of the learner; token counts are summed over ranks.
+receiving and decoding new versions, heartbeats. Under torchrun, rank 0 talks to the syncer; how
+merges and pushes cross the learner's ranks depends on where its parameters live (`rank_sync.py`:
+broadcast whole for plain and DDP models, row by row for FSDP2 and HSDP ones); token counts are summed
+over ranks.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,15 +29,17 @@ from torch import nn
 
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.core.learner_core import LearnerCore
-from diloco.core.learner_events import (Advance, Finished, LearnerAction, PushRefused, SendProgress, SendPush,
-                                        StepDone, UpdateArrived, WaitFor)
+from diloco.core.learner_events import (Advance, Finished, LearnerAction, LearnerEvent, PushRefused, SendProgress,
+                                        SendPush, StepDone, UpdateArrived, WaitFor)
 from diloco.core.messages import Push
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment, embedding_names, partition
-from diloco.client.joining import ShardLink, join_run
+from diloco.client.joining import Joined, ShardLink, join_run
 from diloco.client.link import (Arrival, ClientLink, HeartbeatOut, LeaveOut, LinkHandlers, LinkShape, ProgressOut,
                                 PushOut, ShardWays, UpEvent, bytes_by_home)
 from diloco.transport.wire_messages import spec_of
+from diloco.client.param_shards import is_sharded
+from diloco.client.rank_sync import ReplicatedRanks, ShardedRanks, sharded_settings_problem
 from diloco.client.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
 from diloco.v1 import diloco_pb2 as pb
@@ -99,16 +103,13 @@ class Learner:
         self.id = -1
         self.declared_tokens_per_step = (tokens_per_step or 0) * self.world
         self._refused: queue.Queue[Push] = queue.Queue()
-        header = torch.zeros(2, dtype=torch.int64)
-        if self.rank == 0:
-            self._connect(syncer, learner, connect_timeout_s, host)
-            header[0], header[1] = self.id, self.settings.fragments
-        if self.world > 1:
-            dist.broadcast(header, 0)
-            for p in self.params.values():
-                dist.broadcast(p.data, 0)
-        self.id, fragment_count = int(header[0]), int(header[1])
-        self.fragments = self.core.fragments if self.core else self._partition(fragment_count)
+        self.ranks: ReplicatedRanks | ShardedRanks = (ShardedRanks if is_sharded(self.params) else ReplicatedRanks)(
+            self.params, self.rank, self.world)
+        if isinstance(self.ranks, ShardedRanks):
+            self._join_sharded(syncer, learner, connect_timeout_s, host)
+        else:
+            self._join_replicated(syncer, learner, connect_timeout_s, host)
+        self.ranks.core, self.ranks.fragments = self.core, self.fragments
         if self.link is not None:
             self.link.start(LinkHandlers(encode=self.core.encode, anchors=lambda p: self.core.anchors[p],
                                          refused=self._refused.put, stop=self.request_stop, beat=self._beat),
@@ -120,22 +121,64 @@ class Learner:
     def _partition(self, count: int) -> list[Fragment]:
         return partition(self.module, count, embedding_names(self.module))
 
-    def _connect(self, address: str, learner: int | None, timeout_s: float, host: str) -> None:
-        """Join every shard, seed or check Θ's layout, take Θ, and build this learner's core and link."""
-        joined = join_run(address, learner, timeout_s, host, self.params,
-                          self._partition, self.security, self.declared_tokens_per_step, self.owners)
+    def _join_replicated(self, syncer: str, learner: int | None, timeout_s: float, host: str) -> None:
+        """Rank 0 joins and takes Θ whole, then broadcasts it: every rank holds the whole model."""
+        header = torch.zeros(2, dtype=torch.int64)
+        if self.rank == 0:
+            joined = self._connect(syncer, learner, timeout_s, host, self.params, None)
+            with torch.no_grad():
+                for name, value in joined.theta.items():
+                    self.params[name].copy_(value)
+            self._build(joined.settings, joined.fragments, joined.versions, joined.last_seq, self.params)
+            header[0], header[1] = self.id, self.settings.fragments
+        if self.world > 1:
+            dist.broadcast(header, 0)
+            for p in self.params.values():
+                dist.broadcast(p.data, 0)
+        self.id = int(header[0])
+        self.fragments = self.core.fragments if self.core else self._partition(int(header[1]))
+
+    def _join_sharded(self, syncer: str, learner: int | None, timeout_s: float, host: str) -> None:
+        """Rank 0 joins; Θ reaches each rank's rows fragment by fragment; every rank builds its own core
+        over its rows (`rank_sync.ShardedRanks`)."""
+        ranks = self.ranks
+        info = None
+        if self.rank == 0:
+            joined = ranks.lead_join(lambda params, take: self._connect(syncer, learner, timeout_s, host, params,
+                                                                        take))
+            info = (joined.learner, joined.settings.SerializeToString(), joined.versions, joined.last_seq)
+        else:
+            ranks.follow_join()
+        self.id, settings, versions, last_seq = ranks.end_join(info)
+        self.settings = pb.Settings.FromString(settings)
+        self._build(self.settings, self._partition(self.settings.fragments), versions, last_seq, ranks.local())
+
+    def _connect(self, address: str, learner: int | None, timeout_s: float, host: str, params: Mapping[str, Any],
+                 take: Callable[[int, dict[str, torch.Tensor]], None] | None) -> Joined:
+        """Join every shard, seed or check Θ's layout, take Θ, and open this learner's link."""
+        joined = join_run(address, learner, timeout_s, host, params, self._partition, self.security,
+                          self.declared_tokens_per_step, self.owners, take=take)
         self.id, self.settings, self.shards = joined.learner, joined.settings, joined.shards
-        with torch.no_grad():
-            for name, value in joined.theta.items():
-                self.params[name].copy_(value)
-        self._first_seq = joined.last_seq  # numbers before it belong to this learner's earlier lives
-        fragments = joined.fragments
-        self.core = spec_of(self.settings).learner_core(
-            self.id, self.params, fragments, versions=[joined.versions[p] for p in range(len(fragments))],
-            first_seq=joined.last_seq, encode_later=True)
+        if take is not None:
+            problem = sharded_settings_problem(joined.settings)
+            if problem:
+                for shard in joined.shards:  # refused: not counted alive
+                    shard.client.leave(joined.learner)
+                    shard.client.close()
+                raise DilocoError(problem)
         self.link = ClientLink(self.id, f"learner {self.id}", self.shards, joined.versions, self.up, self.down,
                                self.staging)
-        log.info("learner %d joined %d shard(s); %d fragments", self.id, len(self.shards), len(fragments))
+        log.info("learner %d joined %d shard(s); %d fragments", self.id, len(self.shards), len(joined.fragments))
+        return joined
+
+    def _build(self, settings: pb.Settings, fragments: list[Fragment], versions: dict[int, int], last_seq: int,
+               params: dict[str, torch.Tensor]) -> None:
+        """This rank's learner core, over the parameters (or rows of them) it holds."""
+        self._first_seq = last_seq  # numbers before it belong to this learner's earlier lives
+        self.fragments = fragments
+        self.core = spec_of(settings).learner_core(
+            self.id, params, fragments, versions=[versions[p] for p in range(len(fragments))],
+            first_seq=last_seq, encode_later=True)
 
     # ------------------------------------------------------------ the training thread
 
@@ -159,46 +202,49 @@ class Learner:
         Waits only where the strategy is synchronous (DiLoCo), for the answer it needs."""
         if self._closed:
             raise DilocoError("Learner.step() after close()")
-        self._raise_if_failed()
         now = clock.monotonic()
         self.busy_s += now - self._last_step_end
         step_time = now - self._last_step_end
-        if self.world > 1:
-            count = torch.tensor([tokens], dtype=torch.int64)
-            dist.all_reduce(count)
-            tokens = int(count)
+        tokens = self.ranks.total(tokens)
         self.tokens += tokens
         self.steps += 1
-        before = list(self.core.anchor_versions) if self.rank == 0 else []
-        if self.rank == 0:  # the step sequence every learner follows (`LearnerCore.handle`)
-            self._carry_out(self.core.handle(StepDone(tokens, step_time), clock.now()))
-            self._hand_over()
-            if self._carry_out(self.core.handle(Advance(last=self._stop_requested), clock.now())):
-                self._wait()
-        self._share_merges(before)
+        if self.ranks.leader:  # the step sequence every learner follows (`LearnerCore.handle`)
+            self._lead(lambda: self._step_sequence(tokens, step_time))
+        else:
+            self._follow()
         self._last_step_end = clock.monotonic()
+
+    def _step_sequence(self, tokens: int, step_time: float) -> None:
+        self._raise_if_failed()
+        self._carry_out(self._feed(StepDone(tokens, step_time)))
+        self._hand_over()
+        if self._carry_out(self._feed(Advance(last=self._stop_requested))):
+            self._wait()
+
+    def _lead(self, sequence: Callable[[], None]) -> None:
+        """Rank 0 runs `sequence` through its core, then ends the step on every rank: merges shared, and
+        its stop request; a failure is told to the other ranks before it is raised here."""
+        self.ranks.open_step()
+        try:
+            sequence()
+        except DilocoError as exc:
+            self.ranks.close_step(self._stop_requested, str(exc))
+            raise
+        stop, merges = self.ranks.close_step(self._stop_requested)
+        self._stop_requested, self.merges = stop, self.merges + merges
+
+    def _follow(self) -> None:
+        self.ranks.open_step()
+        stop, merges = self.ranks.follow()
+        self._stop_requested, self.merges = stop, self.merges + merges
 
     def _raise_if_failed(self) -> None:
         error = self.link.error if self.link is not None else None
         if error is not None:
             raise DilocoError(f"learner {self.id}: syncing failed: {error}") from error
 
-    def _share_merges(self, before: list[int]) -> None:
-        """Every rank ends a step (or the run) with rank 0's parameters: the fragments whose anchor
-        moved since `before` are broadcast, with rank 0's stop request. A collective: all ranks call it."""
-        flags = torch.zeros(len(self.fragments) + 1, dtype=torch.int64)
-        if self.rank == 0:
-            for p, (old, new) in enumerate(zip(before, self.core.anchor_versions)):
-                flags[p] = int(new != old)
-            flags[-1] = int(self._stop_requested)
-        if self.world > 1:
-            dist.broadcast(flags, 0)
-            with torch.no_grad():
-                for p in flags[:-1].nonzero().flatten().tolist():
-                    for name in self.fragments[p].names:
-                        dist.broadcast(self.params[name].data, 0)
-            self._stop_requested = bool(flags[-1])
-        self.merges += int(flags[:-1].sum())
+    def _feed(self, event: LearnerEvent) -> list[LearnerAction]:
+        return self.ranks.feed(event, clock.now())
 
     def _carry_out(self, actions: list[LearnerAction]) -> bool:
         """Send what the core says to send, in order; True if it says to wait before the next step."""
@@ -212,7 +258,7 @@ class Learner:
     def _hand_over(self) -> None:
         """What came back since the last step: refused pushes, then answers the link has delivered."""
         while not self._refused.empty():
-            self._carry_out(self.core.handle(PushRefused(self._refused.get()), clock.now()))
+            self._carry_out(self._feed(PushRefused(self._refused.get())))
         for arrival in self.link.arrivals.ready():
             self._carry_out(self._take(arrival))
 
@@ -229,7 +275,7 @@ class Learner:
 
     def _take(self, arrival: Arrival) -> list[LearnerAction]:
         self.staging.wait_in_training(arrival.ready)
-        return self.core.handle(UpdateArrived(arrival.update), clock.now())
+        return self._feed(UpdateArrived(arrival.update))
 
     def _send(self, push: Push) -> None:
         self.link.send(PushOut(push, self.staging.hand_off(push.deltas.values())))
@@ -244,10 +290,10 @@ class Learner:
             return self.report()
         self._closed = True
         self.wall_s = clock.monotonic() - self.started
-        before = list(self.core.anchor_versions) if self.rank == 0 else []
-        if self.rank == 0:
-            self._carry_out(self.core.handle(Finished(), clock.now()))  # may merge answers that have arrived
-        self._share_merges(before)
+        if self.ranks.leader:  # may merge answers that have arrived
+            self._lead(lambda: self._carry_out(self._feed(Finished())))
+        else:
+            self._follow()
         if self.link is not None:
             self.link.send(LeaveOut(finished))
             self.link.close()
@@ -264,4 +310,6 @@ class Learner:
                 "merge_lag_steps": sum(core.merge_lags) / len(core.merge_lags) if core and core.merge_lags else None,
                 "bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent,
                 "messages_up": self.up.messages, "messages_down": self.down.messages,
-                "peak_message_bytes_up": self.up.peak_message_bytes, **by_home}
+                "peak_message_bytes_up": self.up.peak_message_bytes, **by_home,
+                "bytes_between_ranks": getattr(self.ranks, "bytes_between_ranks", 0),
+                "peak_staging_bytes": getattr(self.ranks, "peak_staging_bytes", 0)}

@@ -1,0 +1,331 @@
+"""How the ranks of one learner share its syncing: where its parameters live, and how Θ, pushes and
+merges cross between its ranks. Only global rank 0 talks to the syncer; everything that crosses ranks
+goes over the learner's own process group.
+
+- `ReplicatedRanks` (one process, or DDP): every rank holds the whole model; rank 0 alone runs the
+  learner core and broadcasts each merged fragment, with its stop request, at the end of each step.
+- `ShardedRanks` (FSDP2 `fully_shard`, or HSDP's replicate × shard mesh): every rank runs its own core
+  over its local slices, so no rank holds the whole model or all the anchors. Rank 0 leads: each event
+  it hands its core is broadcast (an answer's values scattered, each rank getting its own rows) and
+  every rank takes it in the same order at the same `now`, so all cores decide alike; each push's
+  slices are gathered at rank 0, one tensor at a time, into the one fragment rank 0 sends. Pushing
+  from rank 0 keeps `diloco.v1` unchanged and one learner per island on the syncer's side; the cost
+  is one fragment at rank 0 while it is on its way (docs/runtime.md has the measurement).
+
+The leader (rank 0) calls `feed` for each event and `close_step` at the end of a step; every other rank
+calls `follow` meanwhile. A failure on the leader is told to the followers, which raise the same line.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.core.learner_core import LearnerCore
+from diloco.core.learner_events import LearnerAction, LearnerEvent, PushRefused, SendPush, UpdateArrived
+from diloco.errors import DilocoError
+from diloco.fragments import Fragment
+from diloco.client.param_shards import (layout_fingerprint, padded_rows, placement_of, row_pieces,
+                                        rows_per_shard)
+
+
+def collective_error(exc: BaseException) -> DilocoError:
+    """A collective of the learner's own process group failed (a rank died, or did not come in time)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return DilocoError(f"a rank of this learner stopped answering during sync ({first[:200]})")
+
+
+def sharded_settings_problem(settings: Any) -> str | None:
+    """What a sharded learner cannot do: hold state of the whole model at rank 0 (error feedback's
+    residuals), or apply relative answers (a lossy downlink's differences to the whole anchor)."""
+    if settings.error_feedback:
+        return "a sharded learner (FSDP/HSDP) cannot sync with error feedback on (set codec.error_feedback = false)"
+    if settings.codec_down not in ("", "fp32"):
+        return (f"a sharded learner (FSDP/HSDP) takes fp32 answers only (codec.down = \"fp32\"); this run's is "
+                f"{settings.codec_down}")
+    return None
+
+
+# ------------------------------------------------------------ plain and DDP models
+
+
+class ReplicatedRanks:
+    """Every rank holds the whole model (today's DDP learner): rank 0's merges are broadcast."""
+
+    def __init__(self, params: dict[str, torch.Tensor], rank: int, world: int) -> None:
+        self.params, self.rank, self.world = params, rank, world
+        self.leader = rank == 0
+        self.core: LearnerCore | None = None
+        self.fragments: list[Fragment] = []
+        self._before: list[int] = []
+
+    def local(self) -> dict[str, torch.Tensor]:
+        return self.params
+
+    def total(self, tokens: int) -> int:
+        return _summed(tokens, self.world)
+
+    def open_step(self) -> None:
+        self._before = list(self.core.anchor_versions) if self.leader else []
+
+    def feed(self, event: LearnerEvent, now: float) -> list[LearnerAction]:
+        return self.core.handle(event, now)
+
+    def close_step(self, stop: bool, error: str | None = None) -> tuple[bool, int]:
+        flags = torch.zeros(len(self.fragments) + 1, dtype=torch.int64)
+        for p, (old, new) in enumerate(zip(self._before, self.core.anchor_versions)):
+            flags[p] = int(new != old)
+        flags[-1] = int(stop)
+        return self._share(flags)
+
+    def follow(self) -> tuple[bool, int]:
+        return self._share(torch.zeros(len(self.fragments) + 1, dtype=torch.int64))
+
+    def _share(self, flags: torch.Tensor) -> tuple[bool, int]:
+        """Every rank ends a step with rank 0's parameters and stop request (a collective)."""
+        if self.world > 1:
+            dist.broadcast(flags, 0)
+            with torch.no_grad():
+                for p in flags[:-1].nonzero().flatten().tolist():
+                    for name in self.fragments[p].names:
+                        dist.broadcast(self.params[name].data, 0)
+        return bool(flags[-1]), int(flags[:-1].sum())
+
+
+# ------------------------------------------------------------ FSDP2 and HSDP models
+
+
+class ShardedRanks:
+    """Every rank's core runs on its own rows of every parameter; rank 0 leads (module docstring)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], rank: int, world: int) -> None:
+        self.global_params = params
+        self.placement = placement_of(params, world)
+        self.rank, self.world, self.leader = rank, world, rank == 0
+        self.core: LearnerCore | None = None
+        self.fragments: list[Fragment] = []
+        self.bytes_between_ranks = 0
+        """Bytes of Θ, pushes and answers this rank sent or received over the learner's group."""
+        self.peak_staging_bytes = 0
+        """The most bytes of one fragment this rank held at once beyond its own rows (rank 0's gathers)."""
+        self._before: list[int] = []
+        self._check_agreement(layout_fingerprint(params, self.placement))
+
+    def local(self) -> dict[str, torch.Tensor]:
+        """This rank's rows of each parameter: views of the live storage, so merges land in the model."""
+        return {n: p.to_local() for n, p in self.global_params.items()}
+
+    def _check_agreement(self, fingerprint: list[tuple]) -> None:
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, fingerprint)
+        for r, theirs in enumerate(everyone):
+            if theirs != fingerprint:
+                diff = next(((a, b) for a, b in zip(fingerprint, theirs) if a != b), (len(fingerprint), len(theirs)))
+                raise DilocoError(f"ranks of this learner disagree about the model: rank {self.rank} has {diff[0]}, "
+                                  f"rank {r} has {diff[1]}; every rank must build and shard the same model")
+
+    # ------------------------------------------------------------ the leader's side
+
+    def _tell(self, message: tuple) -> None:
+        _broadcast([message])
+
+    def _hear(self) -> tuple:
+        return _broadcast([None])[0]
+
+    def total(self, tokens: int) -> int:
+        return _summed(tokens, self.world)
+
+    def open_step(self) -> None:
+        self._before = list(self.core.anchor_versions)
+
+    def feed(self, event: LearnerEvent, now: float) -> list[LearnerAction]:
+        """Rank 0: hand `event` to every rank's core; its pushes come back whole."""
+        if isinstance(event, UpdateArrived):
+            update = event.update
+            self._tell(("event", UpdateArrived(replace(update, values={})), now))
+            local = self._scatter(update.values, self.fragments[update.fragment].names)
+            event = UpdateArrived(replace(update, values=local))
+        elif isinstance(event, PushRefused):
+            self._tell(("event", PushRefused(replace(event.push, deltas={})), now))
+        else:
+            self._tell(("event", event, now))
+        return [self._gather_push(a) if isinstance(a, SendPush) else a for a in self.core.handle(event, now)]
+
+    def close_step(self, stop: bool, error: str | None = None) -> tuple[bool, int]:
+        self._tell(("end", stop, error))
+        return stop, self._merged()
+
+    def _merged(self) -> int:
+        return sum(int(a != b) for a, b in zip(self._before, self.core.anchor_versions))
+
+    # ------------------------------------------------------------ the followers' side
+
+    def follow(self) -> tuple[bool, int]:
+        """Every rank but 0: take rank 0's events until it ends the step; its stop request comes along."""
+        while True:
+            message = self._hear()
+            if message[0] == "end":
+                if message[2] is not None:
+                    raise DilocoError(message[2])
+                return bool(message[1]), self._merged()
+            event, now = message[1], message[2]
+            if isinstance(event, UpdateArrived):
+                local = self._scatter(None, self.fragments[event.update.fragment].names)
+                event = UpdateArrived(replace(event.update, values=local))
+            for action in self.core.handle(event, now):
+                if isinstance(action, SendPush):
+                    self._gather_push(action)
+
+    # ------------------------------------------------------------ joining
+
+    def lead_join(self, join: Callable[[Mapping[str, Any], Callable[[int, dict[str, torch.Tensor]], None]], Any]
+                  ) -> Any:
+        """Rank 0: run `join(params, take)`: Θ reaches every rank fragment by fragment (`take`), and a
+        shard that must be seeded gets its values gathered at rank 0 (the first learner of a run only)."""
+        try:
+            return join(_GatheringView(self), self._take)
+        except BaseException as exc:
+            self._tell(("end", False, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            raise
+
+    def follow_join(self) -> None:
+        while True:
+            message = self._hear()
+            if message[0] == "end":
+                if message[2] is not None:
+                    raise DilocoError(message[2])
+                return
+            if message[0] == "take":
+                self._take_into(self._scatter(None, message[1]))
+            else:  # "gather": rank 0 seeds a shard
+                self._gather(message[1])
+
+    def end_join(self, info: Any) -> Any:
+        """Rank 0 hands what the others need to build their cores (None on the others: they get it)."""
+        return pickle.loads(_broadcast([pickle.dumps(info) if self.leader else None])[0])
+
+    def _take(self, p: int, values: dict[str, torch.Tensor]) -> None:
+        names = list(values)
+        self._tell(("take", names))
+        self._take_into(self._scatter(values, names))
+
+    @torch.no_grad()
+    def _take_into(self, local: dict[str, torch.Tensor]) -> None:
+        for name, value in local.items():
+            self.global_params[name].to_local().copy_(value)
+
+    def gather_whole(self, name: str) -> torch.Tensor:
+        """Rank 0: one parameter whole (seeding a shard)."""
+        self._tell(("gather", [name]))
+        return self._gather([name])[name]
+
+    # ------------------------------------------------------------ moving rows
+
+    def _gather_push(self, action: SendPush) -> SendPush:
+        """Each rank's rows of the push's deltas, put together at rank 0 (a collective)."""
+        push = action.push
+        whole = self._gather(list(push.deltas), push.deltas)
+        if not self.leader:
+            return action
+        nbytes = sum(self.core.codec.wire_bytes(d.numel()) for d in whole.values())
+        return SendPush(replace(push, deltas=whole, payload_bytes=nbytes))
+
+    def _gather(self, names: list[str], local: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Rank 0 gets each tensor whole, one at a time; the other ranks send their rows."""
+        group, shards, whole = self.placement.shard_group, self.placement.shards, {}
+        if not self.placement.in_first_replica:
+            return whole
+        held = 0
+        for name in names:
+            mine = (local[name] if local is not None else self.global_params[name].to_local()).detach()
+            shape = tuple(self.global_params[name].shape)
+            rows = rows_per_shard(shape[0], shards)
+            padded = padded_rows(mine, rows)
+            out = torch.empty((rows * shards, *shape[1:]), dtype=padded.dtype) if self.leader else None
+            try:
+                dist.gather(padded, list(out.split(rows)) if out is not None else None, group=group, group_dst=0)
+            except (RuntimeError, dist.DistBackendError) as exc:
+                raise collective_error(exc) from exc
+            self.bytes_between_ranks += padded.numel() * padded.element_size() * ((shards - 1) if self.leader else 1)
+            if out is not None:
+                whole[name] = out[:shape[0]]
+                held += out.numel() * out.element_size()
+        self.peak_staging_bytes = max(self.peak_staging_bytes, held)
+        return whole
+
+    def _scatter(self, values: Mapping[str, torch.Tensor] | None, names: list[str]) -> dict[str, torch.Tensor]:
+        """Each rank gets its own rows of rank 0's `values` (HSDP: over the first replica's shard group,
+        then from there to the other replicas)."""
+        placement, local = self.placement, {}
+        group, shards = placement.shard_group, placement.shards
+        for name in names:
+            param = self.global_params[name]
+            rows = rows_per_shard(param.shape[0], shards)
+            buffer = torch.empty((rows, *param.shape[1:]), dtype=torch.float32)
+            try:
+                if placement.in_first_replica:
+                    pieces = row_pieces(values[name].to(torch.float32), rows, shards) if self.leader else None
+                    dist.scatter(buffer, pieces, group=group, group_src=0)
+                if placement.hsdp:
+                    dist.broadcast(buffer, group=placement.mesh.get_group(0), group_src=0)
+            except (RuntimeError, dist.DistBackendError) as exc:
+                raise collective_error(exc) from exc
+            self.bytes_between_ranks += buffer.numel() * 4 * ((shards - 1) if self.leader else 1)
+            local[name] = buffer[:param.to_local().shape[0]]
+        return local
+
+
+def _summed(tokens: int, world: int) -> int:
+    """Tokens trained this step by every rank of the learner."""
+    if world == 1:
+        return tokens
+    count = torch.tensor([tokens], dtype=torch.int64)
+    try:
+        dist.all_reduce(count)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        raise collective_error(exc) from exc
+    return int(count)
+
+
+def _broadcast(box: list[Any]) -> list[Any]:
+    """Rank 0's small message to every rank of the learner (a collective)."""
+    try:
+        dist.broadcast_object_list(box, 0)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        raise collective_error(exc) from exc
+    return box
+
+
+class _GatheringView(Mapping):
+    """The parameters as joining sees them at rank 0: global shapes for layouts, and a whole tensor only
+    when a shard must be seeded with it (`.detach()`)."""
+
+    def __init__(self, ranks: ShardedRanks) -> None:
+        self.ranks = ranks
+
+    def __getitem__(self, name: str) -> _Whole:
+        return _Whole(self.ranks, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.ranks.global_params)
+
+    def __len__(self) -> int:
+        return len(self.ranks.global_params)
+
+
+@dataclass(frozen=True)
+class _Whole:
+    ranks: ShardedRanks
+    name: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.ranks.global_params[self.name].shape
+
+    def detach(self) -> torch.Tensor:
+        return self.ranks.gather_whole(self.name)

@@ -1,0 +1,141 @@
+"""Learners whose parameters are DTensors (FSDP2 on a 1-D mesh, HSDP on replicate × shard), each rank a
+process (Gloo, CPU): the sync path is exact, whole runs sync, bad models are refused in one line, and
+a rank that dies mid-sync ends the others with one line within a bound.
+
+The syncer runs in this process; tests/workers/sharded_learner.py runs once per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import child_env, free_port_for_torchrun, tiny_config
+from diloco.shard.server import ShardPlan, SyncerShard, serve
+
+WORKER = Path(__file__).parent / "workers" / "sharded_learner.py"
+STEPS, BATCH, SEQ, FRAGMENTS = 16, 4, 16, 3
+TIMEOUT_S = 120
+COLLECTIVE_TIMEOUT_S = 20
+"""The learner's process group timeout in the hang test: the bound a dead rank is noticed within."""
+
+pytestmark = [pytest.mark.integration,  # one process per rank, against a live shard
+              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                 reason="torch.distributed with Gloo is not available")]
+
+
+def launch(world: int, *args: str, out: Path, timeout_s: float = TIMEOUT_S) -> tuple[list[int], list[str], float]:
+    """Start one worker per rank; return their exit codes, outputs and the seconds until the last ended."""
+    port = free_port_for_torchrun()
+    procs, logs = [], []
+    started = time.monotonic()
+    for rank in range(world):
+        env = child_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                        GLOO_SOCKET_IFNAME="lo")
+        log = out / f"rank-{rank}.log"
+        with log.open("w") as sink:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), *args, "--out", str(out)], stdout=sink,
+                                          stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        logs.append(log)
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"ranks ran past {timeout_s} s:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [p.returncode for p in procs], [log.read_text() for log in logs], time.monotonic() - started
+
+
+@pytest.fixture
+def syncer():
+    """A decoupled syncer for one learner, with a short period so that several merges happen."""
+    shard = SyncerShard(tiny_config("learners.count=1", "strategy=decoupled", "outer.H=4",
+                                    f"outer.fragments={FRAGMENTS}", "train.tokens=100000000"),
+                        ShardPlan(0, 1, ("",)))
+    server, port = serve(shard, "127.0.0.1:0", workers=8)
+    address = f"127.0.0.1:{port}"
+    shard.plan = ShardPlan(0, 1, (address,))
+    try:
+        yield shard, address
+    finally:
+        server.stop(0)
+        shard.stop()
+
+
+@pytest.mark.parametrize("sharding,world", [("fsdp", 2), ("hsdp", 4)])
+def test_sharded_push_and_merge_equal_unsharded_bit_for_bit(sharding, world, tmp_path):
+    """From the same parameters and anchors, the pushes put together at rank 0 and the parameters after
+    merging the same answers equal an unsharded learner's exactly; rank 0 holds only its rows' anchors."""
+    codes, logs, _ = launch(world, "exact", "--sharding", sharding, out=tmp_path)
+    assert codes == [0] * world, logs[0][-3000:]
+    result = json.loads((tmp_path / "exact.json").read_text())
+    assert result["pushes"] == FRAGMENTS
+    assert result["pushes_equal"] and result["merged_equal"] and result["moved"], result
+    shards = 2 if sharding == "hsdp" else world
+    assert result["anchor_elements_rank0"] <= result["model_elements"] / shards * 1.1, result
+
+
+@pytest.mark.parametrize("sharding,world", [("fsdp", 2), ("hsdp", 4), ("ddp", 2)])
+def test_sharded_learner_trains_against_a_syncer(syncer, sharding, world, tmp_path):
+    """Every rank takes part in every merge; the syncer counts one learner, each token once per fragment,
+    every push once, and its Θ equals what the learner last merged where no push is left in flight."""
+    shard, address = syncer
+    codes, logs, _ = launch(world, "train", "--sharding", sharding, "--syncer", address, "--steps", str(STEPS),
+                            "--batch", str(BATCH), "--seq", str(SEQ), out=tmp_path)
+    assert codes == [0] * world, logs[0][-3000:] + logs[-1][-2000:]
+    reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(world)]
+    tokens = world * BATCH * SEQ * STEPS
+    assert all(r["learner"] == 0 and r["world"] == world and r["tokens"] == tokens for r in reports)
+    merges = reports[0]["merges"]
+    assert merges > 0 and all(r["merges"] == merges for r in reports)
+    assert shard.finished
+    entry = shard.report()["ledger"][0]
+    assert entry["duplicates"] == 0 and entry["pushes"] == reports[0]["pushes"] > 0
+    for p in range(FRAGMENTS):
+        assert entry["merged"].get(p, 0) + entry["stale"].get(p, 0) == tokens, (p, entry)
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert set(shard.core.theta) == set(params)
+    if sharding != "ddp":
+        assert reports[0]["bytes_between_ranks"] > 0
+
+
+@pytest.mark.parametrize("bad,words", [("tp", "Shard(dim=1)"), ("mixed", "mixed meshes"),
+                                       ("disagree", "disagree about the model")])
+def test_a_model_the_learner_cannot_sync_is_refused_in_one_line(syncer, bad, words, tmp_path):
+    """Tensor-parallel placements, parameters on mixed meshes, and ranks that built different models:
+    every rank refuses with one line, before any rank joins the syncer."""
+    shard, address = syncer
+    codes, logs, _ = launch(2, "refuse", "--bad", bad, "--syncer", address, out=tmp_path, timeout_s=60)
+    assert codes == [3, 3], logs
+    for log in logs:
+        lines = [line for line in log.splitlines() if line.startswith("REFUSED: ")]
+        assert len(lines) == 1 and words in lines[0], log[-2000:]
+    assert not shard.core.members.learners if hasattr(shard.core, "members") else True
+
+
+def test_a_rank_killed_mid_sync_ends_the_others_in_one_line(syncer, tmp_path):
+    """Rank 1 dies between two steps: rank 0 stops at its next collective with one line, within the
+    process group's timeout, instead of hanging; the syncer counted every push it took once."""
+    shard, address = syncer
+    codes, logs, elapsed = launch(2, "train", "--sharding", "fsdp", "--syncer", address, "--steps", str(STEPS),
+                                  "--die-at-step", "6", "--timeout-s", str(COLLECTIVE_TIMEOUT_S), out=tmp_path,
+                                  timeout_s=90)
+    assert codes[1] == 9 and codes[0] == 1, logs[0][-3000:]
+    lines = [line for line in logs[0].splitlines() if line.startswith("diloco: ")]
+    assert len(lines) == 1, logs[0][-3000:]
+    assert elapsed < 60 + COLLECTIVE_TIMEOUT_S
+    entry = shard.report()["ledger"].get(0, {"duplicates": 0})
+    assert entry["duplicates"] == 0

@@ -1,0 +1,193 @@
+"""The ranks of one sharded diloco learner (Gloo, CPU), for tests/test_learner_fsdp.py.
+
+Started once per rank with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (by the test, or torchrun).
+Modes:
+- `exact`: no syncer; the same parameters, anchors and answers through a sharded core (FSDP2 or HSDP)
+  and through an unsharded one: rank 0 writes whether the gathered pushes and the merged parameters
+  are equal bit for bit.
+- `train`: the project's tiny GPT under --sharding joins --syncer and trains --steps steps; each rank
+  writes its report (rank-R.json), rank 0 the whole final parameters (params.pt). With --die-at-step,
+  rank --die-rank exits abruptly at that step (a rank killed mid-sync).
+- `refuse`: a model the learner cannot sync (--bad tp | mixed | disagree): every rank prints its
+  one-line refusal (REFUSED: ...) and exits with 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from diloco.client.learner_client import Learner
+from diloco.client.param_shards import shard_model
+from diloco.client.rank_sync import ShardedRanks
+from diloco.config import load_config
+from diloco.core.learner_core import LearnerCore
+from diloco.core.learner_events import Advance, SendPush, StepDone, UpdateArrived
+from diloco.core.messages import Update
+from diloco.errors import DilocoError
+from diloco.fragments import Schedule, partition
+from diloco.models.factory import build_model
+
+VOCAB = 64
+FRAGMENTS = 3
+
+
+def tiny_gpt(width: int = 32, layers: int = 2) -> torch.nn.Module:
+    config = load_config(None, [f"model.layers={layers}", f"model.width={width}", "model.heads=2",
+                                "train.seq_len=16"])
+    return build_model(config, VOCAB)  # seeded: every rank builds the same weights
+
+
+def core_over(params: dict[str, torch.Tensor], fragments, learner: int = 0) -> LearnerCore:
+    return LearnerCore(learner, params, fragments, Schedule(1, len(fragments)), tau=0, alpha=0.25,
+                       wait_for_updates=False, encode_later=True, keep_progress=True)
+
+
+def exact(args: argparse.Namespace, out: Path) -> None:
+    """The sync path of a sharded learner against an unsharded one, from the same state."""
+    reference = tiny_gpt()
+    sharded = shard_model(tiny_gpt(), args.sharding, dist.get_world_size())
+    fragments = partition(reference, FRAGMENTS)
+    names = [n for n, _ in reference.named_parameters()]
+    generator = torch.Generator().manual_seed(7)
+    trained = {n: p.detach() + 0.01 * torch.randn(p.shape, generator=generator) for n, p in reference.named_parameters()}
+    answers = {n: p.detach() - 0.02 * torch.randn(p.shape, generator=generator) for n, p in reference.named_parameters()}
+
+    plain_params = dict(reference.named_parameters())
+    plain = core_over(plain_params, fragments)
+    params = dict(sharded.named_parameters())
+    ranks = ShardedRanks(params, dist.get_rank(), dist.get_world_size())
+    ranks.core, ranks.fragments = core_over(ranks.local(), fragments), fragments
+    with torch.no_grad():  # "training": the same new values, each rank its own rows
+        for n in names:
+            plain_params[n].copy_(trained[n])
+            rows = params[n].to_local().shape[0]
+            start = ranks_start(params[n])
+            params[n].to_local().copy_(trained[n][start:start + rows])
+    ours = run_events(ranks, [StepDone(100, 0.1)])
+    theirs = [a.push for a in plain.handle(StepDone(100, 0.1), 1.0) if isinstance(a, SendPush)]
+    updates = [Update(p.fragment, 1, {n: answers[n] for n in fragments[p.fragment].names}, ack_seq=p.seq)
+               for p in theirs]
+    run_events(ranks, [UpdateArrived(u) for u in updates] + [Advance()])
+    for u in updates:
+        plain.handle(UpdateArrived(u), 1.0)
+    plain.handle(Advance(), 1.0)
+    whole = {n: p.full_tensor() for n, p in params.items()}
+    if dist.get_rank() == 0:
+        pushes_equal = len(ours) == len(theirs) and all(
+            a.fragment == b.fragment and a.seq == b.seq and a.tokens == b.tokens and list(a.deltas) == list(b.deltas)
+            and all(torch.equal(a.deltas[n], b.deltas[n]) for n in a.deltas) for a, b in zip(ours, theirs))
+        merged_equal = all(torch.equal(whole[n], plain_params[n].detach()) for n in names)
+        anchors_whole = sum(t.numel() for a in ranks.core.anchors for t in a.values())
+        (out / "exact.json").write_text(json.dumps({
+            "pushes": len(ours), "pushes_equal": pushes_equal, "merged_equal": merged_equal,
+            "moved": any(not torch.equal(whole[n], trained[n]) for n in names),
+            "anchor_elements_rank0": anchors_whole, "model_elements": sum(t.numel() for t in trained.values())}))
+
+
+def ranks_start(param) -> int:
+    from diloco.client.param_shards import rows_per_shard
+    mesh = param.device_mesh
+    return mesh.get_coordinate()[-1] * rows_per_shard(param.shape[0], mesh.size(mesh.ndim - 1))
+
+
+def run_events(ranks: ShardedRanks, events: list) -> list:
+    """Rank 0 feeds `events` to every rank's core; returns the whole pushes (rank 0)."""
+    ranks.open_step()
+    pushes = []
+    if ranks.leader:
+        for event in events:
+            pushes += [a.push for a in ranks.feed(event, 1.0) if isinstance(a, SendPush)]
+        ranks.close_step(False)
+    else:
+        ranks.follow()
+    return pushes
+
+
+def train(args: argparse.Namespace, out: Path) -> None:
+    rank = dist.get_rank()
+    model = shard_model(tiny_gpt(), args.sharding, dist.get_world_size())
+    learner = Learner(model, syncer=args.syncer, connect_timeout_s=30)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(1000 + rank)
+    done = 0
+    while not learner.should_stop and done < args.steps:
+        x = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=generator)
+        model(x[:, :-1], x[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if done == args.die_at_step and rank == args.die_rank:
+            os._exit(9)  # killed mid-run: no goodbye to anyone
+        learner.step(tokens=args.batch * args.seq)
+        done += 1
+    report = learner.close()
+    report["local_steps"] = done
+    whole = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(whole, out / "params.pt")
+    (out / f"rank-{rank}.json").write_text(json.dumps(report))
+
+
+def refuse(args: argparse.Namespace) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.bad == "disagree":
+        model = shard_model(tiny_gpt(layers=2 if rank == 0 else 1), "fsdp", world)
+    elif args.bad == "mixed":
+        model = tiny_gpt()
+        shard_model(model.blocks[0], "fsdp", world)  # the blocks only: the rest stays plain
+    else:  # tensor-parallel: a column split (Shard(1))
+        model = tiny_gpt()
+        mesh = init_device_mesh("cpu", (world,))
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                placement = Shard(1) if p.dim() == 2 else Shard(0)
+                module.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [placement])))
+    try:
+        Learner(model, syncer=args.syncer, connect_timeout_s=5)
+    except DilocoError as exc:
+        print(f"REFUSED: {exc}", flush=True)
+        sys.exit(3)
+    print("ACCEPTED", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["exact", "train", "refuse"])
+    parser.add_argument("--sharding", default="fsdp")
+    parser.add_argument("--syncer", default="127.0.0.1:1")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--die-at-step", type=int, default=-1)
+    parser.add_argument("--die-rank", type=int, default=1)
+    parser.add_argument("--bad", default="tp")
+    parser.add_argument("--timeout-s", type=float, default=60)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        if args.mode == "exact":
+            exact(args, args.out)
+        elif args.mode == "train":
+            train(args, args.out)
+        else:
+            refuse(args)
+    except DilocoError as exc:
+        print(f"diloco: {exc}", flush=True)
+        sys.exit(1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
