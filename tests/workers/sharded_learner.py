@@ -129,7 +129,8 @@ def train(args: argparse.Namespace, out: Path) -> None:
         done += 1
     report = learner.close()
     report["local_steps"] = done
-    whole = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
+    module = getattr(model, "module", model)  # under DDP
+    whole = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in module.named_parameters()}
     if rank == 0:
         torch.save(whole, out / "params.pt")
     (out / f"rank-{rank}.json").write_text(json.dumps(report))

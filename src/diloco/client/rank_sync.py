@@ -188,10 +188,12 @@ class ShardedRanks:
         """Rank 0: run `join(params, take)`: Θ reaches every rank fragment by fragment (`take`), and a
         shard that must be seeded gets its values gathered at rank 0 (the first learner of a run only)."""
         try:
-            return join(_GatheringView(self), self._take)
+            joined = join(_GatheringView(self), self._take)
         except BaseException as exc:
             self._tell(("end", False, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
             raise
+        self._tell(("end", False, None))
+        return joined
 
     def follow_join(self) -> None:
         while True:
