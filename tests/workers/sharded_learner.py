@@ -8,6 +8,8 @@ Modes:
 - `train`: the project's tiny GPT under --sharding joins --syncer and trains --steps steps; each rank
   writes its report (rank-R.json), rank 0 the whole final parameters (params.pt). With --die-at-step,
   rank --die-rank exits abruptly at that step (a rank killed mid-sync).
+- `checkpoint`: DCP save, then a fresh model and optimizer resume from it (resume-R.json); with --damage
+  a flipped byte in rank 1's file is refused by every rank (refused-R.json).
 - `refuse`: a model the learner cannot sync (--bad tp | mixed | disagree): every rank prints its
   one-line refusal (REFUSED: ...) and exits with 3.
 """
@@ -136,6 +138,56 @@ def train(args: argparse.Namespace, out: Path) -> None:
     (out / f"rank-{rank}.json").write_text(json.dumps(report))
 
 
+def checkpoint(args: argparse.Namespace, out: Path) -> None:
+    """Train, save (DCP), train on; a fresh model and optimizer loaded from the save train the same steps:
+    both end equal bit for bit. With --damage, a byte of rank 1's file is flipped before loading."""
+    from diloco.client.sharded_checkpoints import load_sharded, save_sharded
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def fresh():
+        model = shard_model(tiny_gpt(), args.sharding, world)
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    def train_steps(model, optimizer, first: int, count: int) -> None:
+        for step in range(first, first + count):
+            x = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(step * 10 + rank))
+            model(x[:, :-1], x[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    model, optimizer = fresh()
+    train_steps(model, optimizer, 0, 3)
+    folder = out / "ckpt"
+    save_sharded(folder, model, optimizer, steps=3, data={"learner": 0, "epoch": 0, "index": 3 + rank})
+    train_steps(model, optimizer, 3, 2)
+    if args.damage and rank == 1:
+        victim = sorted(folder.glob("__1_*.distcp"))[0]
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        victim.write_bytes(bytes(raw))
+    dist.barrier()
+    again, again_opt = fresh()
+    before = {n: p.full_tensor() for n, p in again.named_parameters()}
+    try:
+        side = load_sharded(folder, again, again_opt, max_steps=100)
+    except DilocoError as exc:
+        unchanged = all(torch.equal(before[n], p.full_tensor()) for n, p in again.named_parameters())
+        print(f"REFUSED: {exc}", flush=True)
+        (out / f"refused-{rank}.json").write_text(json.dumps({"unchanged": unchanged}))
+        return
+    train_steps(again, again_opt, 3, 2)
+    equal = all(torch.equal(p.full_tensor(), q.full_tensor())
+                for p, q in zip(model.parameters(), again.parameters()))
+    state_a, state_b = optimizer.state_dict()["state"], again_opt.state_dict()["state"]
+    optimizer_equal = all(torch.equal(_whole(state_a[i][k]), _whole(state_b[i][k])) for i in state_a for k in state_a[i])
+    (out / f"resume-{rank}.json").write_text(json.dumps({"steps": side["steps"], "data": side["data"],
+                                                         "model_equal": equal, "optimizer_equal": optimizer_equal}))
+
+
+def _whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def refuse(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -161,7 +213,8 @@ def refuse(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["exact", "train", "refuse"])
+    parser.add_argument("mode", choices=["exact", "train", "refuse", "checkpoint"])
+    parser.add_argument("--damage", action="store_true")
     parser.add_argument("--sharding", default="fsdp")
     parser.add_argument("--syncer", default="127.0.0.1:1")
     parser.add_argument("--out", required=True, type=Path)
@@ -181,6 +234,8 @@ def main() -> None:
             exact(args, args.out)
         elif args.mode == "train":
             train(args, args.out)
+        elif args.mode == "checkpoint":
+            checkpoint(args, args.out)
         else:
             refuse(args)
     except DilocoError as exc:

@@ -3,7 +3,8 @@
 It is the loop a user would write: build the model, join, train until the plan or the shared budget
 is done, leave. A learner slower than its chip (a `learners.speeds` entry below 1, to emulate
 heterogeneous hardware) stretches each step by sleeping: that time counts as compute, as it would on
-a slower chip. Under torchrun, the ranks of one learner split its data shard and run DDP.
+a slower chip. Under torchrun, the ranks of one learner split its data shard and hold the model as
+`train.sharding` says: DDP, FSDP2 or HSDP.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
 from diloco.client.checkpoints import checkpoint_key, read_checkpoint, write_checkpoint
 from diloco.client.learner_client import HomeLink, Learner, LinkShape
+from diloco.client.param_shards import shard_model
 from diloco.transport.ports import report_port
 from diloco.shard.ownership import fragment_owners
 from diloco.status.endpoint import LOOPBACK, HttpExposure
@@ -96,6 +98,9 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     t = config.train
     materials = prepare(config)
     model = materials.model.to(resolve_device(t.device))
+    sharded = t.sharding != "ddp" and dist.is_initialized()
+    if sharded:  # before the optimizer and the learner: both take the sharded parameters
+        model = shard_model(model, t.sharding, dist.get_world_size(), next(model.parameters()).device.type)
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
     sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security)
     m, rank, world = sync.id, sync.rank, sync.world
@@ -112,8 +117,8 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         log.info("learner %d resumes at step %d from %s", m, replica.steps, checkpoint)
     resumed_from = replica.steps
     writer = CheckpointWriter(checkpoint, seal) if checkpoint is not None else None
-    if world > 1:
-        replica.model = nn.parallel.DistributedDataParallel(model)
+    if world > 1 and not sharded:
+        replica.model = shard_model(model, "ddp", world)
     if t.compile:
         replica.model = torch.compile(replica.model)
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
@@ -126,11 +131,12 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     # stopped at its own plan would leave the others' last rounds to speak for the whole fleet.
     training.run(plan.last_step)
     report = sync.close(finished=not (stop is not None and stop.is_set()))
+    # Its own model's held-out loss at the end, on the batches Θ is evaluated on: the final Θ should be
+    # no worse than the learners it came from. A sharded model's forward is a collective: all ranks run it.
+    eval_loss = evaluate(_unwrap(replica.model), materials.eval_batches) if rank == 0 or sharded else None
     if rank == 0:
         training.record(final=True)  # after the last pushes and the leave: every byte is counted
-        # Its own model's held-out loss at the end, on the batches Θ is evaluated on: the final Θ
-        # should be no worse than the learners it came from.
-        report["eval_loss"] = evaluate(_unwrap(replica.model), materials.eval_batches)
+        report["eval_loss"] = eval_loss
     metrics.close()
     wall_s, tokens, busy_s = clock.monotonic() - training.began, training.tokens * world, training.busy_s
     report.update(speed=speed, planned_steps=planned, steps=replica.steps, resumed_from_step=resumed_from,

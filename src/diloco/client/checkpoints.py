@@ -38,6 +38,12 @@ def read_checkpoint(path: Path, max_steps: int, optimizer: torch.optim.Optimizer
     """The checkpoint at `path`, checked against this run (`max_steps`: the most steps a learner of
     it can take) and this learner's `optimizer`; a one-line DilocoError for anything else."""
     state = load_checked(path, "learner checkpoint", ADVICE, key)
+    check_checkpoint(state, path, max_steps, optimizer)
+    return state
+
+
+def check_checkpoint(state: dict[str, Any], path: Path, max_steps: int, optimizer: torch.optim.Optimizer) -> None:
+    """The checks `read_checkpoint` makes on a loaded state (a sharded learner's state: one rank's part)."""
 
     def refuse(why: str) -> DilocoError:
         return DilocoError(f"learner checkpoint {path} {why}: {ADVICE}")
@@ -51,7 +57,6 @@ def read_checkpoint(path: Path, max_steps: int, optimizer: torch.optim.Optimizer
     if not isinstance(data, dict) or not all(isinstance(data.get(k), int) for k in ("learner", "epoch", "index")):
         raise refuse("has no valid data position")
     _check_optimizer(state.get("optimizer"), optimizer, refuse)
-    return state
 
 
 def _check_optimizer(saved: Any, optimizer: torch.optim.Optimizer, refuse) -> None:

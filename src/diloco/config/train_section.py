@@ -33,6 +33,9 @@ class TrainConfig:
     """bf16: forward and backward under bf16 autocast; parameters, optimizer state and syncing stay fp32."""
     compile: bool = False
     """torch.compile the model of a real learner."""
+    sharding: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    """How the ranks of a real learner under torchrun hold its model: `ddp` (each rank the whole model),
+    `fsdp` (FSDP2: each rank its rows of every tensor) or `hsdp` (replicas of sharded groups)."""
 
 
 def check_train(t: TrainConfig) -> None:
@@ -42,6 +45,7 @@ def check_train(t: TrainConfig) -> None:
     require(t.warmup_steps >= 0, "train.warmup_steps", "must be zero or positive", t.warmup_steps)
     require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), "train.device",
             "must be auto, cpu, cuda or cuda:N", t.device)
+    require(t.sharding in ("ddp", "fsdp", "hsdp"), "train.sharding", "must be ddp, fsdp or hsdp", t.sharding)
     require(t.grad_clip >= 0, "train.grad_clip", "must be zero or positive (0 turns clipping off)", t.grad_clip)
 
 
