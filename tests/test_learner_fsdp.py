@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import child_env, free_port_for_torchrun, tiny_config
+from conftest import TINY as TINY_SETS, child_env, free_port_for_torchrun, tiny_config
 from diloco.shard.server import ShardPlan, SyncerShard, serve
 
 WORKER = Path(__file__).parent / "workers" / "sharded_learner.py"
@@ -32,8 +32,10 @@ pytestmark = [pytest.mark.integration,  # one process per rank, against a live s
                                  reason="torch.distributed with Gloo is not available")]
 
 
-def launch(world: int, *args: str, out: Path, timeout_s: float = TIMEOUT_S) -> tuple[list[int], list[str], float]:
-    """Start one worker per rank; return their exit codes, outputs and the seconds until the last ended."""
+def launch(world: int, *args: str, out: Path, timeout_s: float = TIMEOUT_S, command: list[str] | None = None
+           ) -> tuple[list[int], list[str], float]:
+    """Start one worker per rank (`command`: instead of the worker script); return their exit codes, outputs
+    and the seconds until the last ended."""
     port = free_port_for_torchrun()
     procs, logs = [], []
     started = time.monotonic()
@@ -43,7 +45,8 @@ def launch(world: int, *args: str, out: Path, timeout_s: float = TIMEOUT_S) -> t
                         GLOO_SOCKET_IFNAME="lo")
         log = out / f"rank-{rank}.log"
         with log.open("w") as sink:
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), *args, "--out", str(out)], stdout=sink,
+            argv = command or [sys.executable, str(WORKER), *args, "--out", str(out)]
+            procs.append(subprocess.Popen(argv, stdout=sink,
                                           stderr=subprocess.STDOUT, env=env, start_new_session=True))
         logs.append(log)
     try:
@@ -160,3 +163,39 @@ def test_a_damaged_sharded_checkpoint_is_refused_by_every_rank(tmp_path):
         lines = [line for line in log.splitlines() if line.startswith("REFUSED: ")]
         assert len(lines) == 1 and "damaged" in lines[0], log[-2000:]
         assert json.loads((tmp_path / f"refused-{rank}.json").read_text()) == {"unchanged": True}
+
+
+BUILTIN = ["learners.count=1", "strategy=diloco", "outer.H=4", f"outer.fragments={FRAGMENTS}", "train.tokens=3072"]
+
+
+@pytest.mark.parametrize("sharding,world", [("fsdp", 2), ("hsdp", 4)])
+def test_the_builtin_learner_trains_a_sharded_model(sharding, world, tmp_path):
+    """`python -m diloco.learner` under a process group with train.sharding: every rank trains its share,
+    synchronous DiLoCo's rounds close with this learner, every token is merged once per fragment, and the
+    checkpoint is DCP's (a folder, a sealed sidecar per rank)."""
+    config = tiny_config(*BUILTIN)
+    shard = SyncerShard(config, ShardPlan(0, 1, ("",)))
+    server, port = serve(shard, "127.0.0.1:0", workers=8)
+    address = f"127.0.0.1:{port}"
+    shard.plan = ShardPlan(0, 1, (address,))
+    sets = [x for item in [*TINY_SETS, *BUILTIN, f"train.sharding={sharding}"] for x in ("--set", item)]
+    try:
+        codes, logs, _ = launch(world, out=tmp_path, command=[
+            sys.executable, "-m", "diloco.learner", "--syncer", address, "--id", "0", "--out", str(tmp_path),
+            "-q", *sets])
+    finally:
+        server.stop(0)
+        shard.stop()
+    assert codes == [0] * world, logs[0][-3000:]
+    report = json.loads((tmp_path / "learners" / "learner-0.json").read_text())
+    tokens = report["tokens"]
+    assert report["world"] == world and tokens == world * report["steps"] * 4 * 16 and report["merges"] > 0
+    assert report["eval_loss"] is not None
+    assert shard.finished
+    entry = shard.report()["ledger"][0]
+    assert entry["duplicates"] == 0
+    fragments = set(entry["merged"]) | set(entry["stale"])  # synchronous DiLoCo syncs the model whole
+    assert fragments and all(entry["merged"].get(p, 0) + entry["stale"].get(p, 0) == tokens for p in fragments)
+    folder = tmp_path / "checkpoints" / "learner-0.dcp"
+    assert (folder / ".metadata").is_file()
+    assert sorted(f.name for f in folder.glob("rank-*.state")) == [f"rank-{r}.state" for r in range(world)]

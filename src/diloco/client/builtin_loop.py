@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from diloco.errors import DilocoError
 from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
+from diloco.client import sharded_checkpoints
 from diloco.client.checkpoints import checkpoint_key, read_checkpoint, write_checkpoint
 from diloco.client.learner_client import HomeLink, Learner, LinkShape
 from diloco.client.param_shards import shard_model
@@ -54,12 +56,19 @@ def finish_distributed() -> None:
         dist.destroy_process_group()
 
 
+COLLECTIVE_TIMEOUT_S = 600.0
+"""How long a rank waits at a collective of its learner before it ends with one line: a dead rank is
+noticed within it. Rank 0 tells the others every second while it waits on the syncer, so only one
+fragment's pull at join (or one step) must fit in it."""
+
+
 def init_distributed() -> bool:
     """Join the torchrun process group of this learner, when there is one."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return dist.is_initialized()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    timeout = float(os.environ.get("DILOCO_COLLECTIVE_TIMEOUT_S", COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return True
 
 
@@ -108,15 +117,20 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     speed, planned = plan.speed, plan.planned_steps
     replica.sampler = _data_shard(config, materials.corpus.train, m, rank, world)
     replica.planned_steps = planned
-    checkpoint = out / "checkpoints" / f"learner-{m}.pt" if out is not None else None
+    checkpoint = out / "checkpoints" / f"learner-{m}.{'dcp' if sharded else 'pt'}" if out is not None else None
     seal = checkpoint_key(security.secret, security.learner.token if security.learner else None) \
         if security is not None else None
-    if checkpoint is not None and checkpoint.is_file():
+    if checkpoint is not None and sharded and sharded_checkpoints.exists(checkpoint):
+        sharded_checkpoints.restore_sharded(checkpoint, replica, planned * STEP_CAP,
+                                            restore_plan(config.failures.restore, has_checkpoint=True), seal)
+        sync.resume(replica.steps)
+    elif checkpoint is not None and checkpoint.is_file():
         restore_checkpoint(checkpoint, replica, world, config.failures.restore, seal)
         sync.resume(replica.steps)
         log.info("learner %d resumes at step %d from %s", m, replica.steps, checkpoint)
     resumed_from = replica.steps
-    writer = CheckpointWriter(checkpoint, seal) if checkpoint is not None else None
+    writer = None if checkpoint is None else \
+        sharded_checkpoints.ShardedWriter(checkpoint, seal) if sharded else CheckpointWriter(checkpoint, seal)
     if world > 1 and not sharded:
         replica.model = shard_model(model, "ddp", world)
     if t.compile:
@@ -143,8 +157,9 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
                   tokens=tokens, busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
                   tokens_per_s=tokens / wall_s if wall_s else 0.0,
                   interrupted=bool(stop is not None and stop.is_set()))
-    if checkpoint is not None and rank == 0:
+    if checkpoint is not None and (rank == 0 or sharded):
         writer.save(model, replica, wait=True)
+    if checkpoint is not None and rank == 0:
         (out / "learners").mkdir(parents=True, exist_ok=True)
         (out / "learners" / f"learner-{m}.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -175,7 +190,7 @@ class _Training:
     stop: threading.Event | None
     checkpoint_every: int
     """0: no checkpoints."""
-    writer: CheckpointWriter | None
+    writer: CheckpointWriter | sharded_checkpoints.ShardedWriter | None
     tokens: int = 0
     busy_s: float = 0.0
     began: float = field(default_factory=clock.monotonic)
@@ -195,8 +210,9 @@ class _Training:
             sync.step(tokens)
             if self.rank == 0:
                 self.record(final=False)
-                if self.checkpoint_every and replica.steps % self.checkpoint_every == 0:
-                    self.writer.save(_unwrap(replica.model), replica)
+            if self.checkpoint_every and replica.steps % self.checkpoint_every == 0 and \
+                    (self.rank == 0 or getattr(self.writer, "every_rank", False)):
+                self.writer.save(_unwrap(replica.model), replica)
 
     def record(self, final: bool) -> None:
         now = clock.monotonic()

@@ -271,6 +271,8 @@ class Learner:
             self.waiting_s += clock.monotonic() - waited_from
             if arrival is not None:
                 self._carry_out(self._take(arrival))
+            else:
+                self.ranks.tick()
             self._raise_if_failed()
 
     def _take(self, arrival: Arrival) -> list[LearnerAction]:

@@ -53,6 +53,10 @@ def sharded_settings_problem(settings: Any) -> str | None:
 
 # ------------------------------------------------------------ plain and DDP models
 
+END, TICK, FAILED = 0, 1, 2
+"""What rank 0 tells the other ranks of a replicated learner at the end of a step, or while it waits."""
+
+
 
 class ReplicatedRanks:
     """Every rank holds the whole model (today's DDP learner): rank 0's merges are broadcast."""
@@ -77,24 +81,44 @@ class ReplicatedRanks:
         return self.core.handle(event, now)
 
     def close_step(self, stop: bool, error: str | None = None) -> tuple[bool, int]:
-        flags = torch.zeros(len(self.fragments) + 1, dtype=torch.int64)
+        flags = self._flags(END if error is None else FAILED)
         for p, (old, new) in enumerate(zip(self._before, self.core.anchor_versions)):
             flags[p] = int(new != old)
-        flags[-1] = int(stop)
+        flags[-2] = int(stop)
         return self._share(flags)
 
+    def tick(self) -> None:
+        """Rank 0 is still waiting on the syncer: the others' wait is not a dead rank's."""
+        if self.world > 1:
+            self._share(self._flags(TICK))
+
     def follow(self) -> tuple[bool, int]:
-        return self._share(torch.zeros(len(self.fragments) + 1, dtype=torch.int64))
+        while True:
+            flags = self._flags(END)
+            stop, merges = self._share(flags)
+            if int(flags[-1]) == FAILED:
+                raise DilocoError("rank 0 of this learner failed while syncing (its log says why)")
+            if int(flags[-1]) == END:
+                return stop, merges
+
+    def _flags(self, kind: int) -> torch.Tensor:
+        """Per fragment whether it was merged, then the stop request, then what the message is."""
+        flags = torch.zeros(len(self.fragments) + 2, dtype=torch.int64)
+        flags[-1] = kind
+        return flags
 
     def _share(self, flags: torch.Tensor) -> tuple[bool, int]:
         """Every rank ends a step with rank 0's parameters and stop request (a collective)."""
         if self.world > 1:
-            dist.broadcast(flags, 0)
-            with torch.no_grad():
-                for p in flags[:-1].nonzero().flatten().tolist():
-                    for name in self.fragments[p].names:
-                        dist.broadcast(self.params[name].data, 0)
-        return bool(flags[-1]), int(flags[:-1].sum())
+            try:
+                dist.broadcast(flags, 0)
+                with torch.no_grad():
+                    for p in flags[:-2].nonzero().flatten().tolist():
+                        for name in self.fragments[p].names:
+                            dist.broadcast(self.params[name].data, 0)
+            except (RuntimeError, dist.DistBackendError) as exc:
+                raise collective_error(exc) from exc
+        return bool(flags[-2]), int(flags[:-2].sum())
 
 
 # ------------------------------------------------------------ FSDP2 and HSDP models
@@ -160,6 +184,10 @@ class ShardedRanks:
         self._tell(("end", stop, error))
         return stop, self._merged()
 
+    def tick(self) -> None:
+        """Rank 0 is still waiting on the syncer: the others' wait is not a dead rank's."""
+        self._tell(("tick",))
+
     def _merged(self) -> int:
         return sum(int(a != b) for a, b in zip(self._before, self.core.anchor_versions))
 
@@ -169,6 +197,8 @@ class ShardedRanks:
         """Every rank but 0: take rank 0's events until it ends the step; its stop request comes along."""
         while True:
             message = self._hear()
+            if message[0] == "tick":
+                continue
             if message[0] == "end":
                 if message[2] is not None:
                     raise DilocoError(message[2])

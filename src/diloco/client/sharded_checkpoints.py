@@ -136,3 +136,30 @@ class _LocalGroups:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.param_groups = [{**g, "params": [_local(p) for p in g["params"]]} for g in optimizer.param_groups]
+
+
+class ShardedWriter:
+    """The built-in learner's checkpoints when its model is sharded: every rank writes (`every_rank`), in
+    step with the others, on the training thread (DCP's writes are collectives)."""
+
+    every_rank = True
+
+    def __init__(self, folder: Path, key: bytes | None = None) -> None:
+        self.folder, self.key = folder, key
+
+    def save(self, model: nn.Module, replica: Any, wait: bool = False) -> None:
+        save_sharded(self.folder, model, replica.optimizer, replica.steps, replica.sampler.state_dict(), self.key)
+
+    def wait(self) -> None:
+        pass
+
+
+def restore_sharded(folder: Path, replica: Any, max_steps: int, plan: Any, key: bytes | None = None) -> None:
+    """A restarted sharded learner's own state, as `core/recovery.py`'s `plan` says (its parameters come
+    from the syncer's current Θ, which is newer); its data position only when the world is the same."""
+    side = load_sharded(folder, replica.model, replica.optimizer, max_steps, key, restore_model=False,
+                        restore_optimizer=plan.optimizer)
+    if plan.data and side["data"] is not None:
+        replica.sampler.load_state_dict(side["data"])
+    if plan.steps:
+        replica.steps = int(side["steps"])
