@@ -91,13 +91,17 @@ def test_sharded_push_and_merge_equal_unsharded_bit_for_bit(sharding, world, tmp
     assert result["anchor_elements_rank0"] <= result["model_elements"] / shards * 1.1, result
 
 
-@pytest.mark.parametrize("sharding,world", [("fsdp", 2), ("hsdp", 4), ("ddp", 2)])
-def test_sharded_learner_trains_against_a_syncer(syncer, sharding, world, tmp_path):
+@pytest.mark.parametrize("sharding,world,model", [("fsdp", 2, "gpt"), ("hsdp", 4, "gpt"), ("ddp", 2, "gpt"),
+                                                 ("fsdp", 2, "hf")])
+def test_sharded_learner_trains_against_a_syncer(syncer, sharding, world, model, tmp_path):
     """Every rank takes part in every merge; the syncer counts one learner, each token once per fragment,
-    every push once, and its Θ equals what the learner last merged where no push is left in flight."""
+    every push once, and holds Θ for every parameter the learner has (a Hugging Face causal LM with tied
+    embeddings too)."""
+    if model == "hf":
+        pytest.importorskip("transformers")
     shard, address = syncer
     codes, logs, _ = launch(world, "train", "--sharding", sharding, "--syncer", address, "--steps", str(STEPS),
-                            "--batch", str(BATCH), "--seq", str(SEQ), out=tmp_path)
+                            "--batch", str(BATCH), "--seq", str(SEQ), "--model", model, out=tmp_path)
     assert codes == [0] * world, logs[0][-3000:] + logs[-1][-2000:]
     reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(world)]
     tokens = world * BATCH * SEQ * STEPS

@@ -113,16 +113,34 @@ def run_events(ranks: ShardedRanks, events: list) -> list:
     return pushes
 
 
+def hf_causal_lm() -> torch.nn.Module:
+    """A tiny randomly initialised GPT-2 (tied embeddings), whose forward the loop adapts to (inputs, targets)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, hf: bool) -> torch.Tensor:
+    if hf:
+        return model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+    return model(x[:, :-1], x[:, 1:])
+
+
 def train(args: argparse.Namespace, out: Path) -> None:
     rank = dist.get_rank()
-    model = shard_model(tiny_gpt(), args.sharding, dist.get_world_size())
+    hf = args.model == "hf"
+    model = shard_model(hf_causal_lm() if hf else tiny_gpt(), args.sharding, dist.get_world_size())
     learner = Learner(model, syncer=args.syncer, connect_timeout_s=30)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(1000 + rank)
     done = 0
     while not learner.should_stop and done < args.steps:
         x = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=generator)
-        model(x[:, :-1], x[:, 1:]).backward()
+        loss_of(model, x, hf).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if done == args.die_at_step and rank == args.die_rank:
@@ -215,6 +233,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["exact", "train", "refuse", "checkpoint"])
     parser.add_argument("--damage", action="store_true")
+    parser.add_argument("--model", choices=["gpt", "hf"], default="gpt")
     parser.add_argument("--sharding", default="fsdp")
     parser.add_argument("--syncer", default="127.0.0.1:1")
     parser.add_argument("--out", required=True, type=Path)
