@@ -1,0 +1,218 @@
+"""Sharded learners (FSDP2, HSDP) on this machine (CPU, Gloo): memory, speed, join time, whole-run
+equivalence with DDP learners, and a mixed run.
+
+    flock /work/bench.lock python benchmarks/sharded.py [--steps N] [--width W] [--layers L] [--out FILE]
+
+Every learner rank is a benchmarks/sharded_worker.py process; each run's syncer is one shard served in
+this process. Parts, all in one invocation:
+  memory  one FSDP learner of W = 2 and W = 4 ranks, a GPT of ≥ 20M parameters in 8 fragments (decoupled):
+          per rank, the sync boundary's staging peak (what rank 0 gathers of one fragment; answers are
+          scattered into buffers of one rank's rows), the RSS growth after the first step (everything
+          syncing holds on the host, the client link's encoded pushes and decoded answers included), and the
+          anchors (each rank's rows only). Target: staging ≤ 1.5 × the largest fragment in fp32; the
+          per-rank peak RSS falls as W grows.
+  speed   the same W = 2 FSDP loop with syncing and without it (no Learner at all): tokens/s ratio,
+          target ≥ 0.95; and the join time (Θ loaded into every rank) of the synced one.
+  equal   2 learners of 2 ranks each, FSDP against DDP, synchronous DiLoCo and Decoupled DiLoCo: the
+          final Θ's loss on held-out batches; target |relative difference| ≤ 1e-3.
+  mixed   a 2-rank FSDP learner, a 2-rank DDP learner and a 1-process learner against one shard:
+          merged + stale + lost = trained for each (`core/accounting.learner_tokens`).
+
+Prints a table and writes JSON (default benchmarks/results/sharded.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from children import Processes, tail  # benchmarks/children.py
+from diloco.config import load_config
+from diloco.core.accounting import learner_tokens
+from diloco.models.gpt import GPT, GPTConfig
+from diloco.shard.server import ShardPlan, SyncerShard, serve
+from sharded_worker import VOCAB, batch
+
+WORKER = Path(__file__).parent / "sharded_worker.py"
+MEMORY_TARGET, SPEED_TARGET, EQUAL_TARGET = 1.5, 0.95, 1e-3
+RUN_TIMEOUT_S = 900.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_syncer(learners: int, strategy: str, fragments: int) -> tuple[Any, SyncerShard, str]:
+    config = load_config(None, [f"learners.count={learners}", f"strategy={strategy}", f"outer.H={max(4, fragments)}",
+                                f"outer.fragments={fragments}", "train.tokens=1000000000", "learners.speeds=[]"])
+    shard = SyncerShard(config, ShardPlan(0, 1, ("",)))
+    server, port = serve(shard, "127.0.0.1:0", workers=16)
+    address = f"127.0.0.1:{port}"
+    shard.plan = ShardPlan(0, 1, (address,))
+    return server, shard, address
+
+
+def start_learner(procs: Processes, out: Path, learner: int, world: int, sharding: str, args: argparse.Namespace,
+                  syncer: str | None, width: int, layers: int) -> list[subprocess.Popen]:
+    port, started = free_port(), []
+    for rank in range(world):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+        sync = ["--syncer", syncer] if syncer else ["--no-sync"]
+        argv = [sys.executable, str(WORKER), *sync, "--id", str(learner), "--sharding", sharding, "--width", str(width),
+                "--layers", str(layers), "--steps", str(args.steps), "--out", str(out)]
+        started.append(procs.start(argv, out / f"learner-{learner}-rank-{rank}.log", env=env))
+    return started
+
+
+def wait_all(procs: Processes, started: list[subprocess.Popen], out: Path) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    for proc in started:
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        if code != 0:
+            procs.stop_all()
+            logs = "\n".join(tail(log, 20) for log in sorted(out.glob("*.log")))
+            raise SystemExit(f"a learner rank exited with {code}:\n{logs}")
+
+
+def run(learners: list[tuple[int, str]], strategy: str, fragments: int, args: argparse.Namespace, width: int,
+        layers: int, sync: bool = True) -> dict[str, Any]:
+    """One run: learners as (ranks, sharding); returns every rank's report, the shard's, and Θ's loss."""
+    out = Path(tempfile.mkdtemp(prefix="sharded-"))
+    procs = Processes()
+    server, shard, address = start_syncer(len(learners), strategy, fragments) if sync else (None, None, None)
+    try:
+        started = [p for m, (world, sharding) in enumerate(learners)
+                   for p in start_learner(procs, out, m, world, sharding, args, address, width, layers)]
+        wait_all(procs, started, out)
+        theta = dict(shard.core.theta) if shard is not None else None
+        shard_report = shard.report() if shard is not None else None
+    finally:
+        procs.stop_all()
+        if server is not None:
+            server.stop(0)
+            shard.stop()
+    reports = [json.loads(f.read_text()) for f in sorted(out.glob("learner-*-rank-*.json"))]
+    return {"reports": reports, "shard": shard_report, "loss": loss_of(theta, width, layers) if theta else None}
+
+
+def loss_of(theta: dict[str, torch.Tensor], width: int, layers: int, seq: int = 32) -> float:
+    """Held-out loss of `theta` on 8 batches of the workers' token stream (another seed)."""
+    model = GPT(GPTConfig(vocab_size=VOCAB, context=seq, layers=layers, width=width, heads=4, dropout=0.0))
+    model.load_state_dict({n: t.to(torch.float32) for n, t in theta.items()}, strict=False)
+    generator = torch.Generator().manual_seed(424242)
+    with torch.no_grad():
+        losses = [float(model(x[:, :-1], x[:, 1:])) for x in (batch(generator, 8, seq) for _ in range(8))]
+    return sum(losses) / len(losses)
+
+
+def memory_and_speed(args: argparse.Namespace) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for world in (2, 4):
+        r = run([(world, "fsdp")], "decoupled", 8, args, args.width, args.layers)
+        reports = r["reports"]
+        fragment = reports[0]["largest_fragment_bytes"]
+        rows[f"W{world}"] = {
+            "world": world, "parameters": reports[0]["parameters"], "fragments": reports[0]["fragments"],
+            "largest_fragment_bytes": fragment,
+            "staging_peak_bytes": max(x["peak_staging_bytes"] for x in reports),
+            "staging_over_fragment": max(x["peak_staging_bytes"] for x in reports) / fragment,
+            "rss_growth_max_bytes": max(x["rss_growth_bytes"] for x in reports),
+            "rss_growth_over_fragment": max(x["rss_growth_bytes"] for x in reports) / fragment,
+            "peak_rss_max_bytes": max(x["peak_rss_bytes"] for x in reports),
+            "anchor_bytes_per_rank": max(x["anchor_bytes"] for x in reports),
+            "bytes_between_ranks_rank0": reports[0]["bytes_between_ranks"], "bytes_up": reports[0]["bytes_up"],
+            "bytes_down": reports[0]["bytes_down"], "join_s": max(x["join_s"] for x in reports),
+            "tokens_per_s_synced": reports[0]["tokens_per_s"], "merges": reports[0]["merges"]}
+        if world == 2:
+            off = run([(2, "fsdp")], "decoupled", 8, args, args.width, args.layers, sync=False)["reports"]
+            rows["W2"]["tokens_per_s_unsynced"] = off[0]["tokens_per_s"]
+            rows["W2"]["speed_ratio"] = rows["W2"]["tokens_per_s_synced"] / off[0]["tokens_per_s"]
+    return rows
+
+
+def equivalence(args: argparse.Namespace) -> dict[str, Any]:
+    rows = {}
+    for strategy in ("diloco", "decoupled"):
+        losses = {s: run([(2, s), (2, s)], strategy, 3, args, 64, 2)["loss"] for s in ("fsdp", "ddp")}
+        rows[strategy] = {"fsdp_loss": losses["fsdp"], "ddp_loss": losses["ddp"],
+                          "relative_difference": abs(losses["fsdp"] - losses["ddp"]) / losses["ddp"]}
+    return rows
+
+
+def mixed(args: argparse.Namespace) -> dict[str, Any]:
+    r = run([(2, "fsdp"), (2, "ddp"), (1, "ddp")], "decoupled", 3, args, 64, 2)
+    numel = {int(p): n for p, n in r["shard"]["fragment_numel"].items()} if "fragment_numel" in r["shard"] else None
+    per_learner = {}
+    for m in range(3):
+        ranks = [x for x in r["reports"] if x["learner"] == m]
+        trained = sum(x["tokens"] for x in ranks)
+        entry = r["shard"]["ledger"].get(m, {})
+        merged, stale = entry.get("merged", {}), entry.get("stale", {})
+        sizes = numel or {p: 1 for p in set(merged) | set(stale)}
+        split = learner_tokens(trained, merged, stale, sizes)
+        per_learner[m] = {**split, "balanced": abs(split["merged"] + split["stale"] + split["lost"]
+                                                   - split["counted_twice"] - trained) < 1e-6}
+    return {"learners": per_learner, "all_balanced": all(v["balanced"] for v in per_learner.values())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--width", type=int, default=576)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--parts", default="memory,equal,mixed")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sharded.json")
+    args = p.parse_args()
+    results: dict[str, Any] = {"steps": args.steps, "width": args.width, "layers": args.layers}
+    parts = args.parts.split(",")
+    if "memory" in parts:
+        results["memory_speed"] = memory_and_speed(args)
+    if "equal" in parts:
+        results["equivalence"] = equivalence(args)
+    if "mixed" in parts:
+        results["mixed"] = mixed(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    show(results)
+
+
+def show(results: dict[str, Any]) -> None:
+    table = Table(title="sharded learners")
+    for column in ("measure", "value", "target"):
+        table.add_column(column)
+    for key, row in results.get("memory_speed", {}).items():
+        mib = 2 ** 20
+        table.add_row(f"{key} params / fragments", f"{row['parameters'] / 1e6:.1f}M / {row['fragments']}", "≥20M / ≥8")
+        table.add_row(f"{key} staging peak / largest fragment", f"{row['staging_over_fragment']:.2f}", "≤ 1.5")
+        table.add_row(f"{key} RSS growth / largest fragment", f"{row['rss_growth_over_fragment']:.2f}", "")
+        table.add_row(f"{key} peak RSS per rank (MiB)", f"{row['peak_rss_max_bytes'] / mib:.0f}", "falls with W")
+        table.add_row(f"{key} anchors per rank (MiB)", f"{row['anchor_bytes_per_rank'] / mib:.1f}", "")
+        table.add_row(f"{key} join s", f"{row['join_s']:.2f}", "")
+        if "speed_ratio" in row:
+            table.add_row(f"{key} tokens/s synced / unsynced", f"{row['speed_ratio']:.3f}", "≥ 0.95")
+    for strategy, row in results.get("equivalence", {}).items():
+        table.add_row(f"{strategy}: FSDP vs DDP final loss", f"{row['fsdp_loss']:.6f} vs {row['ddp_loss']:.6f} "
+                      f"({row['relative_difference']:.2e})", "≤ 1e-3")
+    if "mixed" in results:
+        table.add_row("mixed run: merged + stale + lost = trained", str(results["mixed"]["all_balanced"]), "True")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

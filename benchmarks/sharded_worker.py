@@ -1,0 +1,117 @@
+"""One rank of a learner for benchmarks/sharded.py (Gloo, CPU; RANK, WORLD_SIZE, MASTER_* in the
+environment). It builds the built-in GPT at --width × --layers, holds it as --sharding says, joins
+--syncer (or trains without syncing: --no-sync), trains --steps inner steps on seeded tokens (`batch`) and
+writes OUT/learner-ID-rank-R.json: tokens/s over its training steps, join seconds, its memory (peak RSS,
+RSS growth after the first sync, the sync boundary's staging peak, anchors), bytes over the learner's
+group, and rank 0 its final parameters (params-ID.pt) for the run's final loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from diloco.client.learner_client import Learner
+from diloco.client.param_shards import shard_model
+from diloco.models.gpt import GPT, GPTConfig
+
+VOCAB = 256
+
+
+def batch(generator: torch.Generator, size: int, seq: int) -> torch.Tensor:
+    """Learnable tokens: each next token is 7·previous + 3 (mod VOCAB), or random one time in ten."""
+    x = torch.empty((size, seq + 1), dtype=torch.int64)
+    x[:, 0] = torch.randint(0, VOCAB, (size,), generator=generator)
+    for t in range(seq):
+        noise = torch.randint(0, VOCAB, (size,), generator=generator)
+        keep = torch.rand(size, generator=generator) < 0.9
+        x[:, t + 1] = torch.where(keep, (7 * x[:, t] + 3) % VOCAB, noise)
+    return x
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--syncer")
+    p.add_argument("--no-sync", action="store_true")
+    p.add_argument("--id", type=int, default=0)
+    p.add_argument("--sharding", default="fsdp")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, context=args.seq, layers=args.layers, width=args.width, heads=4,
+                          dropout=0.0))
+    parameters = sum(t.numel() for t in model.parameters())
+    model = shard_model(model, args.sharding, world) if distributed else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    began = time.monotonic()
+    learner = None if args.no_sync else Learner(model, optimizer, syncer=args.syncer, learner=args.id,
+                                                connect_timeout_s=60, tokens_per_step=args.batch * args.seq)
+    join_s = time.monotonic() - began
+    generator = torch.Generator().manual_seed(1000 * args.id + rank)
+    rss_floor, step_times = 0, []
+    started = time.monotonic()
+    for step in range(args.steps):
+        t0 = time.monotonic()
+        x = batch(generator, args.batch, args.seq)
+        model(x[:, :-1], x[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if learner is not None:
+            learner.step(tokens=args.batch * args.seq)
+            if learner.should_stop:
+                break
+        step_times.append(time.monotonic() - t0)
+        if step == 0:
+            rss_floor = rss_bytes()  # model, optimizer state and anchors all exist: what grows now is syncing's
+    train_s = time.monotonic() - started
+    report = learner.close() if learner is not None else {}
+    steps = len(step_times)
+    core = learner.core if learner is not None else None
+    ranks = learner.ranks if learner is not None else None
+    anchors = sum(t.numel() * 4 for a in core.anchors for t in a.values()) if core else 0
+    fragment = max(f.numel for f in core.fragments) * 4 if core else 0
+    result = {"learner": args.id, "rank": rank, "world": world, "sharding": args.sharding, "parameters": parameters,
+              "fragments": len(core.fragments) if core else 0, "largest_fragment_bytes": fragment,
+              "steps": steps, "tokens": steps * args.batch * args.seq, "train_s": train_s,
+              "tokens_per_s": steps * args.batch * args.seq * world / train_s if train_s else 0.0,
+              "join_s": join_s, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "rss_growth_bytes": max(0, rss_bytes() - rss_floor) if rss_floor else 0,
+              "peak_staging_bytes": getattr(ranks, "peak_staging_bytes", 0),
+              "bytes_between_ranks": getattr(ranks, "bytes_between_ranks", 0), "anchor_bytes": anchors,
+              "bytes_up": report.get("bytes_up", 0), "bytes_down": report.get("bytes_down", 0),
+              "merges": report.get("merges", 0)}
+    module = getattr(model, "module", model)
+    whole = {n: t.full_tensor() if hasattr(t, "full_tensor") else t.detach() for n, t in module.named_parameters()}
+    if rank == 0:
+        torch.save(whole, args.out / f"params-{args.id}.pt")
+    (args.out / f"learner-{args.id}-rank-{rank}.json").write_text(json.dumps(result))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
