@@ -107,7 +107,7 @@ def padded_rows(rows_here: torch.Tensor, rows: int) -> torch.Tensor:
     """This rank's rows, padded to the rows every rank sends (gloo gathers equal sizes)."""
     if rows_here.shape[0] == rows:
         return rows_here.contiguous()
-    padded = torch.zeros((rows, *rows_here.shape[1:]), dtype=rows_here.dtype)
+    padded = torch.zeros((rows, *rows_here.shape[1:]), dtype=rows_here.dtype, device=rows_here.device)
     padded[:rows_here.shape[0]] = rows_here
     return padded
 
@@ -116,7 +116,8 @@ def row_pieces(value: torch.Tensor, rows: int, shards: int) -> list[torch.Tensor
     """`value` cut into `shards` pieces of `rows` rows (views, but for the short or missing last ones)."""
     pieces = [piece.contiguous() for piece in value.split(rows)]
     return [p if p.shape[0] == rows else padded_rows(p, rows) for p in pieces] + \
-        [torch.zeros((rows, *value.shape[1:]), dtype=value.dtype) for _ in range(shards - len(pieces))]
+        [torch.zeros((rows, *value.shape[1:]), dtype=value.dtype, device=value.device)
+         for _ in range(shards - len(pieces))]
 
 
 def hsdp_shape(world: int) -> tuple[int, int]:

@@ -136,7 +136,8 @@ class ShardedRanks:
         self.bytes_between_ranks = 0
         """Bytes of Θ, pushes and answers this rank sent or received over the learner's group."""
         self.peak_staging_bytes = 0
-        """The most bytes of one fragment this rank held at once beyond its own rows (rank 0's gathers)."""
+        """The most bytes of one fragment this rank's boundary held at once: a push gathered whole at rank 0,
+        or its rows of an answer (what the client link holds of pushes and answers is not counted here)."""
         self._before: list[int] = []
         self._check_agreement(layout_fingerprint(params, self.placement))
 
@@ -278,7 +279,8 @@ class ShardedRanks:
             shape = tuple(self.global_params[name].shape)
             rows = rows_per_shard(shape[0], shards)
             padded = padded_rows(mine, rows)
-            out = torch.empty((rows * shards, *shape[1:]), dtype=padded.dtype) if self.leader else None
+            out = torch.empty((rows * shards, *shape[1:]), dtype=padded.dtype, device=padded.device) \
+                if self.leader else None
             try:
                 dist.gather(padded, list(out.split(rows)) if out is not None else None, group=group, group_dst=0)
             except (RuntimeError, dist.DistBackendError) as exc:
@@ -293,12 +295,12 @@ class ShardedRanks:
     def _scatter(self, values: Mapping[str, torch.Tensor] | None, names: list[str]) -> dict[str, torch.Tensor]:
         """Each rank gets its own rows of rank 0's `values` (HSDP: over the first replica's shard group,
         then from there to the other replicas)."""
-        placement, local = self.placement, {}
+        placement, local, held = self.placement, {}, 0
         group, shards = placement.shard_group, placement.shards
         for name in names:
             param = self.global_params[name]
             rows = rows_per_shard(param.shape[0], shards)
-            buffer = torch.empty((rows, *param.shape[1:]), dtype=torch.float32)
+            buffer = torch.empty((rows, *param.shape[1:]), dtype=torch.float32, device=param.to_local().device)
             try:
                 if placement.in_first_replica:
                     pieces = row_pieces(values[name].to(torch.float32), rows, shards) if self.leader else None
@@ -309,6 +311,8 @@ class ShardedRanks:
                 raise collective_error(exc) from exc
             self.bytes_between_ranks += buffer.numel() * 4 * ((shards - 1) if self.leader else 1)
             local[name] = buffer[:param.to_local().shape[0]]
+            held += buffer.numel() * 4
+        self.peak_staging_bytes = max(self.peak_staging_bytes, held)
         return local
 
 
