@@ -78,11 +78,14 @@ def syncer():
         shard.stop()
 
 
-@pytest.mark.parametrize("sharding,world", [("fsdp", 2), ("hsdp", 4)])
-def test_sharded_push_and_merge_equal_unsharded_bit_for_bit(sharding, world, tmp_path):
+@pytest.mark.parametrize("sharding,world,device", [
+    ("fsdp", 2, "cpu"), ("hsdp", 4, "cpu"),
+    pytest.param("fsdp", 2, "cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                             reason="NCCL needs two CUDA devices"))])
+def test_sharded_push_and_merge_equal_unsharded_bit_for_bit(sharding, world, device, tmp_path):
     """From the same parameters and anchors, the pushes put together at rank 0 and the parameters after
     merging the same answers equal an unsharded learner's exactly; rank 0 holds only its rows' anchors."""
-    codes, logs, _ = launch(world, "exact", "--sharding", sharding, out=tmp_path)
+    codes, logs, _ = launch(world, "exact", "--sharding", sharding, "--device", device, out=tmp_path)
     assert codes == [0] * world, logs[0][-3000:]
     result = json.loads((tmp_path / "exact.json").read_text())
     assert result["pushes"] == FRAGMENTS

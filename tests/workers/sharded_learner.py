@@ -54,13 +54,16 @@ def core_over(params: dict[str, torch.Tensor], fragments, learner: int = 0) -> L
 
 def exact(args: argparse.Namespace, out: Path) -> None:
     """The sync path of a sharded learner against an unsharded one, from the same state."""
-    reference = tiny_gpt()
-    sharded = shard_model(tiny_gpt(), args.sharding, dist.get_world_size())
+    device = torch.device(args.device, dist.get_rank()) if args.device == "cuda" else torch.device("cpu")
+    reference = tiny_gpt().to(device)
+    sharded = shard_model(tiny_gpt().to(device), args.sharding, dist.get_world_size(), device.type)
     fragments = partition(reference, FRAGMENTS)
     names = [n for n, _ in reference.named_parameters()]
     generator = torch.Generator().manual_seed(7)
-    trained = {n: p.detach() + 0.01 * torch.randn(p.shape, generator=generator) for n, p in reference.named_parameters()}
-    answers = {n: p.detach() - 0.02 * torch.randn(p.shape, generator=generator) for n, p in reference.named_parameters()}
+    trained = {n: p.detach() + 0.01 * torch.randn(p.shape, generator=generator).to(device)
+               for n, p in reference.named_parameters()}
+    answers = {n: p.detach() - 0.02 * torch.randn(p.shape, generator=generator).to(device)
+               for n, p in reference.named_parameters()}
 
     plain_params = dict(reference.named_parameters())
     plain = core_over(plain_params, fragments)
@@ -234,6 +237,7 @@ def main() -> None:
     parser.add_argument("mode", choices=["exact", "train", "refuse", "checkpoint"])
     parser.add_argument("--damage", action="store_true")
     parser.add_argument("--model", choices=["gpt", "hf"], default="gpt")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--sharding", default="fsdp")
     parser.add_argument("--syncer", default="127.0.0.1:1")
     parser.add_argument("--out", required=True, type=Path)
@@ -246,7 +250,10 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=60)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout_s))
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         if args.mode == "exact":
