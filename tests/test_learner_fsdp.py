@@ -8,7 +8,6 @@ The syncer runs in this process; tests/workers/sharded_learner.py runs once per 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
