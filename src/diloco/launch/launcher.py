@@ -230,6 +230,7 @@ class Launcher:
         emulate = ["--emulate-link"] if self.emulate_link else []
         self.children.start(f"learner-{m}", self._python(
             "learner", "--syncer", self.syncer_of(m), "--id", str(m), *emulate,
+            "--framework", self.config.learners.framework_of(m),
             "--out", str(self.shared), *self._endpoint_args(f"learner-{m}")), env=env)
 
     def _endpoint_args(self, name: str, status: bool = False) -> list[str]:
