@@ -79,6 +79,7 @@ def run_jax_learner(config: Config, *, syncer: str | None, learner: int | None =
         return model.apply({"params": p}, inputs, targets)
 
     replica = JaxReplica(params, loss_fn, config.train, sampler=None, planned_steps=1)
+    replica.compile()
     if syncer is None:
         if learner is None:
             raise DilocoError("a learner that does not sync needs its id (--id)")

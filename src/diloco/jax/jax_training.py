@@ -71,11 +71,19 @@ class JaxReplica:
         self.opt_state = self.jitted.optimizer.init(params)
         self.steps = 0
         self._last_loss: jax.Array | None = None
+        self._step: Callable[..., tuple[Any, Any, jax.Array]] = self.jitted.step
+
+    def compile(self) -> None:
+        """Compile the step for this run's batch shape now, before training: a first step that took
+        the compile time would count it as training (and a slowed learner's emulation would stretch it)."""
+        batch = jnp.zeros((self.cfg.batch_size, self.cfg.seq_len), dtype=jnp.int32)
+        self._step = self.jitted.step.lower(self.params, self.opt_state, jnp.float32(self.cfg.lr), batch,
+                                            batch).compile()
 
     def train_step(self) -> int:
         inputs, targets = self.sampler.next_batch()
         lr = jnp.float32(learning_rate(self.cfg, self.steps, self.planned_steps))
-        self.params, self.opt_state, self._last_loss = self.jitted.step(
+        self.params, self.opt_state, self._last_loss = self._step(
             self.params, self.opt_state, lr, jnp.asarray(np.asarray(inputs)), jnp.asarray(np.asarray(targets)))
         self.steps += 1
         return int(targets.numel())
