@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from diloco.jax.flax_gpt import FlaxGPT, gpt_layout  # noqa: E402
 from diloco.jax.jax_learner import JaxLearner  # noqa: E402
-from diloco.jax.jax_loop import gpt_params  # noqa: E402
+from diloco.jax.equivalence import flax_params_for  # noqa: E402
 from diloco.jax.jax_training import jitted_step  # noqa: E402
 from diloco.jax.name_map import GPT_NAMES  # noqa: E402
 
@@ -64,7 +64,7 @@ def torch_gpt(cfg: GPTConfig = CFG, seed: int = 0) -> GPT:
 
 def join_jax(address: str, cfg: GPTConfig = CFG, seed: int = 0) -> tuple[JaxLearner, FlaxGPT]:
     model = FlaxGPT(cfg)
-    params = gpt_params(None, model, {n: p.detach() for n, p in torch_gpt(cfg, seed).named_parameters()})
+    params = flax_params_for(model, {n: p.detach() for n, p in torch_gpt(cfg, seed).named_parameters()})
     order, embeddings = gpt_layout(cfg)
     return JaxLearner(params, syncer=address, order=order, embeddings=embeddings), model
 

@@ -23,10 +23,10 @@ from diloco.config import Config
 from diloco.driver_kit.schedule import learner_plan
 from diloco.errors import DilocoError
 from diloco.fragments import embedding_names
+from diloco.jax.equivalence import flax_params_for
 from diloco.jax.flax_gpt import FlaxGPT
 from diloco.jax.jax_learner import JaxLearner
 from diloco.jax.jax_training import JaxReplica
-from diloco.jax.name_map import GPT_NAMES
 from diloco.materials import prepare
 from diloco.metrics.records import LearnerMeter
 from diloco.status.endpoint import LOOPBACK, HttpExposure
@@ -53,12 +53,6 @@ class _Synced:
         return report
 
 
-def gpt_params(config: Config, model: FlaxGPT, theta: dict[str, Any]) -> Any:
-    """The Flax GPT's params holding `theta` (the torch model's tensors), checked name for name."""
-    template = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, model.cfg.context), jnp.int32)))
-    return GPT_NAMES.params_from_theta(template["params"], theta, what="the torch GPT")
-
-
 def run_jax_learner(config: Config, *, syncer: str | None, learner: int | None = None, out: Path | None = None,
                     emulate_link: bool = False, stop: threading.Event | None = None,
                     connect_timeout_s: float = 30.0, metrics_port: int | None = None,
@@ -73,7 +67,7 @@ def run_jax_learner(config: Config, *, syncer: str | None, learner: int | None =
     torch_model = materials.model
     model = FlaxGPT(torch_model.cfg)
     theta = {n: p.detach() for n, p in torch_model.named_parameters()}
-    params = gpt_params(config, model, theta)
+    params = flax_params_for(model, theta)
 
     def loss_fn(p: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
         return model.apply({"params": p}, inputs, targets)
