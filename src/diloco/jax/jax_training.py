@@ -85,6 +85,9 @@ class JaxReplica:
         lr = jnp.float32(learning_rate(self.cfg, self.steps, self.planned_steps))
         self.params, self.opt_state, self._last_loss = self._step(
             self.params, self.opt_state, lr, jnp.asarray(np.asarray(inputs)), jnp.asarray(np.asarray(targets)))
+        # Done when it returns, as a torch step on the CPU: the loop's busy time and a slowed learner's
+        # emulated speed (`learners.speeds`) are measured around it; dispatch alone would take none.
+        jax.block_until_ready(self.params)
         self.steps += 1
         return int(targets.numel())
 
