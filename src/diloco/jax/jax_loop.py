@@ -8,6 +8,7 @@ and schedule, synced through a `JaxLearner`. Its first params are the torch mode
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -60,6 +61,7 @@ def run_jax_learner(config: Config, *, syncer: str | None, learner: int | None =
                     metrics_http: HttpExposure = LOOPBACK) -> dict[str, Any]:
     """`builtin_loop.run_learner` for a JAX learner: train to the end of the plan or the shared budget;
     the report also goes to OUT/learners/learner-ID.json."""
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # not the TPU it looked for on a CPU host
     if config.model.factory:
         raise DilocoError("a JAX learner trains the built-in GPT; a model of your own joins through "
                           "diloco.jax.JaxLearner (docs/jax.md)")
