@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench bench-heterogeneous bench-quality bench-compression bench-runtime bench-gpu proto clean
+.PHONY: setup run test bench bench-frameworks bench-heterogeneous bench-quality bench-compression bench-runtime bench-gpu proto clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_PIN)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,jax]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -45,6 +45,9 @@ bench-quality: $(STAMP)
 	mixed=$$!; \
 	wait $$equal && wait $$mixed
 	$(BIN)/python benchmarks/quality.py --parts real --out $(QUALITY)-real $(ARGS)
+
+bench-frameworks: $(STAMP)
+	$(BIN)/python benchmarks/frameworks.py
 
 bench-compression: $(STAMP)
 	$(BIN)/python benchmarks/compression.py

@@ -30,6 +30,9 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
     from diloco.metrics import open_metrics
 
     config = load_config(args.config, args.set or [])
+    if any(f != "torch" for f in config.learners.frameworks):
+        print("diloco: warning: learners.frameworks is ignored by `diloco sim`: every simulated learner trains "
+              "the torch model (a JAX learner trains the same one; `diloco run` starts them)", file=sys.stderr)
     out = output_folder(Path(args.out) if args.out else
                         Path("runs") / f"sim-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     with writing(out / "metrics.jsonl"):

@@ -152,17 +152,18 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         training.record(final=True)  # after the last pushes and the leave: every byte is counted
         report["eval_loss"] = eval_loss
     metrics.close()
-    wall_s, tokens, busy_s = clock.monotonic() - training.began, training.tokens * world, training.busy_s
-    report.update(speed=speed, planned_steps=planned, steps=replica.steps, resumed_from_step=resumed_from,
-                  tokens=tokens, busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
-                  tokens_per_s=tokens / wall_s if wall_s else 0.0,
-                  interrupted=bool(stop is not None and stop.is_set()))
+    training.complete(report, plan.planned_steps, resumed_from)
     if checkpoint is not None and (rank == 0 or sharded):
         writer.save(model, replica, wait=True)
     if checkpoint is not None and rank == 0:
-        (out / "learners").mkdir(parents=True, exist_ok=True)
-        (out / "learners" / f"learner-{m}.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_report(out, report)
     return report
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    """OUT/learners/learner-ID.json, where `diloco run` collects every learner's report."""
+    (out / "learners").mkdir(parents=True, exist_ok=True)
+    (out / "learners" / f"learner-{report['learner']}.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def _metrics_for(config: Config, out: Path | None, m: int, rank: int, port: int | None,
@@ -214,6 +215,14 @@ class _Training:
                     (self.rank == 0 or getattr(self.writer, "every_rank", False)):
                 self.writer.save(_unwrap(replica.model), replica)
 
+    def complete(self, report: dict[str, Any], planned_steps: int, resumed_from: int) -> None:
+        """The loop's own figures, added to the learner's report at the end."""
+        wall_s, tokens, busy_s = clock.monotonic() - self.began, self.tokens * self.world, self.busy_s
+        report.update(speed=self.speed, planned_steps=planned_steps, steps=self.replica.steps,
+                      resumed_from_step=resumed_from, tokens=tokens, busy_s=busy_s, wall_s=wall_s,
+                      busy_fraction=busy_s / wall_s if wall_s else 1.0, tokens_per_s=tokens / wall_s if wall_s else 0.0,
+                      interrupted=bool(self.stop is not None and self.stop.is_set()))
+
     def record(self, final: bool) -> None:
         now = clock.monotonic()
         self.meter.step(clock.now() - self.metrics.origin, steps=self.replica.steps, tokens=self.tokens * self.world,
@@ -229,6 +238,13 @@ def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int
         if learner is None:
             raise DilocoError("a learner that does not sync needs its id (--id)")
         return Standalone(learner)
+    return Learner(replica.model, replica.optimizer, syncer=syncer, learner=learner,
+                   connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security,
+                   **sync_options(config, learner, emulate_link))
+
+
+def sync_options(config: Config, learner: int | None, emulate_link: bool) -> dict[str, Any]:
+    """The links, shard homes and tokens per step a learner of this config joins with (either framework)."""
     # With regions: the learner's whole route as one link (the slowest hop, the latencies summed), one per
     # home region when `placement = "links"` spreads the shards over the regions (with the regional tier
     # the learner syncs with its region's one syncer). Unlike the simulator, learners of a region do not
@@ -237,9 +253,8 @@ def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int
     owners = None if Topology(config).tiered else fragment_owners(config)
     homes = None if owners is None else [HomeLink(home, _link_shape(config, learner, home) if emulate_link else None)
                                          for home in Topology(config).homes(len(owners))]
-    return Learner(replica.model, replica.optimizer, syncer=syncer, learner=learner, link=link,
-                   connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security,
-                   tokens_per_step=config.train.batch_size * config.train.seq_len, homes=homes, owners=owners)
+    return {"link": link, "tokens_per_step": config.train.batch_size * config.train.seq_len, "homes": homes,
+            "owners": owners}
 
 
 def _link_shape(config: Config, learner: int | None, home: str | None) -> LinkShape:

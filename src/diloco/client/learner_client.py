@@ -67,7 +67,8 @@ class Learner:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, syncer: str,
                  learner: int | None = None, link: LinkShape | None = None, connect_timeout_s: float = 30.0,
                  host: str = "", security: TransportSecurity | None = None, tokens_per_step: int | None = None,
-                 homes: Sequence[HomeLink] | None = None, owners: Sequence[int] | None = None) -> None:
+                 homes: Sequence[HomeLink] | None = None, owners: Sequence[int] | None = None,
+                 host_params: Mapping[str, torch.Tensor] | None = None) -> None:
         """Join the run served at `syncer` (any shard's HOST:PORT) and load its current Θ into `model`.
         `learner` asks for an id (a restart keeps its own); by default the syncer picks one, or the one
         named by the learner's own credential (`security`, or $DILOCO_LEARNER_TOKEN). `tokens_per_step`:
@@ -76,11 +77,13 @@ class Learner:
         (`placement = "links"`): each shard's traffic is shaped and counted on its own link, instead of
         all on `link` (give `owners` with it: their shard indices are the same). `owners`: per fragment,
         the shard the learner's config says owns it; a run whose shards say otherwise is refused (None:
-        the shards' own map)."""
+        the shards' own map). `host_params`: the tensors to read and merge into instead of the module's
+        own (the JAX learner's host mirror, which copies a tensor from its device when it is read)."""
         self.model = model
         self.optimizer = optimizer
         self.module = _unwrap(model)
-        self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        self.params = host_params if host_params is not None else {
+            n: p for n, p in self.module.named_parameters() if p.requires_grad}
         self.staging = DeviceStaging(next(iter(self.params.values())).device)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0

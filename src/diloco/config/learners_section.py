@@ -8,6 +8,7 @@ from typing import Any
 from diloco.config.rules import MAX_LEARNERS, require, require_at_most
 
 DEFAULT_SPEEDS = (1.0, 1.0, 0.5, 0.25)
+FRAMEWORKS = ("torch", "jax")
 
 
 @dataclass
@@ -29,12 +30,19 @@ class LearnersConfig:
     step_time_s: float = 0.05
     """Simulator: virtual seconds of one inner step at speed 1 (the built-in model's step in `diloco
     run` on a 2-core machine; set your learners' own to predict a real run)."""
+    frameworks: list[str] = field(default_factory=list)
+    """What each learner trains with in `diloco run`: "torch" or "jax" (`diloco[jax]`: the built-in GPT
+    in Flax), one per learner; empty means all torch. The simulator trains every learner with torch."""
     min: int = 0
     """`diloco run --ray`: the fewest learners the run trains on (it waits for capacity below that);
     0 means `count`."""
     max: int = 0
     """`diloco run --ray`: the most learners at once, started wherever matching capacity appears; 0 means
     `count`. Learners beyond `count` get new ids and train at speed 1."""
+
+    def framework_of(self, learner: int) -> str:
+        """A learner's framework; one beyond the list (an elastic run's newcomer) trains with torch."""
+        return self.frameworks[learner] if learner < len(self.frameworks) else "torch"
 
     def bounds(self) -> tuple[int, int]:
         """(min, max) learners of an elastic run, their zeros resolved to `count`."""
@@ -56,6 +64,11 @@ def check_learners(lc: LearnersConfig) -> None:
                 f"must have one entry per learner (learners.count = {lc.count})", lc.speeds)
         for i, s in enumerate(lc.speeds):
             require(s > 0, f"learners.speeds[{i}]", "must be positive", s)
+    if lc.frameworks:
+        require(len(lc.frameworks) == lc.count, "learners.frameworks",
+                f"must have one entry per learner (learners.count = {lc.count})", lc.frameworks)
+        for i, f in enumerate(lc.frameworks):
+            require(f in FRAMEWORKS, f"learners.frameworks[{i}]", f"must be one of {', '.join(FRAMEWORKS)}", f)
     require(0 <= lc.jitter < 1, "learners.jitter", "must be in [0, 1)", lc.jitter)
     require(0 <= lc.drift < 1, "learners.drift", "must be in [0, 1)", lc.drift)
     require(lc.drift_steps > 0, "learners.drift_steps", "must be positive", lc.drift_steps)

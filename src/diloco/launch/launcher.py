@@ -42,6 +42,8 @@ from diloco.transport.security import PLAINTEXT, TransportSecurity
 POLL_S = 0.5
 STARTUP_TIMEOUT_S = 60.0
 """Bound on the children's start (imports, binding); a start that takes longer is reported, not awaited."""
+ONE_XLA_THREAD = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+"""A JAX learner's XLA held to one thread, as OMP_NUM_THREADS=1 holds a torch learner's."""
 
 
 @dataclass
@@ -226,10 +228,12 @@ class Launcher:
 
     def _start_learner(self, m: int) -> None:
         self._place(f"learner-{m}")
-        env = {"OMP_NUM_THREADS": str(self.learner_threads), **self.env}
+        env = {"OMP_NUM_THREADS": str(self.learner_threads), **(ONE_XLA_THREAD if self.learner_threads == 1 else {}),
+               **self.env}
         emulate = ["--emulate-link"] if self.emulate_link else []
         self.children.start(f"learner-{m}", self._python(
             "learner", "--syncer", self.syncer_of(m), "--id", str(m), *emulate,
+            "--framework", self.config.learners.framework_of(m),
             "--out", str(self.shared), *self._endpoint_args(f"learner-{m}")), env=env)
 
     def _endpoint_args(self, name: str, status: bool = False) -> list[str]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from diloco.config import Config, load_config
+from diloco.config.learners_section import FRAMEWORKS
 from diloco.console import learners_table, print_table, progress_bars, results_table, show_outputs
 from diloco.errors import DilocoError
 from diloco.outputs import output_folder, write_output
@@ -120,6 +121,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     config = runtime_config(args)
     if args.shards < 1:
         raise DilocoError("--shards must be at least 1")
+    if "jax" in config.learners.frameworks:
+        from diloco.jax import require_jax
+
+        require_jax()  # one line before any process starts, rather than a learner failing later
     configured = security_from_args(args, role="both")
     check_http_auth(args, configured)
     out = output_folder(Path(args.out) if args.out else
@@ -263,6 +268,9 @@ def add_learner_arguments(p: argparse.ArgumentParser) -> None:
                    help="shape this learner's traffic to link.bandwidth_mbit and link.latency_ms")
     p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
                    help="give up if no syncer answers within S seconds (default 60)")
+    p.add_argument("--framework", choices=FRAMEWORKS,
+                   help="train with torch or with JAX (the built-in GPT in Flax; needs diloco[jax]); default: "
+                        "this learner's learners.frameworks entry, else torch")
     add_http_arguments(p, default_host="127.0.0.1")
 
 
@@ -281,7 +289,14 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
     http = http_exposure(args, "127.0.0.1", security)
     out = output_folder(Path(args.out)) if args.out else None
     stop = stop_on_signals()
-    init_distributed()
+    framework = args.framework or (config.learners.framework_of(args.id) if args.id is not None else "torch")
+    if framework == "jax":
+        from diloco.jax import require_jax
+
+        require_jax()
+        from diloco.jax.jax_loop import run_jax_learner as run_learner
+    else:
+        init_distributed()
     report = run_learner(config, syncer=args.syncer, learner=args.id, out=out,
                          emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout,
                          metrics_port=args.metrics_port, metrics_port_file=args.metrics_port_file,
