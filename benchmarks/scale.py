@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of pushing before the window")
     parser.add_argument("--socket-seconds", type=float, default=3.0, help="plain-socket baseline per run")
     parser.add_argument("--quorum", type=int, default=1, help="outer.quorum (1: each push closes its round)")
+    parser.add_argument("--paced", action="store_true", help="keep the default config's pacing and grace "
+                        "(the default paced decoupled config) instead of closing each round at once")
     parser.add_argument("--tokens-per-step", type=int, default=4096, help="declared at join")
     parser.add_argument("--journal", action="store_true", help="give the shards a state folder (--out): they "
                         "journal every push and save their state every 10 s, as under `diloco run`")
@@ -170,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             if record["status"] == "ok":
                 console.print(f"    push {record['push_mb_s']:.0f} MB/s, pull {record['pull_mb_s']:.0f} MB/s, "
                               f"socket {fmt(record['socket_mb_s'])} MB/s, RSS {gib(record['rss_bytes'])} GiB, "
-                              f"p50 {ms(record['latency_median_s'])} ms"
+                              f"p50 {ms(record['latency_median_s'])} ms, "
+                              f"shard CPU {fmt(record['cpu_ns_per_param'], '.2f')} ns/param "
+                              f"(roofline {fmt(record['roofline_ns_per_param'], '.3f')})"
                               + (f" [yellow]({'; '.join(record['problems'])})[/]" if record["problems"] else ""))
             else:
                 console.print(f"    [yellow]{record['status']}: {record['reason']}[/]")

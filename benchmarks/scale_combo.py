@@ -43,7 +43,8 @@ class Combo:
 def syncer_sets(combo: Combo, args: argparse.Namespace) -> list[str]:
     sets = ["strategy=decoupled", f"learners.count={combo.learners}", "learners.speeds=[]",
             f"outer.fragments={combo.fragments}", f"outer.H={max(50, combo.fragments)}",
-            f"outer.quorum={min(args.quorum, combo.learners)}", "outer.pacing=false", "outer.grace=0",
+            f"outer.quorum={min(args.quorum, combo.learners)}",
+            *([] if args.paced else ["outer.pacing=false", "outer.grace=0"]),
             f"codec.up={combo.codec}", f"codec.down={combo.down}", f"codec.block={args.block}",
             f"train.tokens={2**50}", "failures.detect_s=86400", *args.set]
     return [x for s in sets for x in ("--set", s)]
@@ -169,11 +170,14 @@ class Run:
         self._sleep_until(t0)
         self.sampler.loaded = True
         w0 = t0 + args.warmup
+        self._sleep_until(w0)
+        cpu0 = [cpu_seconds(p.pid) for p in self.shard_procs]
         self._sleep_until(w0 + args.seconds)
         wanted = args.min_pushes * self.combo.shards
         while time.time() < w0 + args.max_seconds and self._progress() < wanted:
             self._sleep_until(time.time() + 0.2)
         w1 = time.time()
+        cpu1 = [cpu_seconds(p.pid) for p in self.shard_procs]
         self.sampler.sample()
         self.sampler.loaded = False  # the window is over: what the shards do next is not load
         (self.work / "stop.tmp").write_text(repr(w1))
@@ -194,7 +198,8 @@ class Run:
                                      "report": json.loads(status.report_json)})
                 except Exception as exc:  # noqa: BLE001 — the figures stand without it
                     statuses.append({"error": str(exc)})
-        return {"window": (w0, w1), "reports": reports, "statuses": statuses}
+        return {"window": (w0, w1), "reports": reports, "statuses": statuses,
+                "cpu_s": [b - a for a, b in zip(cpu0, cpu1)]}
 
     def _progress(self) -> int:
         """Pushes taken since the window opened, summed over the learners' progress files."""
@@ -218,6 +223,32 @@ SCALE_SCRIPT = str(Path(__file__).with_name("scale.py"))
 """The benchmark itself: its learners are `scale.py --worker SPEC` processes."""
 TCP_SINK = str(Path(__file__).with_name("tcp_sink.py"))
 """The plain TCP sink `benchmarks/runtime.py` measures against too."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads, so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def roofline_ns_per_param(numel: int, repeats: int = 5) -> float:
+    """One fused read-modify-write pass over fp32 tensors of `numel` elements (Θ += w·Δ, in place, one
+    thread): the least CPU a merge of one pushed parameter can cost on this host. The best of `repeats`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        theta, delta = torch.rand(numel), torch.rand(numel)
+        theta.add_(delta, alpha=0.5)  # pages touched once before timing
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.process_time_ns()
+            theta.add_(delta, alpha=0.5)
+            best = min(best, (time.process_time_ns() - started) / numel)
+        return best
+    finally:
+        torch.set_num_threads(threads)
 
 
 def socket_baseline(procs: Processes, work: Path, payload_file: str, seconds: float) -> dict[str, float]:
@@ -280,8 +311,11 @@ def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, An
         elif len(status["alive"]) < combo.learners:
             problems.append(f"shard {i}: only {len(status['alive'])} of {combo.learners} learners alive at the end")
         rounds = {tuple(x) for r in rows for x in r["rounds"]}
+        push_params = sum(r["push_params"] for r in rows)
         per_shard.append({
             "shard": i, "fragments": report.get("fragments"),
+            "cpu_s": m["cpu_s"][i], "push_params": push_params,
+            "cpu_ns_per_param": m["cpu_s"][i] * 1e9 / push_params if push_params else None,
             "rss_bytes": sampler.rss_load[i], "hwm_bytes": sampler.hwm[i],
             "theta_bytes": memory.get("theta_bytes") if isinstance(memory, dict) else None, "memory": memory,
             "push_mb_s": sum(r["push_bytes"] for r in rows) / seconds / MB,
@@ -295,8 +329,10 @@ def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, An
         })
     all_latencies.sort()
     largest = max(range(combo.shards), key=lambda i: per_shard[i]["rss_bytes"])
+    pushed = sum(s["push_params"] for s in per_shard)
     return {
         "seconds": seconds,
+        "cpu_ns_per_param": sum(s["cpu_s"] for s in per_shard) * 1e9 / pushed if pushed else None,
         "push_mb_s": sum(s["push_mb_s"] for s in per_shard), "pull_mb_s": sum(s["pull_mb_s"] for s in per_shard),
         "rss_bytes": per_shard[largest]["rss_bytes"], "hwm_bytes": max(s["hwm_bytes"] for s in per_shard),
         "theta_bytes": per_shard[largest]["theta_bytes"], "memory": per_shard[largest]["memory"],
@@ -323,6 +359,8 @@ def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespa
         "seconds": args.seconds, "warmup_s": args.warmup, "journal": args.journal, "secret": not args.plaintext,
         "quorum": min(args.quorum, combo.learners), "key": combo.key, "status": "ok", "reason": "",
         "rss_bytes": None, "push_mb_s": None, "pull_mb_s": None, "socket_mb_s": None, "push_vs_socket": None,
+        "pull_vs_socket": None, "cpu_ns_per_param": None, "roofline_ns_per_param": None, "cpu_vs_roofline": None,
+        "paced": args.paced,
     }
     predicted, how = model.predict(combo.key, per_shard_params, combo.learners)
     need = predicted * combo.shards + combo.learners * LEARNER_RSS_BYTES
@@ -367,6 +405,10 @@ def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespa
         return record
     record.update(summarize(combo, measured, sampler))
     model.runs.append(record)
+    largest = max(sum(t.numel for t in tensors) for tensors in layout)
+    record["roofline_ns_per_param"] = roofline_ns_per_param(largest)
+    if record["cpu_ns_per_param"] is not None:
+        record["cpu_vs_roofline"] = record["cpu_ns_per_param"] / record["roofline_ns_per_param"]
     largest_fragment = max(payload["fragments"].values(), key=lambda f: f["bytes"])
     try:
         sock = socket_baseline(procs, work, largest_fragment["file"], args.socket_seconds)
@@ -376,4 +418,5 @@ def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespa
     record["socket_mb_s"] = sock["mb_s"]
     record["message_bytes"] = sock["message_bytes"]
     record["push_vs_socket"] = max(s["push_mb_s"] for s in record["per_shard"]) / sock["mb_s"]
+    record["pull_vs_socket"] = max(s["pull_mb_s"] for s in record["per_shard"]) / sock["mb_s"]
     return record
