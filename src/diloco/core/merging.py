@@ -17,9 +17,10 @@ weigh uncapped: at most one fragment's copy, whatever the number of learners.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -62,6 +63,8 @@ class Merging:
         self.last_weight: dict[int, float] = {}
         self.step_time: dict[int, float] = {}
         self.one_way_s: float | None = None
+        self.grouping = False
+        """A group of pushes is being taken (`grouped`): no round closes until all of it is in."""
         self.defer: Callable[[int], bool] | None = None
         """Asked, as a round of a fragment closes, whether its answers wait for `release` (a regional syncer
         holds them until the global syncer's answer, so that its learners get the global Θ at once)."""
@@ -152,6 +155,15 @@ class Merging:
         slack = self.tau * step - (waited + sync)
         return min(max(self.grace * slack, 0.0), self.grace_cap_steps * step)
 
+    @contextlib.contextmanager
+    def grouped(self) -> Iterator[None]:
+        """Rounds wait while a group of pushes is taken in; the caller evaluates them all after."""
+        self.grouping = True
+        try:
+            yield
+        finally:
+            self.grouping = False
+
     def evaluate_all(self, now: float) -> list[Action]:
         return [a for s in self.fragments.values() for a in self.evaluate(s, now)]
 
@@ -160,7 +172,7 @@ class Merging:
         return self.membership.stopped and any(c.final for c in state.pending.values())
 
     def evaluate(self, state: FragmentState, now: float) -> list[Action]:
-        if not state.pending:
+        if not state.pending or self.grouping:
             return []
         alive = self.membership.alive
         if self.ending(state):  # the last round of the run waits for every learner's last push
