@@ -4,6 +4,7 @@ as if it had never come), and a group is the same state whichever core takes it 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diloco.config import load_config
@@ -13,7 +14,9 @@ from diloco.core.messages import Push
 from diloco.core.syncer_core import SyncerCore
 from diloco.fragments import Fragment
 from diloco.strategies import build_strategy
+from diloco.shard.journal import Journal
 from core_state import frozen, same
+from shard_on_disk import SeededShard, _no_shard_left  # noqa: F401 (an autouse fixture)
 
 LEARNERS = 8
 NUMEL = 64
@@ -94,3 +97,33 @@ def test_a_group_of_one_is_the_push_alone():
     one.handle(PushesArrived((push(5, 2),)), 1.0)
     alone.handle(PushArrived(push(5, 2)), 1.0)
     assert same(frozen(one), frozen(alone))
+
+
+@pytest.mark.integration
+def test_journal_replay_of_a_grouped_round_gives_the_identical_state(tmp_path):
+    """A group journaled as one record, one of its pushes refused: a shard resumed from the journal holds
+    exactly what the live shard held (Θ, rounds, optimizer, ledger), the refused push taken by neither."""
+    from diloco.shard.group_commit import QueuedPush, take_group
+    from diloco.shard.server import ShardPlan, SyncerShard
+    from diloco.transport.wire_messages import DecodedOnUse, push_of, push_payload
+
+    seeded = SeededShard(tmp_path)
+    shard = seeded.shard
+    messages = [seeded.push_message(1), seeded.push_message(2, base_version=99), seeded.push_message(3)]
+    group = [QueuedPush(push_of(h, t, DecodedOnUse(t)), push_payload(h, t)) for h, t in messages]
+    with shard.lock:
+        rounds = len(shard.core.rounds)
+        take_group(shard, group, shard.clock.now())
+        assert [q.outcome for q in group] == ["taken", "refused", "taken"]
+        assert len(shard.core.rounds) == rounds + 1 and shard.core.ledger[0].pushes == 2
+        live = frozen(shard.core)
+    kinds = [r.kind for r in Journal.scan(tmp_path / "shard-0.journal").records]
+    assert "PushesArrived" in kinds
+    seeded.kill()
+    resumed = SyncerShard(seeded.config, ShardPlan(0, 1, ("",)), state_dir=tmp_path, resume=True)
+    try:
+        after = frozen(resumed.core)
+        for key in ("theta", "fragments", "rounds", "last_weight", "ledger"):
+            assert same(live[key], after[key]), key
+    finally:
+        resumed.stop()

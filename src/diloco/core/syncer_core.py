@@ -281,6 +281,8 @@ class SyncerCore:
                         raise
                     actions.append(PushRefused(push.learner, push.fragment, push.seq, str(exc)))
                     continue
+                finally:  # values decoded when used are dropped once taken: one push decoded at a time
+                    getattr(push.deltas, "release", lambda: None)()
                 actions += self._heard(push.learner, now)
         return actions + self.merging.evaluate_all(now)
 

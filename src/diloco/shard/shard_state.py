@@ -33,6 +33,7 @@ from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.shard import resume as shard_resume
 from diloco.shard.answer_slots import AnswerSlots
+from diloco.shard.group_commit import GROUP_PUSHES, PushQueue
 from diloco.shard.journal import JournalHalted
 from diloco.shard.ownership import ShardPlan
 from diloco.shard.regional_shard import RegionTier
@@ -85,6 +86,8 @@ class ShardState:
         self.push_errors = 0
         self.decoding = threading.BoundedSemaphore(DECODING_PUSHES)
         """Pushes decoded at once: the others wait in their compressed form."""
+        self.push_queue = PushQueue(GROUP_PUSHES if tier is None else 1)
+        """Pushes waiting for the lock, taken as one group by whoever gets it (`group_commit.py`)."""
         self.answer_slots = AnswerSlots()
         self.finished = False
         self.stop_said = False
