@@ -199,7 +199,21 @@ class Run:
                 except Exception as exc:  # noqa: BLE001 — the figures stand without it
                     statuses.append({"error": str(exc)})
         return {"window": (w0, w1), "reports": reports, "statuses": statuses,
-                "cpu_s": [b - a for a, b in zip(cpu0, cpu1)]}
+                "cpu_s": [b - a for a, b in zip(cpu0, cpu1)], "join": self.join()}
+
+    def join(self) -> dict[str, Any]:
+        """What a learner joining now pulls: Θ of every shard, whole (fp32), timed (an observer's pull,
+        which changes nothing on the shards)."""
+        started = time.perf_counter()
+        pulled = 0
+        try:
+            for c in self.clients:
+                values, _, _ = c.pull(0, observer=True)
+                pulled += sum(v.numel() * v.element_size() for v in values.values())
+                del values
+        except Exception as exc:  # noqa: BLE001 — the run's other figures stand without it
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"seconds": time.perf_counter() - started, "bytes": pulled}
 
     def _progress(self) -> int:
         """Pushes taken since the window opened, summed over the learners' progress files."""
@@ -338,7 +352,7 @@ def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, An
         "theta_bytes": per_shard[largest]["theta_bytes"], "memory": per_shard[largest]["memory"],
         "latency_median_s": statistics.median(all_latencies) if all_latencies else None,
         "latency_p95_s": percentile(all_latencies, 0.95),
-        "rounds_per_s": sum(s["rounds_per_s"] for s in per_shard),
+        "rounds_per_s": sum(s["rounds_per_s"] for s in per_shard), "join": m["join"],
         "learners_rss_bytes": sampler.learners_rss, "min_available_bytes": sampler.min_available,
         "problems": problems, "per_shard": per_shard,
     }
@@ -359,7 +373,7 @@ def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespa
         "seconds": args.seconds, "warmup_s": args.warmup, "journal": args.journal, "secret": not args.plaintext,
         "quorum": min(args.quorum, combo.learners), "key": combo.key, "status": "ok", "reason": "",
         "rss_bytes": None, "push_mb_s": None, "pull_mb_s": None, "socket_mb_s": None, "push_vs_socket": None,
-        "pull_vs_socket": None, "cpu_ns_per_param": None, "roofline_ns_per_param": None, "cpu_vs_roofline": None,
+        "pull_vs_socket": None, "join_vs_socket": None, "cpu_ns_per_param": None, "roofline_ns_per_param": None, "cpu_vs_roofline": None,
         "paced": args.paced,
     }
     predicted, how = model.predict(combo.key, per_shard_params, combo.learners)
@@ -419,4 +433,8 @@ def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespa
     record["message_bytes"] = sock["message_bytes"]
     record["push_vs_socket"] = max(s["push_mb_s"] for s in record["per_shard"]) / sock["mb_s"]
     record["pull_vs_socket"] = max(s["pull_mb_s"] for s in record["per_shard"]) / sock["mb_s"]
+    join = record.get("join") or {}
+    if "seconds" in join:  # join time over the plain socket's time for the same bytes
+        record["join_s"], record["join_bytes"] = join["seconds"], join["bytes"]
+        record["join_vs_socket"] = join["seconds"] / (join["bytes"] / (sock["mb_s"] * MB))
     return record

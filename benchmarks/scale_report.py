@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-from scale_model import CPU_ROOFLINE_TARGET, GIB, RSS_RATIO_TARGET, SCALING_TARGET, SOCKET_RATIO_TARGET
+from scale_model import CPU_ROOFLINE_TARGET, GIB, JOIN_RATIO_TARGET, RSS_RATIO_TARGET, SCALING_TARGET, SOCKET_RATIO_TARGET
 
 
 
@@ -64,6 +64,13 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                     f"/ roofline ({by[8]['roofline_ns_per_param']:.3f})",
                          "value": by[8]["cpu_vs_roofline"], "target": f"≤ {CPU_ROOFLINE_TARGET}",
                          "met": by[8]["cpu_vs_roofline"] <= CPU_ROOFLINE_TARGET})
+        for r in sorted(by.values(), key=lambda r: r["learners"]):
+            if r.get("join_vs_socket") is not None:
+                rows.append({"where": where, "measure": f"join: Θ pulled ({r['join_bytes'] / 1e6:.0f} MB, "
+                                                        f"{r['join_s']:.2f} s) / plain socket, same bytes",
+                             "value": r["join_vs_socket"], "target": f"≤ {JOIN_RATIO_TARGET}",
+                             "met": r["join_vs_socket"] <= JOIN_RATIO_TARGET})
+                break
         # the best a shard did against the socket, at any learner count
         best = max(by.values(), key=lambda r: r.get("push_vs_socket") or 0)
         if best.get("push_vs_socket") is not None and (one is None or best is not one):

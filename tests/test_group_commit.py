@@ -16,7 +16,7 @@ from diloco.fragments import Fragment
 from diloco.strategies import build_strategy
 from diloco.shard.journal import Journal
 from core_state import frozen, same
-from shard_on_disk import SeededShard, _no_shard_left  # noqa: F401 (an autouse fixture)
+from shard_on_disk import SeededShard, _no_shard_left, tiny_model  # noqa: F401 (an autouse fixture)
 
 LEARNERS = 8
 NUMEL = 64
@@ -127,3 +127,35 @@ def test_journal_replay_of_a_grouped_round_gives_the_identical_state(tmp_path):
             assert same(live[key], after[key]), key
     finally:
         resumed.stop()
+
+
+@pytest.mark.integration
+def test_a_join_pulls_every_fragment_and_hands_each_to_take_on_the_calling_thread(tmp_path):
+    """Parallel pulls: with `take`, each fragment's Θ goes to take(fragment, values) on the joining thread,
+    exactly the shard's values, and Joined.theta stays empty; the pull's time is reported."""
+    import threading
+
+    from diloco.client.joining import join_run
+    from diloco.fragments import partition
+
+    seeded = SeededShard(tmp_path)
+    model = tiny_model()
+    params = dict(model.named_parameters())
+    got, threads = {}, set()
+
+    def take(fragment: int, values: dict[str, torch.Tensor]) -> None:
+        threads.add(threading.get_ident())
+        got[fragment] = values
+
+    joined = join_run(seeded.address, 0, 30.0, "test", params, lambda count: partition(model, count, set()),
+                      None, take=take)
+    try:
+        assert threads == {threading.get_ident()} and joined.theta == {}
+        assert sorted(got) == sorted(seeded.shard.core.fragments) and joined.pull_s > 0
+        for values in got.values():
+            for name, value in values.items():
+                assert torch.equal(value, seeded.shard.core.theta[name])
+    finally:
+        for shard in joined.shards:
+            shard.client.leave(joined.learner)
+            shard.client.close()

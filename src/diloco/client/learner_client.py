@@ -129,6 +129,7 @@ class Learner:
             for name, value in joined.theta.items():
                 self.params[name].copy_(value)
         self._first_seq = joined.last_seq  # numbers before it belong to this learner's earlier lives
+        self.join_s = joined.pull_s
         fragments = joined.fragments
         self.core = spec_of(self.settings).learner_core(
             self.id, self.params, fragments, versions=[joined.versions[p] for p in range(len(fragments))],
@@ -264,4 +265,5 @@ class Learner:
                 "merge_lag_steps": sum(core.merge_lags) / len(core.merge_lags) if core and core.merge_lags else None,
                 "bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent,
                 "messages_up": self.up.messages, "messages_down": self.down.messages,
-                "peak_message_bytes_up": self.up.peak_message_bytes, **by_home}
+                "peak_message_bytes_up": self.up.peak_message_bytes, "join_s": getattr(self, "join_s", None),
+                **by_home}
