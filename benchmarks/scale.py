@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quorum", type=int, default=1, help="outer.quorum (1: each push closes its round)")
     parser.add_argument("--paced", action="store_true", help="keep the default config's pacing and grace "
                         "(the default paced decoupled config) instead of closing each round at once")
+    parser.add_argument("--sink", action="store_true", help="transport alone: the shards take pushes off the "
+                        "wire and answer them without merging (push_vs_socket, pull_vs_socket of the transport)")
     parser.add_argument("--tokens-per-step", type=int, default=4096, help="declared at join")
     parser.add_argument("--journal", action="store_true", help="give the shards a state folder (--out): they "
                         "journal every push and save their state every 10 s, as under `diloco run`")

@@ -64,6 +64,13 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                     f"/ roofline ({by[8]['roofline_ns_per_param']:.3f})",
                          "value": by[8]["cpu_vs_roofline"], "target": f"≤ {CPU_ROOFLINE_TARGET}",
                          "met": by[8]["cpu_vs_roofline"] <= CPU_ROOFLINE_TARGET})
+        sink = max(by.values(), key=lambda r: r["learners"])
+        if sink.get("sink") and sink.get("push_vs_socket") is not None:
+            for what in ("push", "pull"):
+                rows.append({"where": where + ", sink", "measure": f"transport alone: {what} MB/s of one shard "
+                                                                   f"({sink['learners']} learners) / plain socket",
+                             "value": sink[f"{what}_vs_socket"], "target": f"≥ {SOCKET_RATIO_TARGET}",
+                             "met": sink[f"{what}_vs_socket"] >= SOCKET_RATIO_TARGET})
         for r in sorted(by.values(), key=lambda r: r["learners"]):
             if r.get("join_vs_socket") is not None:
                 rows.append({"where": where, "measure": f"join: Θ pulled ({r['join_bytes'] / 1e6:.0f} MB, "

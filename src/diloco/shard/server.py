@@ -16,7 +16,7 @@ from diloco.core.checks import theta_problem
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
                                 PushArrived, StreamOpened, SyncerEvent)
 from diloco.core.messages import Push, Update
-from diloco.core.syncer_core import Action, ProtocolError, SendState, SendUpdate, SyncerCore
+from diloco.core.syncer_core import Action, ProtocolError, Publish, SendState, SendUpdate, SyncerCore
 from diloco.shard import serving
 from diloco.shard.answer_slots import Slot
 from diloco.shard.group_commit import QueuedPush, take_group
@@ -192,6 +192,8 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
     def _take_push(self, push: Push, header: pb.PushHeader, tensors: dict, context: grpc.ServicerContext
                    ) -> pb.PushReply:
         """Queue the push; whoever holds the lock next takes every queued push as one group (`group_commit`)."""
+        if self.sink:
+            return self._sink_push(push)
         item = QueuedPush(push, push_payload(header, tensors) if self.store else b"")
         self.push_queue.put(item)
         with self.lock:
@@ -207,6 +209,15 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
             log.warning("push %d of fragment %d from learner %d clipped to the outlier bound", push.seq,
                         push.fragment, push.learner)
         return pb.PushReply(duplicate=item.duplicate, clipped=item.clipped)
+
+    def _sink_push(self, push: Push) -> pb.PushReply:
+        """Sink mode (`SINK_ENV`, benchmarks only): the push was read off the wire and is not merged; its
+        learner is answered with the fragment's current version, so pushes and answers measure the
+        transport alone."""
+        with self.lock:
+            notice = Update(push.fragment, self.core.version(push.fragment), {}, ack_seq=push.seq)
+            self.carry_out([Publish(push.fragment, notice.version, {push.learner: notice})])
+        return pb.PushReply()
 
     def _push_limit(self) -> int:
         """The most data one push of any fragment here may carry: fp32, the widest encoding."""
