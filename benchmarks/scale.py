@@ -38,6 +38,14 @@ With no arguments, a quick sweep (20M parameters, 1, 4, 8 and 16 learners, one s
             VmRSS from the learners' start to the window's end (under load, after Θ was seeded);
             `hwm_bytes` the kernel's peak, the seeding included. Θ bytes held: the Status report's
             `memory` dict where the shard reports one ("n/a" otherwise).
+  CPU       the shards' CPU-seconds over the window (/proc/PID/stat, every thread) ÷ the parameters of
+            the pushes taken in it: `cpu_ns_per_param`, against `roofline_ns_per_param`, one fused in-place
+            pass (Θ += w·Δ, one thread) over a tensor of the largest fragment's size, measured by this
+            script in the same run (target: at most 4x, with 8 learners).
+  join      after the window, an observer's pull of Θ (fp32) from every shard, timed: `join_vs_socket`
+            is that time over the plain socket's time for the same bytes (target: at most 2x).
+  --sink    the shards take pushes off the wire and answer them without merging (the transport alone;
+            target: push and pull at least 0.5x the socket). --paced keeps the default config's pacing.
   socket    after the shards are stopped: a plain TCP socket on loopback to a Python subprocess that
             reads each message into a buffer and acks it with one byte, messages of one fragment's
             encoded push, request/response, for --socket-seconds (default 3): `socket_mb_s`.

@@ -60,9 +60,8 @@ from diloco.core.actions import Action, LearnerDead, Publish, PushRefused, RunOv
 from diloco.core.checks import Admission
 from diloco.core.claims import MAX_SEQ_JUMP, MAX_TOKENS_PER_STEP
 from diloco.core.closing import all_finite
-from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
-                                PushArrived, PushesArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired,
-                                sender)
+from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
+                                PushesArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired, sender)
 from diloco.core.membership import Membership
 from diloco.core.merging import Merging
 from diloco.core.messages import Progress, Push
@@ -267,18 +266,17 @@ class SyncerCore:
         return self.on_push(event.push, now)
 
     def _on_pushes(self, event: PushesArrived, now: float) -> list[Action]:
-        """Group commit: every push of the group in turn (a refused one is a PushRefused, with nothing
-        changed by it), no round closing until all are in; then every round is evaluated once. A round
-        that would not be finite refuses the whole group (RoundRefused): the driver takes its pushes
-        one at a time instead."""
+        """Group commit: each push in turn (one refused is a PushRefused, nothing changed by it), no round
+        closing until all are in, then every round evaluated once. A round that would not be finite
+        refuses the whole group (RoundRefused): the driver takes its pushes one at a time instead."""
         actions: list[Action] = []
         with self.merging.grouped():
             for push in event.pushes:
                 try:
                     actions += self.on_push(push, now)
+                except RoundRefused:
+                    raise
                 except ProtocolError as exc:  # raised by the checks, before anything changed
-                    if isinstance(exc, RoundRefused):
-                        raise
                     actions.append(PushRefused(push.learner, push.fragment, push.seq, str(exc)))
                     continue
                 finally:  # values decoded when used are dropped once taken: one push decoded at a time
