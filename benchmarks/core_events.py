@@ -129,6 +129,9 @@ def roofline(numel: int, repeats: int = 5) -> float:
 
 
 def main_merge(args: argparse.Namespace) -> None:
+    from diloco.shard.serving import huge_pages_for_tensors
+
+    huge_pages_for_tensors()  # as a shard runs its core
     line = roofline(args.numel)
     alone, grouped = merge_cost(args.numel, args.rounds, 1), merge_cost(args.numel, args.rounds, 8)
     result = {"numel": args.numel, "learners": 8, "roofline_ns_per_param": line,
