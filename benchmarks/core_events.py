@@ -1,6 +1,13 @@
 """CPU time per event of the syncer core, 4 vs 64 learners: its per-event cost must not grow with them.
 
     python benchmarks/core_events.py [--events N] [--json PATH]
+    python benchmarks/core_events.py --merge [--numel N] [--rounds R] [--json PATH]
+
+With --merge, the merge arithmetic instead: one fragment of --numel parameters (default 10M), 8 learners,
+fp32 pushes already decoded, the default config's decoupled wiring at quorum 1, no gRPC or journal; CPU
+ns per pushed parameter of `handle`, each push alone (each closes its own round) and as groups of 8
+(`PushesArrived`: one round per group), against a roofline measured in the same run (one fused in-place
+pass, Θ += w·Δ, over a tensor of the fragment's size). One thread.
 
 Drives `SyncerCore.handle` by hand (no gRPC, no journal), with the core built as both drivers build it:
 from the default config's strategy spec (`build_strategy(load_config()).syncer_core`). The model is a few
@@ -22,7 +29,7 @@ from pathlib import Path
 import torch
 
 from diloco.config import load_config
-from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived
+from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived, PushesArrived
 from diloco.core.messages import Progress, Push
 from diloco.fragments import Fragment
 from diloco.strategies import build_strategy
@@ -79,12 +86,79 @@ def measure(learners: int, events: int) -> dict[str, float]:
     return {kind: spent[kind] / counted[kind] for kind in KINDS}
 
 
+def merge_cost(numel: int, rounds: int, group: int, learners: int = 8) -> float:
+    """CPU ns per pushed parameter of `handle` over `rounds` rounds of `learners` pushes of one fragment,
+    handed as groups of `group` pushes (1: each push alone)."""
+    spec = build_strategy(load_config(overrides=[f"learners.count={learners}", "learners.speeds=[]",
+                                                 "outer.fragments=1", "outer.quorum=1"]))
+    generator = torch.Generator().manual_seed(0)
+    core = spec.syncer_core({"w": torch.randn(numel, generator=generator) * 0.05},
+                            [Fragment(0, ("w",), numel, False)], range(learners), embeddings=())
+    deltas = [torch.randn(numel, generator=generator) * 1e-3 for _ in range(learners)]
+    for m in range(learners):
+        core.declare(m, TOKENS_PER_STEP)
+        core.rejoin_state(m, after_seq=0)
+    spent = pushed = 0
+    now = 0.0
+    for r in range(rounds + 1):  # the first round warms up (weights judged, buffers allocated)
+        pushes = [Push(m, 0, core.version(0), r + 1, {"w": deltas[m]}, STEPS_PER_PUSH * TOKENS_PER_STEP,
+                       STEPS_PER_PUSH, step_time_s=TICK_S, sent_at=now, step=(r + 1) * STEPS_PER_PUSH)
+                  for m in range(learners)]
+        for k in range(0, learners, group):
+            now += TICK_S
+            event = PushArrived(pushes[k]) if group == 1 else PushesArrived(tuple(pushes[k:k + group]))
+            started = time.process_time_ns()
+            core.handle(event, now)
+            if r:
+                spent += time.process_time_ns() - started
+                pushed += numel * min(group, learners - k)
+    assert core.rounds_closed >= rounds, "pushes were not merged: not a fair measure"
+    return spent / pushed
+
+
+def roofline(numel: int, repeats: int = 5) -> float:
+    """ns per parameter of one fused in-place pass (Θ += w·Δ) over `numel` fp32 values: the best of `repeats`."""
+    theta, delta = torch.rand(numel), torch.rand(numel)
+    theta.add_(delta, alpha=0.5)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.process_time_ns()
+        theta.add_(delta, alpha=0.5)
+        best = min(best, (time.process_time_ns() - started) / numel)
+    return best
+
+
+def main_merge(args: argparse.Namespace) -> None:
+    from diloco.shard.serving import huge_pages_for_tensors
+
+    huge_pages_for_tensors()  # as a shard runs its core
+    line = roofline(args.numel)
+    alone, grouped = merge_cost(args.numel, args.rounds, 1), merge_cost(args.numel, args.rounds, 8)
+    result = {"numel": args.numel, "learners": 8, "roofline_ns_per_param": line,
+              "cpu_ns_per_param": {"alone": alone, "group_of_8": grouped},
+              "vs_roofline": {"alone": alone / line, "group_of_8": grouped / line}}
+    print(f"roofline {line:.3f} ns/param; handle: each push alone {alone:.2f} ns/param ({alone / line:.1f}x), "
+          f"groups of 8 {grouped:.2f} ns/param ({grouped / line:.1f}x)")
+    out = Path(args.json or Path(__file__).parent / "results" / "core_merge.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=1000, help="timed events of each kind per fleet size")
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "core_events.json"))
+    parser.add_argument("--json", help="where the JSON goes (default results/core_events.json, with --merge "
+                        "results/core_merge.json)")
+    parser.add_argument("--merge", action="store_true", help="the merge arithmetic per pushed parameter instead")
+    parser.add_argument("--numel", type=int, default=10_000_000, help="--merge: parameters of the fragment")
+    parser.add_argument("--rounds", type=int, default=3, help="--merge: timed rounds of 8 pushes")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.merge:
+        main_merge(args)
+        return
+    args.json = args.json or str(Path(__file__).parent / "results" / "core_events.json")
     results = [{"learners": n, "ns_per_event": measure(n, args.events)} for n in SIZES]
     small, large = (r["ns_per_event"] for r in results)
     ratio = {kind: large[kind] / small[kind] for kind in KINDS}

@@ -38,6 +38,14 @@ With no arguments, a quick sweep (20M parameters, 1, 4, 8 and 16 learners, one s
             VmRSS from the learners' start to the window's end (under load, after Θ was seeded);
             `hwm_bytes` the kernel's peak, the seeding included. Θ bytes held: the Status report's
             `memory` dict where the shard reports one ("n/a" otherwise).
+  CPU       the shards' CPU-seconds over the window (/proc/PID/stat, every thread) ÷ the parameters of
+            the pushes taken in it: `cpu_ns_per_param`, against `roofline_ns_per_param`, one fused in-place
+            pass (Θ += w·Δ, one thread) over a tensor of the largest fragment's size, measured by this
+            script in the same run (target: at most 4x, with 8 learners).
+  join      after the window, an observer's pull of Θ (fp32) from every shard, timed: `join_vs_socket`
+            is that time over the plain socket's time for the same bytes (target: at most 2x).
+  --sink    the shards take pushes off the wire and answer them without merging (the transport alone;
+            target: push and pull at least 0.5x the socket). --paced keeps the default config's pacing.
   socket    after the shards are stopped: a plain TCP socket on loopback to a Python subprocess that
             reads each message into a buffer and acks it with one byte, messages of one fragment's
             encoded push, request/response, for --socket-seconds (default 3): `socket_mb_s`.
@@ -115,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of pushing before the window")
     parser.add_argument("--socket-seconds", type=float, default=3.0, help="plain-socket baseline per run")
     parser.add_argument("--quorum", type=int, default=1, help="outer.quorum (1: each push closes its round)")
+    parser.add_argument("--paced", action="store_true", help="keep the default config's pacing and grace "
+                        "(the default paced decoupled config) instead of closing each round at once")
+    parser.add_argument("--sink", action="store_true", help="transport alone: the shards take pushes off the "
+                        "wire and answer them without merging (push_vs_socket, pull_vs_socket of the transport)")
     parser.add_argument("--tokens-per-step", type=int, default=4096, help="declared at join")
     parser.add_argument("--journal", action="store_true", help="give the shards a state folder (--out): they "
                         "journal every push and save their state every 10 s, as under `diloco run`")
@@ -170,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             if record["status"] == "ok":
                 console.print(f"    push {record['push_mb_s']:.0f} MB/s, pull {record['pull_mb_s']:.0f} MB/s, "
                               f"socket {fmt(record['socket_mb_s'])} MB/s, RSS {gib(record['rss_bytes'])} GiB, "
-                              f"p50 {ms(record['latency_median_s'])} ms"
+                              f"p50 {ms(record['latency_median_s'])} ms, "
+                              f"shard CPU {fmt(record['cpu_ns_per_param'], '.2f')} ns/param "
+                              f"(roofline {fmt(record['roofline_ns_per_param'], '.3f')})"
                               + (f" [yellow]({'; '.join(record['problems'])})[/]" if record["problems"] else ""))
             else:
                 console.print(f"    [yellow]{record['status']}: {record['reason']}[/]")

@@ -6,12 +6,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import mmap
 import os
 import signal
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import time
@@ -20,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from children import Processes, diloco, tail  # benchmarks/children.py
+from scale_baselines import cpu_seconds, roofline_ns_per_param, socket_baseline
 from scale_memory import MemoryModel, Sampler, mem_available
 from scale_model import (DRAIN_S, GIB, LEARNER_RSS_BYTES, MB, PUSH_BOUND_S, STARTUP_S, TensorMeta, init_frames,
                          model_layout, shard_fragments, write_payloads)
@@ -43,7 +41,8 @@ class Combo:
 def syncer_sets(combo: Combo, args: argparse.Namespace) -> list[str]:
     sets = ["strategy=decoupled", f"learners.count={combo.learners}", "learners.speeds=[]",
             f"outer.fragments={combo.fragments}", f"outer.H={max(50, combo.fragments)}",
-            f"outer.quorum={min(args.quorum, combo.learners)}", "outer.pacing=false", "outer.grace=0",
+            f"outer.quorum={min(args.quorum, combo.learners)}",
+            *([] if args.paced else ["outer.pacing=false", "outer.grace=0"]),
             f"codec.up={combo.codec}", f"codec.down={combo.down}", f"codec.block={args.block}",
             f"train.tokens={2**50}", "failures.detect_s=86400", *args.set]
     return [x for s in sets for x in ("--set", s)]
@@ -83,7 +82,8 @@ class Run:
                           str(port_file), "--shards", shard_map, "--shard", f"{i}/{n}",
                           *(["--secret-file", str(secret_file)] if secret_file else []),
                           *(["--out", str(self.work / "state")] if self.args.journal else []))
-            self.shard_procs.append(self.procs.start(argv, self.work / f"shard-{i}.log"))
+            self.shard_procs.append(self.procs.start(argv, self.work / f"shard-{i}.log",
+                                                     env={"DILOCO_SHARD_SINK": "1"} if self.args.sink else None))
         self.sampler = Sampler(self.shard_procs, int(self.args.min_free_gib * GIB), self._kill_all)
         addresses = []
         for i, (proc, port_file) in enumerate(zip(self.shard_procs, port_files)):
@@ -169,11 +169,14 @@ class Run:
         self._sleep_until(t0)
         self.sampler.loaded = True
         w0 = t0 + args.warmup
+        self._sleep_until(w0)
+        cpu0 = [cpu_seconds(p.pid) for p in self.shard_procs]
         self._sleep_until(w0 + args.seconds)
         wanted = args.min_pushes * self.combo.shards
         while time.time() < w0 + args.max_seconds and self._progress() < wanted:
             self._sleep_until(time.time() + 0.2)
         w1 = time.time()
+        cpu1 = [cpu_seconds(p.pid) for p in self.shard_procs]
         self.sampler.sample()
         self.sampler.loaded = False  # the window is over: what the shards do next is not load
         (self.work / "stop.tmp").write_text(repr(w1))
@@ -194,7 +197,22 @@ class Run:
                                      "report": json.loads(status.report_json)})
                 except Exception as exc:  # noqa: BLE001 — the figures stand without it
                     statuses.append({"error": str(exc)})
-        return {"window": (w0, w1), "reports": reports, "statuses": statuses}
+        return {"window": (w0, w1), "reports": reports, "statuses": statuses,
+                "cpu_s": [b - a for a, b in zip(cpu0, cpu1)], "join": self.join()}
+
+    def join(self) -> dict[str, Any]:
+        """What a learner joining now pulls: Θ of every shard, whole (fp32), timed (an observer's pull,
+        which changes nothing on the shards)."""
+        started = time.perf_counter()
+        pulled = 0
+        try:
+            for c in self.clients:
+                values, _, _ = c.pull(0, observer=True)
+                pulled += sum(v.numel() * v.element_size() for v in values.values())
+                del values
+        except Exception as exc:  # noqa: BLE001 — the run's other figures stand without it
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"seconds": time.perf_counter() - started, "bytes": pulled}
 
     def _progress(self) -> int:
         """Pushes taken since the window opened, summed over the learners' progress files."""
@@ -216,45 +234,6 @@ class Run:
 
 SCALE_SCRIPT = str(Path(__file__).with_name("scale.py"))
 """The benchmark itself: its learners are `scale.py --worker SPEC` processes."""
-TCP_SINK = str(Path(__file__).with_name("tcp_sink.py"))
-"""The plain TCP sink `benchmarks/runtime.py` measures against too."""
-
-
-def socket_baseline(procs: Processes, work: Path, payload_file: str, seconds: float) -> dict[str, float]:
-    """One fragment's encoded push as messages over a plain TCP socket, request/response, for `seconds`."""
-    proc = procs.start([sys.executable, TCP_SINK], work / "tcp-sink.log", stdout_pipe=True)
-    try:
-        line = proc.stdout.readline()
-        if not line.strip():
-            raise RuntimeError(f"the TCP sink did not start: {tail(work / 'tcp-sink.log')}")
-        with open(payload_file, "rb") as f, socket.create_connection(("127.0.0.1", int(line))) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            try:
-                head, body = struct.pack("!Q", len(data)), memoryview(data)
-
-                def send() -> None:
-                    sock.sendall(head)
-                    sock.sendall(body)
-                    if sock.recv(1) != b"\x01":
-                        raise RuntimeError("the TCP sink closed the connection")
-
-                send()  # warm-up
-                messages, started = 0, time.perf_counter()
-                while (elapsed := time.perf_counter() - started) < seconds or messages == 0:
-                    send()
-                    messages += 1
-                elapsed = time.perf_counter() - started
-                body.release()
-            finally:
-                data.close()
-        size = struct.unpack("!Q", head)[0]
-        return {"message_bytes": size, "messages": messages, "seconds": elapsed,
-                "mb_s": messages * size / elapsed / MB}
-    finally:
-        procs.stop([proc], grace_s=2.0, sig=signal.SIGKILL)
-
-
 def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, Any]:
     """Per shard and in all: MB/s, latencies, rounds/s, memory."""
     w0, w1 = m["window"]
@@ -280,8 +259,11 @@ def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, An
         elif len(status["alive"]) < combo.learners:
             problems.append(f"shard {i}: only {len(status['alive'])} of {combo.learners} learners alive at the end")
         rounds = {tuple(x) for r in rows for x in r["rounds"]}
+        push_params = sum(r["push_params"] for r in rows)
         per_shard.append({
             "shard": i, "fragments": report.get("fragments"),
+            "cpu_s": m["cpu_s"][i], "push_params": push_params,
+            "cpu_ns_per_param": m["cpu_s"][i] * 1e9 / push_params if push_params else None,
             "rss_bytes": sampler.rss_load[i], "hwm_bytes": sampler.hwm[i],
             "theta_bytes": memory.get("theta_bytes") if isinstance(memory, dict) else None, "memory": memory,
             "push_mb_s": sum(r["push_bytes"] for r in rows) / seconds / MB,
@@ -295,14 +277,16 @@ def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, An
         })
     all_latencies.sort()
     largest = max(range(combo.shards), key=lambda i: per_shard[i]["rss_bytes"])
+    pushed = sum(s["push_params"] for s in per_shard)
     return {
         "seconds": seconds,
+        "cpu_ns_per_param": sum(s["cpu_s"] for s in per_shard) * 1e9 / pushed if pushed else None,
         "push_mb_s": sum(s["push_mb_s"] for s in per_shard), "pull_mb_s": sum(s["pull_mb_s"] for s in per_shard),
         "rss_bytes": per_shard[largest]["rss_bytes"], "hwm_bytes": max(s["hwm_bytes"] for s in per_shard),
         "theta_bytes": per_shard[largest]["theta_bytes"], "memory": per_shard[largest]["memory"],
         "latency_median_s": statistics.median(all_latencies) if all_latencies else None,
         "latency_p95_s": percentile(all_latencies, 0.95),
-        "rounds_per_s": sum(s["rounds_per_s"] for s in per_shard),
+        "rounds_per_s": sum(s["rounds_per_s"] for s in per_shard), "join": m["join"],
         "learners_rss_bytes": sampler.learners_rss, "min_available_bytes": sampler.min_available,
         "problems": problems, "per_shard": per_shard,
     }
@@ -323,6 +307,8 @@ def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespa
         "seconds": args.seconds, "warmup_s": args.warmup, "journal": args.journal, "secret": not args.plaintext,
         "quorum": min(args.quorum, combo.learners), "key": combo.key, "status": "ok", "reason": "",
         "rss_bytes": None, "push_mb_s": None, "pull_mb_s": None, "socket_mb_s": None, "push_vs_socket": None,
+        "pull_vs_socket": None, "join_vs_socket": None, "cpu_ns_per_param": None, "roofline_ns_per_param": None, "cpu_vs_roofline": None,
+        "paced": args.paced, "sink": args.sink,
     }
     predicted, how = model.predict(combo.key, per_shard_params, combo.learners)
     need = predicted * combo.shards + combo.learners * LEARNER_RSS_BYTES
@@ -367,6 +353,10 @@ def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespa
         return record
     record.update(summarize(combo, measured, sampler))
     model.runs.append(record)
+    largest = max(sum(t.numel for t in tensors) for tensors in layout)
+    record["roofline_ns_per_param"] = roofline_ns_per_param(largest)
+    if record["cpu_ns_per_param"] is not None:
+        record["cpu_vs_roofline"] = record["cpu_ns_per_param"] / record["roofline_ns_per_param"]
     largest_fragment = max(payload["fragments"].values(), key=lambda f: f["bytes"])
     try:
         sock = socket_baseline(procs, work, largest_fragment["file"], args.socket_seconds)
@@ -376,4 +366,9 @@ def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespa
     record["socket_mb_s"] = sock["mb_s"]
     record["message_bytes"] = sock["message_bytes"]
     record["push_vs_socket"] = max(s["push_mb_s"] for s in record["per_shard"]) / sock["mb_s"]
+    record["pull_vs_socket"] = max(s["pull_mb_s"] for s in record["per_shard"]) / sock["mb_s"]
+    join = record.get("join") or {}
+    if "seconds" in join:  # join time over the plain socket's time for the same bytes
+        record["join_s"], record["join_bytes"] = join["seconds"], join["bytes"]
+        record["join_vs_socket"] = join["seconds"] / (join["bytes"] / (sock["mb_s"] * MB))
     return record

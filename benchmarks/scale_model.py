@@ -15,6 +15,11 @@ RSS_RATIO_TARGET = 1.2
 """Syncer RSS with 16 learners over RSS with 1 learner: at most this."""
 SOCKET_RATIO_TARGET = 0.5
 """Push MB/s of one shard over a plain socket on loopback: at least this."""
+CPU_ROOFLINE_TARGET = 4.0
+"""Shard CPU-seconds per pushed parameter (8 learners) over the roofline (one fused in-place pass over a
+fragment's fp32 tensor, measured in the same invocation): at most this."""
+JOIN_RATIO_TARGET = 2.0
+"""A join's pull of Θ (every shard, fp32) over a plain socket's time for the same bytes: at most this."""
 SCALING_TARGET = 3.0
 """A shard's push (and pull) MB/s with 8 learners over 1 learner: at least this."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-from scale_model import GIB, RSS_RATIO_TARGET, SCALING_TARGET, SOCKET_RATIO_TARGET
+from scale_model import CPU_ROOFLINE_TARGET, GIB, JOIN_RATIO_TARGET, RSS_RATIO_TARGET, SCALING_TARGET, SOCKET_RATIO_TARGET
 
 
 
@@ -58,6 +58,26 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     rows.append({"where": where, "measure": f"a shard's {what} MB/s, 8 learners / 1 learner",
                                  "value": value, "target": f"≥ {SCALING_TARGET}",
                                  "met": value is not None and value >= SCALING_TARGET})
+        if 8 in by and by[8].get("cpu_vs_roofline") is not None:
+            rows.append({"where": where + (", paced" if by[8]["paced"] else ", quorum 1"),
+                         "measure": f"shard CPU ns per pushed parameter ({by[8]['cpu_ns_per_param']:.2f}), 8 learners "
+                                    f"/ roofline ({by[8]['roofline_ns_per_param']:.3f})",
+                         "value": by[8]["cpu_vs_roofline"], "target": f"≤ {CPU_ROOFLINE_TARGET}",
+                         "met": by[8]["cpu_vs_roofline"] <= CPU_ROOFLINE_TARGET})
+        sink = max(by.values(), key=lambda r: r["learners"])
+        if sink.get("sink") and sink.get("push_vs_socket") is not None:
+            for what in ("push", "pull"):
+                rows.append({"where": where + ", sink", "measure": f"transport alone: {what} MB/s of one shard "
+                                                                   f"({sink['learners']} learners) / plain socket",
+                             "value": sink[f"{what}_vs_socket"], "target": f"≥ {SOCKET_RATIO_TARGET}",
+                             "met": sink[f"{what}_vs_socket"] >= SOCKET_RATIO_TARGET})
+        for r in sorted(by.values(), key=lambda r: r["learners"]):
+            if r.get("join_vs_socket") is not None:
+                rows.append({"where": where, "measure": f"join: Θ pulled ({r['join_bytes'] / 1e6:.0f} MB, "
+                                                        f"{r['join_s']:.2f} s) / plain socket, same bytes",
+                             "value": r["join_vs_socket"], "target": f"≤ {JOIN_RATIO_TARGET}",
+                             "met": r["join_vs_socket"] <= JOIN_RATIO_TARGET})
+                break
         # the best a shard did against the socket, at any learner count
         best = max(by.values(), key=lambda r: r.get("push_vs_socket") or 0)
         if best.get("push_vs_socket") is not None and (one is None or best is not one):
@@ -72,6 +92,7 @@ def print_report(console, runs: list[dict[str, Any]]) -> None:
 
     table = Table(title="runs (MB = 10^6 bytes of tensor payload; RSS of the largest shard, under load)")
     for col in ("params", "learners", "shards", "codec", "push MB/s", "pull MB/s", "socket MB/s", "push/socket",
+                "CPU ns/param", "roofline ns/param",
                 "RSS GiB", "HWM GiB", "Θ held GiB", "lat p50 ms", "lat p95 ms", "rounds/s", "status"):
         table.add_column(col, justify="right")
     for r in runs:
@@ -79,6 +100,7 @@ def print_report(console, runs: list[dict[str, Any]]) -> None:
         table.add_row(human(r["params"]), str(r["learners"]), str(r["shards"]),
                       r["codec"] + ("" if r["down_codec"] == r["codec"] else f"/{r['down_codec']}"),
                       fmt(r["push_mb_s"]), fmt(r["pull_mb_s"]), fmt(r["socket_mb_s"]), fmt(r["push_vs_socket"], ".3g"),
+                      fmt(r.get("cpu_ns_per_param"), ".2f"), fmt(r.get("roofline_ns_per_param"), ".3f"),
                       gib(r["rss_bytes"]), gib(r.get("hwm_bytes")), gib(r.get("theta_bytes")),
                       ms(r.get("latency_median_s")), ms(r.get("latency_p95_s")), fmt(r.get("rounds_per_s"), ".1f"),
                       status)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
+import math
 import mmap
 import os
 import signal
@@ -35,8 +36,8 @@ class ShardEvents:
     """What one learner saw of one shard, with times (time.time()); reduced to figures once the window
     is known (`window_stats`)."""
 
-    pushes: list[tuple[float, float, int]] = field(default_factory=list)
-    """(sent, taken, tensor bytes) of every push the shard took."""
+    pushes: list[tuple[float, float, int, int]] = field(default_factory=list)
+    """(sent, taken, tensor bytes, parameters) of every push the shard took."""
     pulls: list[tuple[float, int]] = field(default_factory=list)
     """(received, tensor bytes) of every data frame of the update stream."""
     answers: list[tuple[float, int, int]] = field(default_factory=list)
@@ -63,8 +64,9 @@ def window_stats(e: ShardEvents, w0: float, w1: float) -> dict[str, Any]:
     """One learner's figures for one shard over [w0, w1]: a push counts by its overlap with the window
     (sent to taken), a frame by when it arrived, a latency if its push was sent in the window."""
     inside = lambda t: w0 <= t <= w1  # noqa: E731
-    return {"push_bytes": sum(n * overlap(a, b, w0, w1) for a, b, n in e.pushes),
-            "pushes": sum(1 for a, b, _ in e.pushes if overlap(a, b, w0, w1) > 0),
+    return {"push_bytes": sum(n * overlap(a, b, w0, w1) for a, b, n, _ in e.pushes),
+            "push_params": sum(k * overlap(a, b, w0, w1) for a, b, _, k in e.pushes),
+            "pushes": sum(1 for a, b, _, _ in e.pushes if overlap(a, b, w0, w1) > 0),
             "pull_bytes": sum(n for t, n in e.pulls if inside(t)),
             "answers": sum(1 for t, _, _ in e.answers if inside(t)),
             "rounds": sorted({(p, v) for t, p, v in e.answers if inside(t)}),
@@ -113,6 +115,7 @@ def worker(spec_path: str) -> None:
         tensors[p] = encoded
         headers[p] = [tensor_header(n, e) for n, e in encoded.items()]
     nbytes = {p: sum(h.payload_bytes + h.scale_bytes for h in hs) for p, hs in headers.items()}
+    numels = {p: sum(math.prod(h.shape) for h in hs) for p, hs in headers.items()}
 
     clients = []
     for address in spec["addresses"]:
@@ -193,7 +196,7 @@ def worker(spec_path: str) -> None:
                         return
                     break
                 with lock:
-                    e.pushes.append((started, time.time(), nbytes[p]))
+                    e.pushes.append((started, time.time(), nbytes[p], numels[p]))
                 break
 
     def heartbeats() -> None:
@@ -223,7 +226,7 @@ def worker(spec_path: str) -> None:
         t.start()
     while not stop_file.is_file():  # the parent ends the window
         with lock:
-            taken = sum(1 for e in events for a, _, _ in e.pushes if a >= w0)
+            taken = sum(1 for e in events for a, _, _, _ in e.pushes if a >= w0)
         progress.with_suffix(".tmp").write_text(str(taken))
         progress.with_suffix(".tmp").rename(progress)
         time.sleep(0.2)

@@ -1,9 +1,14 @@
 """Joining a run: every shard, the layout of Θ (seeded by the first learner, checked by the others),
-and Θ itself, one fragment at a time. A learner refused on the way leaves every shard it joined."""
+and Θ itself, every fragment's pull at once (one stream per fragment, on every shard: a join takes about
+the wire's time for Θ, not a fragment's time times the fragments). A learner refused on the way leaves
+every shard it joined."""
 
 from __future__ import annotations
 
+import queue
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,19 +40,25 @@ class Joined:
     versions: dict[int, int]
     last_seq: int
     """The learner's last push numbered in its earlier lives: its next pushes are numbered above."""
+    pull_s: float = 0.0
+    """Seconds the pull of Θ took, every fragment from every shard."""
+
+
+PULL_STREAMS = 8
+"""Fragments pulled at once, over all shards: enough streams to fill the wire, each one fragment's memory."""
+Take = Callable[[int, dict[str, torch.Tensor]], None]
 
 
 def join_run(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
              partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
-             tokens_per_step: int = 0, owners: Sequence[int] | None = None,
-             take: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> Joined:
+             tokens_per_step: int = 0, owners: Sequence[int] | None = None, take: Take | None = None) -> Joined:
     """Join every shard as `learner` (None: the syncer picks, or the one the learner's own credential
     names), declaring `tokens_per_step` (0: not known). Every call after the first join carries the
     joined learner's own credential: the shards bind learner calls to it. `owners`: per fragment, the
     shard this learner's config says owns it (`shard_plan.fragment_owners`); every shard's map must say
     the same (None: the first shard's map, which every other shard's must match). `take`: each fragment's
-    Θ is handed to it as it arrives, on this thread, instead of being collected in `Joined.theta` (a
-    sharded learner spreads it over its ranks: no rank holds Θ whole)."""
+    Θ is handed to take(fragment, values) on this thread as it arrives (in any order), instead of being
+    collected in `Joined.theta` (a sharded learner spreads it over its ranks: no rank holds Θ whole)."""
     joined: list[tuple[ShardClient, int]] = []
     try:
         return _join_all(address, learner, timeout_s, host, params, partition, security, joined, tokens_per_step,
@@ -65,7 +76,7 @@ def join_run(address: str, learner: int | None, timeout_s: float, host: str, par
 def _join_all(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
               partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
               joined: list[tuple[ShardClient, int]], tokens_per_step: int, owners: Sequence[int] | None,
-              take: Callable[[int, dict[str, torch.Tensor]], None] | None) -> Joined:
+              take: Take | None) -> Joined:
     first = ShardClient(address, security)
     first.wait_ready(timeout_s)
     reply = with_retries(lambda: first.join(learner, host, tokens_per_step), what="join")
@@ -100,18 +111,45 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
         shards.append(ShardLink(index, client, owned))
     theta: dict[str, torch.Tensor] = {}
     versions: dict[int, int] = {}
-    for shard in shards:
-        for p in shard.fragments:  # one fragment at a time: a broken transfer resumes where it broke
+    started = time.monotonic()
+    for p, values, fragment_versions in pull_theta(shards, me, last_seq, fragments, params):
+        versions.update(fragment_versions)
+        if take is not None:
+            take(p, values)
+        else:
+            theta.update(values)
+    return Joined(me, settings, shards, fragments, theta, versions, last_seq, pull_s=time.monotonic() - started)
+
+
+def pull_theta(shards: list[ShardLink], me: int, last_seq: int, fragments: list[Fragment],
+               params: dict[str, torch.Tensor]):
+    """(fragment, values, versions) of every fragment of every shard, as each arrives: pull threads feed a
+    queue, the caller's thread takes from it. Each fragment is its own pull (a broken transfer resumes
+    with the fragments still missing), with retries; the first failure ends the join."""
+    arrived: queue.Queue = queue.Queue()
+
+    def pull(shard: ShardLink, p: int) -> None:
+        try:
             values, fragment_versions, layout = with_retries(
                 lambda: shard.client.pull(me, after_seq=last_seq, fragments=[p]), what="pull")
             # Checked again: another learner may have seeded Θ between our join and our pull.
             _check_layout(layout, [fragments[p]], params, shard.client.address)
-            if take is not None:
-                take(p, values)
-            else:
-                theta.update(values)
-            versions.update(fragment_versions)
-    return Joined(me, settings, shards, fragments, theta, versions, last_seq)
+            arrived.put((p, values, fragment_versions))
+        except BaseException as exc:  # noqa: BLE001 — raised again on the caller's thread
+            arrived.put(exc)
+
+    work = [(shard, p) for shard in shards for p in shard.fragments]
+    pool = ThreadPoolExecutor(max_workers=max(1, min(PULL_STREAMS, len(work))), thread_name_prefix="pull")
+    try:
+        for shard, p in work:
+            pool.submit(pull, shard, p)
+        for _ in work:
+            item = arrived.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _check_layout(layout: list[pb.FragmentLayout], fragments: list[Fragment], params: dict[str, torch.Tensor],

@@ -162,6 +162,7 @@ class Learner:
         joined = join_run(address, learner, timeout_s, host, params, self._partition, self.security,
                           self.declared_tokens_per_step, self.owners, take=take)
         self.id, self.settings, self.shards = joined.learner, joined.settings, joined.shards
+        self.join_s = joined.pull_s
         if take is not None:
             problem = sharded_settings_problem(joined.settings)
             if problem:
@@ -315,6 +316,7 @@ class Learner:
                 "merge_lag_steps": sum(core.merge_lags) / len(core.merge_lags) if core and core.merge_lags else None,
                 "bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent,
                 "messages_up": self.up.messages, "messages_down": self.down.messages,
-                "peak_message_bytes_up": self.up.peak_message_bytes, **by_home,
+                "peak_message_bytes_up": self.up.peak_message_bytes, "join_s": getattr(self, "join_s", None),
+                **by_home,
                 "bytes_between_ranks": getattr(self.ranks, "bytes_between_ranks", 0),
                 "peak_staging_bytes": getattr(self.ranks, "peak_staging_bytes", 0)}

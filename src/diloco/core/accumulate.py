@@ -14,11 +14,32 @@ its contribution: it is added with the weight, and for the direction the norm, o
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from diloco.core.messages import Push
+from diloco.outer.merge import tensor_norm
+
+NORMS_KEPT = 256
+"""Tensors whose norm `norm_of` remembers: a few pushes' worth."""
+_norms: dict[int, tuple[weakref.ref, float]] = {}
+
+
+def norm_of(tensor: torch.Tensor) -> float:
+    """`tensor_norm`, taken once per tensor: a push's deltas are read by the finite check (a norm is finite
+    exactly when every element is), the outlier bound and the radial merge, one pass for all three.
+    Remembered by identity (never changed in place: the core only changes the sums it made itself)."""
+    hit = _norms.get(id(tensor))
+    if hit is not None and hit[0]() is tensor:
+        return hit[1]
+    norm = tensor_norm(tensor)
+    if len(_norms) >= NORMS_KEPT:
+        _norms.clear()
+    _norms[id(tensor)] = (weakref.ref(tensor), norm)
+    return norm
+
 
 SAMPLE = 4096
 """Coordinates per fragment kept of each contribution for the cosine: all of them in smaller fragments."""

@@ -68,4 +68,14 @@ class RunOver:
     """Every learner has left and what was still open is merged: the syncer has nothing more to do."""
 
 
-Action = Publish | SendUpdate | Timer | Stop | LearnerDead | SendState | RunOver
+@dataclass(frozen=True)
+class PushRefused:
+    """One push of a group (`events.PushesArrived`) refused, with nothing changed by it: tell its sender."""
+
+    learner: int
+    fragment: int
+    seq: int
+    reason: str
+
+
+Action = Publish | SendUpdate | Timer | Stop | LearnerDead | SendState | RunOver | PushRefused

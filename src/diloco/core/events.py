@@ -22,6 +22,15 @@ class PushArrived:
 
 
 @dataclass(frozen=True)
+class PushesArrived:
+    """Pushes that arrived while the syncer was busy merging, taken as one group (group commit): each is
+    admitted or refused on its own, and the rounds they fill close together once all are in, so the
+    per-round work (outer step, downlink, journal sync, answers) is paid once per group."""
+
+    pushes: tuple[Push, ...]
+
+
+@dataclass(frozen=True)
 class ProgressArrived:
     """A learner's report of where it stands (after a step): budget, predictions, liveness."""
 
@@ -91,13 +100,13 @@ class SyncerResumed:
     since none could reach it while it was down."""
 
 
-SyncerEvent = Union[PushArrived, ProgressArrived, HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
+SyncerEvent = Union[PushArrived, PushesArrived, ProgressArrived, HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
                     AnswerTaken, StreamOpened, SyncerResumed]
 
 
 def sender(event: SyncerEvent) -> int | None:
     """The learner an event came from, if any (an answer taken comes from the driver)."""
-    if isinstance(event, AnswerTaken):
+    if isinstance(event, (AnswerTaken, PushesArrived)):  # a group is heard from push by push
         return None
     if isinstance(event, PushArrived):
         return event.push.learner

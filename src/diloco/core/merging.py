@@ -17,14 +17,16 @@ weigh uncapped: at most one fragment's copy, whatever the number of learners.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Callable, Iterable
+import weakref
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from diloco.codecs import Codec
-from diloco.core.accumulate import Contribution, Sampler, trip_of
+from diloco.core.accumulate import Contribution, Sampler, norm_of, trip_of
 from diloco.core.actions import Action, Publish, Timer
 from diloco.core.answering import Answering
 from diloco.core.closing import corrected_theta, distance, judged_weight, next_theta, participation_share
@@ -35,7 +37,7 @@ from diloco.core.pacing import Pacer
 from diloco.core.rounds import FragmentState, OuterOptimizer, RoundRecord, mean_cosine, token_weight
 from diloco.core.undo import UndoLog
 from diloco.fragments import Fragment
-from diloco.outer.merge import MergeRule, tensor_norm
+from diloco.outer.merge import MergeRule
 
 EMA = 0.3
 """Weight of the newest sample in the running estimates of ξ_step and ξ_sync."""
@@ -62,6 +64,11 @@ class Merging:
         self.last_weight: dict[int, float] = {}
         self.step_time: dict[int, float] = {}
         self.one_way_s: float | None = None
+        self._made: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._made_in = -1
+        """The sums' tensors the current transaction made (`_plus`), and which transaction that is."""
+        self.grouping = False
+        """A group of pushes is being taken (`grouped`): no round closes until all of it is in."""
         self.defer: Callable[[int], bool] | None = None
         """Asked, as a round of a fragment closes, whether its answers wait for `release` (a regional syncer
         holds them until the global syncer's answer, so that its learners get the global Θ at once)."""
@@ -94,11 +101,11 @@ class Merging:
                 state.unjudged = {n: state.unjudged[n] + d for n, d in push.deltas.items()}
             else:
                 state.sums.fold(push.deltas, held.weight, radial=held.norms, weighted=self._keeps_weighted(),
-                                plain=self.merge_rule == "mean", new=False)
+                                plain=self.merge_rule == "mean", new=False, plus=self._plus)
             held.add(push, now, state.sampler.sample(push.deltas))
             return self.evaluate(state, now)
         raw = token_weight(push.tokens, push.steps) or 1.0  # weightless pushes still average, as equals
-        norms = {n: tensor_norm(d) for n, d in push.deltas.items()
+        norms = {n: norm_of(d) for n, d in push.deltas.items()
                  if self.merge_rule == "rda" and n not in self.embeddings}
         contribution = Contribution(push.learner, push.base_version, push.tokens, push.steps, push.seq, raw, norms,
                                     state.sampler.sample(push.deltas), now, push.final, trip_of(push, now))
@@ -109,7 +116,7 @@ class Merging:
         self.judge_unjudged(state, extra=raw)
         contribution.weight = judged_weight(state, contribution, raw, self.last_weight, self.stale_weight)
         state.pending[push.learner] = contribution
-        self._fold(state, push.deltas, contribution)
+        self._fold(state, push.deltas, contribution, own_norms=True)
         return self.evaluate(state, now)
 
     def judge_unjudged(self, state: FragmentState, extra: float | None = None) -> None:
@@ -125,9 +132,23 @@ class Merging:
         self._fold(state, state.unjudged, first)
         state.unjudged = None
 
-    def _fold(self, state: FragmentState, deltas: dict[str, torch.Tensor], contribution: Contribution) -> None:
+    def _fold(self, state: FragmentState, deltas: dict[str, torch.Tensor], contribution: Contribution,
+              own_norms: bool = False) -> None:
         state.sums.fold(deltas, contribution.weight, radial=contribution.norms, weighted=self._keeps_weighted(),
-                        plain=self.merge_rule == "mean")
+                        plain=self.merge_rule == "mean", own_norms=own_norms, plus=self._plus)
+
+    def _plus(self, total: torch.Tensor | None, delta: torch.Tensor, alpha: float) -> torch.Tensor:
+        """total + alpha·delta for a round's sums: in place into a sum this transaction made (nobody else
+        holds it: a refused transaction drops it whole), else into a new tensor, which the undo log's
+        copy of the sums does not hold. A group's pushes after its first add at memory speed."""
+        if self.undo.serial != self._made_in:
+            self._made, self._made_in = {}, self.undo.serial
+        if total is not None and (mine := self._made.get(id(total))) is not None and mine() is total:
+            return total.add_(delta, alpha=alpha)
+        made = delta * alpha if total is None else torch.add(total, delta, alpha=alpha)
+        if self.undo.active:
+            self._made[id(made)] = weakref.ref(made)
+        return made
 
     def _keeps_weighted(self) -> bool:
         """Σ w·Δ is the merge of every rule but the plain mean, and the final consolidation's."""
@@ -152,6 +173,18 @@ class Merging:
         slack = self.tau * step - (waited + sync)
         return min(max(self.grace * slack, 0.0), self.grace_cap_steps * step)
 
+    @contextlib.contextmanager
+    def grouped(self) -> Iterator[None]:
+        """Rounds wait while a group of pushes is taken in; the caller evaluates them all after."""
+        self.grouping = True
+        try:
+            yield
+        finally:
+            self._made: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._made_in = -1
+        """The sums' tensors the current transaction made (`_plus`), and which transaction that is."""
+        self.grouping = False
+
     def evaluate_all(self, now: float) -> list[Action]:
         return [a for s in self.fragments.values() for a in self.evaluate(s, now)]
 
@@ -160,7 +193,7 @@ class Merging:
         return self.membership.stopped and any(c.final for c in state.pending.values())
 
     def evaluate(self, state: FragmentState, now: float) -> list[Action]:
-        if not state.pending:
+        if not state.pending or self.grouping:
             return []
         alive = self.membership.alive
         if self.ending(state):  # the last round of the run waits for every learner's last push

@@ -30,9 +30,10 @@ from collections import deque
 
 import torch
 
+from diloco.core.accumulate import norm_of
 from diloco.core.messages import Push
 from diloco.core.undo import UndoLog
-from diloco.outer.merge import tensor_norm
+
 
 THETA_RATIO = 10.0
 """Largest ‖Δ‖/‖Θ_p‖ a push may have (honest pushes: median 0.1, at most 1.8, measured)."""
@@ -47,7 +48,7 @@ GROWTH = 1.25
 def push_norm(deltas: dict[str, torch.Tensor]) -> float:
     """‖Δ‖ over a fragment's tensors: each tensor's in float32 (float64 where that overflows), summed in
     float64, so no finite float32 input overflows it."""
-    return math.sqrt(sum(tensor_norm(d) ** 2 for d in deltas.values()))
+    return math.sqrt(sum(norm_of(d) ** 2 for d in deltas.values()))
 
 
 def _lower_median(values: list[float]) -> float:

@@ -56,16 +56,16 @@ from typing import Any, Callable, Iterable
 import torch
 
 from diloco.codecs import Codec, get_codec
-from diloco.core.actions import Action, LearnerDead, Publish, RunOver, SendState, SendUpdate, Stop, Timer
+from diloco.core.actions import Action, LearnerDead, Publish, PushRefused, RunOver, SendState, SendUpdate, Stop, Timer
 from diloco.core.checks import Admission
 from diloco.core.claims import MAX_SEQ_JUMP, MAX_TOKENS_PER_STEP
 from diloco.core.closing import all_finite
-from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
-                                PushArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired, sender)
+from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
+                                PushesArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired, sender)
 from diloco.core.membership import Membership
 from diloco.core.merging import Merging
 from diloco.core.messages import Progress, Push
-from diloco.core.refusals import ProtocolError
+from diloco.core.refusals import ProtocolError, RoundRefused
 from diloco.core.rounds import LedgerEntry, OuterOptimizer, RoundRecord, mean_cosine, token_weight
 from diloco.core.undo import UndoLog, atomic
 from diloco.fragments import Fragment
@@ -246,10 +246,8 @@ class SyncerCore:
         actions = self._dispatch[type(event)](self, event, now)
         self.claims.tick(now)
         self.membership.liveness.start(now)
-        if learner is not None and learner in self.ledger and not isinstance(event, LearnerLeft):
-            if self.membership.heard(learner, now, heartbeat=isinstance(event, HeartbeatArrived)):
-                self.join(learner, now)
-                actions += self.merging.evaluate_all(now)
+        if learner is not None and not isinstance(event, LearnerLeft):
+            actions += self._heard(learner, now, heartbeat=isinstance(event, HeartbeatArrived))
         if isinstance(event, TimerFired):
             for m in self.membership.found_dead(now):
                 actions.append(LearnerDead(m, self.liveness.silence(m, now), m in self.liveness.heard))
@@ -257,8 +255,34 @@ class SyncerCore:
         timer = self.membership.next_check()
         return actions if timer is None else [*actions, timer]
 
+    def _heard(self, learner: int, now: float, heartbeat: bool = False) -> list[Action]:
+        """`learner` spoke: it is alive (again, if it was found dead, and counts for rounds)."""
+        if learner in self.ledger and self.membership.heard(learner, now, heartbeat=heartbeat):
+            self.join(learner, now)
+            return self.merging.evaluate_all(now)
+        return []
+
     def _on_push_event(self, event: PushArrived, now: float) -> list[Action]:
         return self.on_push(event.push, now)
+
+    def _on_pushes(self, event: PushesArrived, now: float) -> list[Action]:
+        """Group commit: each push in turn (one refused is a PushRefused, nothing changed by it), no round
+        closing until all are in, then every round evaluated once. A round that would not be finite
+        refuses the whole group (RoundRefused): the driver takes its pushes one at a time instead."""
+        actions: list[Action] = []
+        with self.merging.grouped():
+            for push in event.pushes:
+                try:
+                    actions += self.on_push(push, now)
+                except RoundRefused:
+                    raise
+                except ProtocolError as exc:  # raised by the checks, before anything changed
+                    actions.append(PushRefused(push.learner, push.fragment, push.seq, str(exc)))
+                    continue
+                finally:  # values decoded when used are dropped once taken: one push decoded at a time
+                    getattr(push.deltas, "release", lambda: None)()
+                actions += self._heard(push.learner, now)
+        return actions + self.merging.evaluate_all(now)
 
     def _on_progress_event(self, event: ProgressArrived, now: float) -> list[Action]:
         return self.on_progress(event.report, now)
@@ -294,7 +318,7 @@ class SyncerCore:
         self.membership.resumed(now)
         return []
 
-    _dispatch = {PushArrived: _on_push_event, ProgressArrived: _on_progress_event, HeartbeatArrived: _on_heartbeat,
+    _dispatch = {PushArrived: _on_push_event, PushesArrived: _on_pushes, ProgressArrived: _on_progress_event, HeartbeatArrived: _on_heartbeat,
                  TimerFired: _on_timer_event, LearnerLeft: _on_leave, LearnerRejoined: _on_rejoin,
                  AnswerTaken: _on_answer_taken, StreamOpened: _on_stream_opened, SyncerResumed: _on_resumed}
 

@@ -31,6 +31,8 @@ class UndoLog:
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] | None = None
         self._kept: set[tuple[int, Hashable]] = set()
+        self.serial = 0
+        """Counts transactions: what one made (`made_here`) it may change in place, nobody else holds it."""
 
     @property
     def active(self) -> bool:
@@ -86,6 +88,7 @@ class UndoLog:
         if self._undo is not None:
             return call()
         self._undo = []
+        self.serial += 1
         try:
             return call()
         except RoundRefused:

@@ -65,7 +65,9 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     from diloco.shard.regional_shard import RegionTier
     from diloco.shard.ownership import global_shard_plan
     from diloco.shard.server import ShardPlan, SyncerShard, parse_shard
+    from diloco.shard.serving import huge_pages_for_tensors
 
+    huge_pages_for_tensors()  # before a resumed state is loaded: torch reads it at its first large tensor
     die_with_parent()
     setup_logging(args.verbose)
     config = runtime_config(args)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -51,20 +51,24 @@ class MergeSums:
     """Contributions, for the plain mean."""
 
     def fold(self, deltas: dict[str, torch.Tensor], weight: float, *, radial: dict[str, float],
-             weighted: bool = True, plain: bool = False, new: bool = True) -> None:
+             weighted: bool = True, plain: bool = False, new: bool = True, own_norms: bool = False,
+             plus: Callable[[torch.Tensor | None, torch.Tensor, float], torch.Tensor] | None = None) -> None:
         """Add one outer gradient with `weight`. `radial` names the tensors averaged radially, each with
         the norm that scales its direction (its own, or for a learner's later push, its first one's);
-        `new`: a contribution of its own, not more of one already in."""
+        `own_norms`: they are these deltas' own norms, not taken again. `new`: a contribution of its own,
+        not more of one already in. `plus(total, delta, alpha)` adds (default: into a new tensor)."""
+        plus = plus or _plus
         for name, delta in deltas.items():
             delta = delta.to(torch.float32)
             if weighted:
-                self.weighted[name] = _plus(self.weighted.get(name), delta, weight)
+                self.weighted[name] = plus(self.weighted.get(name), delta, weight)
             if plain:
-                self.plain_sum[name] = _plus(self.plain_sum.get(name), delta, 1.0)
+                self.plain_sum[name] = plus(self.plain_sum.get(name), delta, 1.0)
             if name in radial:
-                self.radius[name] = self.radius.get(name, 0.0) + weight * tensor_norm(delta)
+                norm = radial[name] if own_norms else tensor_norm(delta)
+                self.radius[name] = self.radius.get(name, 0.0) + weight * norm
                 if radial[name] > 0:
-                    self.directions[name] = _plus(self.directions.get(name), delta, weight / radial[name])
+                    self.directions[name] = plus(self.directions.get(name), delta, weight / radial[name])
         if new:
             self.weight += weight
             self.count += 1

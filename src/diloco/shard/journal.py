@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
-                                PushArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired)
+                                PushArrived, PushesArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired)
 from diloco.core.messages import Progress
 from diloco.errors import DilocoError
 from diloco.transport.frames import read_message
@@ -241,6 +241,7 @@ def _next_header(view: memoryview, start: int) -> int | None:
 
 
 NOW = struct.Struct("<d")
+GROUP_LENGTH = struct.Struct("<Q")
 PLAIN_EVENTS = {cls.__name__: cls for cls in (HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
                                               AnswerTaken, StreamOpened, SyncerResumed)}
 QUIET_EVENTS = (ProgressArrived, HeartbeatArrived)
@@ -250,7 +251,7 @@ decides something) makes them durable too, being later in the same file."""
 
 def encode_event(event: SyncerEvent, now: float, push_frames: bytes = b"") -> tuple[str, bytes]:
     """(kind, payload) of one event; a push travels as the frames it arrived in (`push_payload`)."""
-    if isinstance(event, PushArrived):
+    if isinstance(event, (PushArrived, PushesArrived)):  # a group: `group_payload` of its pushes' frames
         body = push_frames
     elif isinstance(event, ProgressArrived):
         body = json.dumps(dataclasses.asdict(event.report)).encode()
@@ -265,6 +266,12 @@ def decode_event(kind: str, payload: bytes) -> tuple[SyncerEvent, float]:
     if kind == "PushArrived":
         header, tensors = read_message(payload_frames(body), "push", limit=1 << 40)
         return PushArrived(push_of(header, tensors)), now
+    if kind == "PushesArrived":
+        pushes = []
+        for frames in group_members(body):
+            header, tensors = read_message(payload_frames(frames), "push", limit=1 << 40)
+            pushes.append(push_of(header, tensors))
+        return PushesArrived(tuple(pushes)), now
     fields = json.loads(body)
     if kind == "ProgressArrived":
         return ProgressArrived(Progress(**{**fields, "due_in_s": tuple(fields["due_in_s"])})), now
@@ -275,3 +282,18 @@ def decode_event(kind: str, payload: bytes) -> tuple[SyncerEvent, float]:
     if kind not in PLAIN_EVENTS:
         raise ValueError(f"unknown journal event {kind!r}")
     return PLAIN_EVENTS[kind](**fields), now
+
+
+def group_payload(pushes: list[bytes]) -> bytes:
+    """One journal record for a group of pushes (`PushesArrived`): each push's frames, length-prefixed.
+    Replaying the group as one event takes the same decisions the live shard took."""
+    return b"".join(GROUP_LENGTH.pack(len(p)) + p for p in pushes)
+
+
+def group_members(body: bytes) -> Iterator[bytes]:
+    offset = 0
+    while offset < len(body):
+        (size,) = GROUP_LENGTH.unpack_from(body, offset)
+        offset += GROUP_LENGTH.size
+        yield body[offset:offset + size]
+        offset += size

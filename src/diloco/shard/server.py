@@ -16,16 +16,17 @@ from diloco.core.checks import theta_problem
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
                                 PushArrived, StreamOpened, SyncerEvent)
 from diloco.core.messages import Push, Update
-from diloco.core.syncer_core import Action, ProtocolError, SendState, SendUpdate, SyncerCore
+from diloco.core.syncer_core import Action, ProtocolError, Publish, SendState, SendUpdate, SyncerCore
 from diloco.shard import serving
 from diloco.shard.answer_slots import Slot
+from diloco.shard.group_commit import QueuedPush, take_group
 from diloco.shard.journal import JournalError
 from diloco.shard.ownership import ShardPlan, fragments_of, parse_shard
 from diloco.shard.serving import serve
 from diloco.shard.shard_state import ShardState
 from diloco.transport.frames import FrameError, decode, read_message
 from diloco.transport.security import current_caller
-from diloco.transport.wire_messages import fragment_versions, progress_of, push_of, push_payload, state_frames, update_frames
+from diloco.transport.wire_messages import DecodedOnUse, fragment_versions, progress_of, push_of, push_payload, state_frames, update_frames
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -178,27 +179,45 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
             self.push_errors += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")
         self._speaks_for(header.learner, "push", context)
-        with self.decoding:  # pushes wait here encoded, not decoded: memory does not grow with learners
-            try:
-                deltas = {name: decode(e) for name, e in tensors.items()}
-            except FrameError as exc:
-                self.push_errors += 1
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")
-            return self._take_push(push_of(header, tensors, deltas), header, tensors, context)
+        if self.tier is not None:  # a region's syncer takes its pushes one at a time, decoded here
+            with self.decoding:  # pushes wait here encoded, not decoded: memory does not grow with learners
+                try:
+                    deltas = {name: decode(e) for name, e in tensors.items()}
+                except FrameError as exc:
+                    self.push_errors += 1
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")
+                return self._take_push(push_of(header, tensors, deltas), header, tensors, context)
+        return self._take_push(push_of(header, tensors, DecodedOnUse(tensors)), header, tensors, context)
 
     def _take_push(self, push: Push, header: pb.PushHeader, tensors: dict, context: grpc.ServicerContext
                    ) -> pb.PushReply:
-        core = self.core
+        """Queue the push; whoever holds the lock next takes every queued push as one group (`group_commit`)."""
+        if self.sink:
+            return self._sink_push(push)
+        item = QueuedPush(push, push_payload(header, tensors) if self.store else b"")
+        self.push_queue.put(item)
         with self.lock:
-            entry = core.ledger.get(push.learner)
-            duplicates = entry.duplicates if entry else 0
-            clipped = entry.clipped if entry else 0
-            self._take(PushArrived(push), context, push_payload(header, tensors) if self.store else b"")
-            entry = core.ledger[push.learner]
-            if entry.clipped > clipped:
-                log.warning("push %d of fragment %d from learner %d clipped to the outlier bound", push.seq,
-                            push.fragment, push.learner)
-            return pb.PushReply(duplicate=entry.duplicates > duplicates, clipped=entry.clipped > clipped)
+            while item.outcome is None:
+                take_group(self, self.push_queue.take(), self.clock.now())
+        if item.outcome == "refused":
+            self.push_errors += 1
+            log.warning("refused PushArrived from %s: %s", context.peer(), item.why)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.why)
+        if item.outcome == "unavailable":
+            context.abort(grpc.StatusCode.UNAVAILABLE, item.why)
+        if item.clipped:
+            log.warning("push %d of fragment %d from learner %d clipped to the outlier bound", push.seq,
+                        push.fragment, push.learner)
+        return pb.PushReply(duplicate=item.duplicate, clipped=item.clipped)
+
+    def _sink_push(self, push: Push) -> pb.PushReply:
+        """Sink mode (`SINK_ENV`, benchmarks only): the push was read off the wire and is not merged; its
+        learner is answered with the fragment's current version, so pushes and answers measure the
+        transport alone."""
+        with self.lock:
+            notice = Update(push.fragment, self.core.version(push.fragment), {}, ack_seq=push.seq)
+            self.carry_out([Publish(push.fragment, notice.version, {push.learner: notice})])
+        return pb.PushReply()
 
     def _push_limit(self) -> int:
         """The most data one push of any fragment here may carry: fp32, the widest encoding."""

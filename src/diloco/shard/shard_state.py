@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -33,6 +34,7 @@ from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
 from diloco.shard import resume as shard_resume
 from diloco.shard.answer_slots import AnswerSlots
+from diloco.shard.group_commit import GROUP_PUSHES, PushQueue
 from diloco.shard.journal import JournalHalted
 from diloco.shard.ownership import ShardPlan
 from diloco.shard.regional_shard import RegionTier
@@ -48,6 +50,9 @@ log = logging.getLogger("diloco.syncer")
 
 SAVE_EVERY_S = 10.0
 """How often a shard with a state folder saves its whole state (and empties its journal)."""
+SINK_ENV = "DILOCO_SHARD_SINK"
+"""Set to 1, a shard takes pushes off the wire and answers them without merging (`benchmarks/scale.py
+--sink`: the transport alone). Never for a run: nothing is learned."""
 DECODING_PUSHES = 2
 """Pushes decoded to fp32 at once (one merging, one decoding next): a shard's memory for pushes in
 flight is then two fragments in fp32 plus the others as they came, whatever the number of learners."""
@@ -85,6 +90,9 @@ class ShardState:
         self.push_errors = 0
         self.decoding = threading.BoundedSemaphore(DECODING_PUSHES)
         """Pushes decoded at once: the others wait in their compressed form."""
+        self.sink = os.environ.get(SINK_ENV) == "1"
+        self.push_queue = PushQueue(GROUP_PUSHES if tier is None else 1)
+        """Pushes waiting for the lock, taken as one group by whoever gets it (`group_commit.py`)."""
         self.answer_slots = AnswerSlots()
         self.finished = False
         self.stop_said = False

@@ -10,7 +10,7 @@ strategy's spec and takes its core.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Callable
 
 import torch
@@ -19,16 +19,46 @@ from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
 from diloco.config import Config
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
+from diloco.core.refusals import ProtocolError
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.strategies import StrategySpec, Wiring, build_strategy
-from diloco.transport.frames import decode, encode_fp32, message_frames, tensor_header
+from diloco.transport.frames import FrameError, decode, encode_fp32, message_frames, tensor_header
 from diloco.v1 import diloco_pb2 as pb
 
 FRAME_LENGTH = struct.Struct("<I")
 
 
 # ------------------------------------------------------------ pushes
+
+
+class DecodedOnUse(Mapping):
+    """A push's tensors, decoded to fp32 when first read and dropped again by `release`: a group of pushes
+    waits encoded and is decoded one push at a time as the core takes it in (`SyncerCore._on_pushes`), so
+    the shard holds one decoded push at a time whatever the group's size. A tensor that does not decode is
+    a ProtocolError, raised by the core's checks before anything changed."""
+
+    def __init__(self, tensors: dict[str, Encoded]) -> None:
+        self.tensors = tensors
+        self.decoded: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.decoded:
+            try:
+                self.decoded[name] = decode(self.tensors[name])
+            except FrameError as exc:
+                raise ProtocolError(f"bad push: {exc}") from None
+        return self.decoded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def release(self) -> None:
+        """The core took the push in: its decoded values are no longer needed here."""
+        self.decoded = {}
 
 
 def push_header(sender: int, push: Push, encoded: dict[str, Encoded]) -> pb.PushHeader:

@@ -1,0 +1,161 @@
+"""Group commit (`events.PushesArrived`): pushes taken as one group close their rounds together, and what a
+group must keep: every push merged once, a refused push in a group changes nothing (the others' merge is
+as if it had never come), and a group is the same state whichever core takes it (journal replay)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.config import load_config
+from diloco.core.actions import Publish, PushRefused
+from diloco.core.events import PushArrived, PushesArrived
+from diloco.core.messages import Push
+from diloco.core.syncer_core import SyncerCore
+from diloco.fragments import Fragment
+from diloco.strategies import build_strategy
+from diloco.shard.journal import Journal
+from core_state import frozen, same
+from shard_on_disk import SeededShard, _no_shard_left, tiny_model  # noqa: F401 (an autouse fixture)
+
+LEARNERS = 8
+NUMEL = 64
+
+
+def make_core() -> SyncerCore:
+    """A core built as the drivers build it: the default config (decoupled, paced), quorum 1."""
+    spec = build_strategy(load_config(overrides=[f"learners.count={LEARNERS}", "learners.speeds=[]"]))
+    fragments = [Fragment(p, (f"w{p}",), NUMEL, False) for p in range(spec.fragments)]
+    params = {f"w{p}": torch.randn(NUMEL, generator=torch.Generator().manual_seed(p)) for p in range(spec.fragments)}
+    core = spec.syncer_core(params, fragments, range(LEARNERS), embeddings=())
+    for m in range(LEARNERS):
+        core.declare(m, 64)
+        core.rejoin_state(m, after_seq=0)
+    return core
+
+
+def push(learner: int, seq: int, fragment: int = 0, scale: float = 1e-3, value: float | None = None) -> Push:
+    delta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 * learner + seq)) * scale
+    if value is not None:
+        delta[3] = value
+    return Push(learner, fragment, 0, seq, {f"w{fragment}": delta}, 4 * 64, 4, step_time_s=0.01, sent_at=0.0,
+                step=4 * seq)
+
+
+def warm(core: SyncerCore) -> None:
+    """Every learner's first push, one at a time: weights known, so later pushes are judged at once."""
+    for m in range(LEARNERS):
+        core.handle(PushArrived(push(m, 1, fragment=1)), 0.01 * (m + 1))
+
+
+def test_a_group_closes_one_round_with_every_push_merged_once():
+    core = make_core()
+    warm(core)
+    before = len(core.rounds)
+    actions = core.handle(PushesArrived(tuple(push(m, 2) for m in range(LEARNERS))), 1.0)
+    published = [a for a in actions if isinstance(a, Publish)]
+    assert [a.fragment for a in published] == [0]
+    (record,) = core.rounds[before:]
+    assert sorted(record.participants) == list(range(LEARNERS))
+    assert record.tokens == LEARNERS * 4 * 64
+    assert all(core.ledger[m].pushes == 2 and core.ledger[m].last_seq == 2 for m in range(LEARNERS))
+    again = core.handle(PushesArrived(tuple(push(m, 2) for m in range(LEARNERS))), 1.1)  # retries: counted once
+    assert not [a for a in again if isinstance(a, Publish)] and len(core.rounds) == before + 1
+    assert all(core.ledger[m].duplicates == 1 for m in range(LEARNERS))
+
+
+def test_a_refused_push_in_a_group_changes_nothing_and_the_others_merge_as_without_it():
+    core, twin = make_core(), make_core()
+    warm(core)
+    warm(twin)
+    good = [push(m, 2) for m in range(LEARNERS) if m != 3]
+    bad = push(3, 2, value=float("nan"))
+    actions = core.handle(PushesArrived((*good[:3], bad, *good[3:])), 1.0)
+    (refusal,) = [a for a in actions if isinstance(a, PushRefused)]
+    assert (refusal.learner, refusal.fragment, refusal.seq) == (3, 0, 2)
+    assert "not finite" in refusal.reason and "\n" not in refusal.reason
+    twin.handle(PushesArrived(tuple(good)), 1.0)
+    assert same(frozen(core), frozen(twin))
+    assert torch.isfinite(core.theta["w0"]).all()
+    assert 3 not in core.rounds[-1].participants
+
+
+def test_a_group_gives_the_same_state_in_every_core_that_takes_it():
+    """What journal replay relies on: the group is the unit, so a core fed the same groups ends the same."""
+    cores = [make_core(), make_core()]
+    for core in cores:
+        warm(core)
+        core.handle(PushesArrived(tuple(push(m, 2, fragment=m % 2) for m in range(LEARNERS))), 1.0)
+        core.handle(PushesArrived((push(0, 3), push(1, 3, value=float("inf")), push(2, 3))), 2.0)
+    assert same(frozen(cores[0]), frozen(cores[1]))
+
+
+def test_a_group_of_one_is_the_push_alone():
+    one, alone = make_core(), make_core()
+    warm(one)
+    warm(alone)
+    one.handle(PushesArrived((push(5, 2),)), 1.0)
+    alone.handle(PushArrived(push(5, 2)), 1.0)
+    assert same(frozen(one), frozen(alone))
+
+
+@pytest.mark.integration
+def test_journal_replay_of_a_grouped_round_gives_the_identical_state(tmp_path):
+    """A group journaled as one record, one of its pushes refused: a shard resumed from the journal holds
+    exactly what the live shard held (Θ, rounds, optimizer, ledger), the refused push taken by neither."""
+    from diloco.shard.group_commit import QueuedPush, take_group
+    from diloco.shard.server import ShardPlan, SyncerShard
+    from diloco.transport.wire_messages import DecodedOnUse, push_of, push_payload
+
+    seeded = SeededShard(tmp_path)
+    shard = seeded.shard
+    messages = [seeded.push_message(1), seeded.push_message(2, base_version=99), seeded.push_message(3)]
+    group = [QueuedPush(push_of(h, t, DecodedOnUse(t)), push_payload(h, t)) for h, t in messages]
+    with shard.lock:
+        rounds = len(shard.core.rounds)
+        take_group(shard, group, shard.clock.now())
+        assert [q.outcome for q in group] == ["taken", "refused", "taken"]
+        assert len(shard.core.rounds) == rounds + 1 and shard.core.ledger[0].pushes == 2
+        live = frozen(shard.core)
+    kinds = [r.kind for r in Journal.scan(tmp_path / "shard-0.journal").records]
+    assert "PushesArrived" in kinds
+    seeded.kill()
+    resumed = SyncerShard(seeded.config, ShardPlan(0, 1, ("",)), state_dir=tmp_path, resume=True)
+    try:
+        after = frozen(resumed.core)
+        for key in ("theta", "fragments", "rounds", "last_weight", "ledger"):
+            assert same(live[key], after[key]), key
+    finally:
+        resumed.stop()
+
+
+@pytest.mark.integration
+def test_a_join_pulls_every_fragment_and_hands_each_to_take_on_the_calling_thread(tmp_path):
+    """Parallel pulls: with `take`, each fragment's Θ goes to take(fragment, values) on the joining thread,
+    exactly the shard's values, and Joined.theta stays empty; the pull's time is reported."""
+    import threading
+
+    from diloco.client.joining import join_run
+    from diloco.fragments import partition
+
+    seeded = SeededShard(tmp_path)
+    model = tiny_model()
+    params = dict(model.named_parameters())
+    got, threads = {}, set()
+
+    def take(fragment: int, values: dict[str, torch.Tensor]) -> None:
+        threads.add(threading.get_ident())
+        got[fragment] = values
+
+    joined = join_run(seeded.address, 0, 30.0, "test", params, lambda count: partition(model, count, set()),
+                      None, take=take)
+    try:
+        assert threads == {threading.get_ident()} and joined.theta == {}
+        assert sorted(got) == sorted(seeded.shard.core.fragments) and joined.pull_s > 0
+        for values in got.values():
+            for name, value in values.items():
+                assert torch.equal(value, seeded.shard.core.theta[name])
+    finally:
+        for shard in joined.shards:
+            shard.client.leave(joined.learner)
+            shard.client.close()
