@@ -29,7 +29,7 @@ from diloco.errors import DilocoError
 from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
-from diloco.client.checkpoints import checkpoint_key, read_checkpoint, write_checkpoint
+from diloco.client.checkpoints import CheckpointWriter, checkpoint_key, read_checkpoint
 from diloco.client.learner_client import HomeLink, Learner, LinkShape
 from diloco.transport.ports import report_port
 from diloco.shard.ownership import fragment_owners
@@ -97,21 +97,26 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     materials = prepare(config)
     model = materials.model.to(resolve_device(t.device))
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
-    sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security)
+    seal = checkpoint_key(security.secret, security.learner.token if security.learner else None) \
+        if security is not None else None
+    syncing = syncer is not None
+    saved = _saved_state(_checkpoint_path(config, out, learner), config, learner, syncing, replica, seal)
+    sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security, saved)
     m, rank, world = sync.id, sync.rank, sync.world
-    plan = learner_plan(config, m, syncing=syncer is not None)
+    plan = learner_plan(config, m, syncing=syncing)
     speed, planned = plan.speed, plan.planned_steps
     replica.sampler = _data_shard(config, materials.corpus.train, m, rank, world)
     replica.planned_steps = planned
-    checkpoint = out / "checkpoints" / f"learner-{m}.pt" if out is not None else None
-    seal = checkpoint_key(security.secret, security.learner.token if security.learner else None) \
-        if security is not None else None
-    if checkpoint is not None and checkpoint.is_file():
-        restore_checkpoint(checkpoint, replica, world, config.failures.restore, seal)
+    checkpoint = _checkpoint_path(config, out, m)
+    if saved is None and learner is None:  # an id the syncer picked: its checkpoint, Θ without own progress
+        saved = _saved_state(checkpoint, config, m, syncing, replica, seal)
+    if saved is not None:
+        restore_checkpoint(saved, replica, world, config.failures.restore)
         sync.resume(replica.steps)
-        log.info("learner %d resumes at step %d from %s", m, replica.steps, checkpoint)
+        log.info("learner %d resumes at step %d from %s (own progress: fragments %s)", m, replica.steps, checkpoint,
+                 [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
     resumed_from = replica.steps
-    writer = CheckpointWriter(checkpoint, seal) if checkpoint is not None else None
+    writer = CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every) if checkpoint is not None else None
     if world > 1:
         replica.model = nn.parallel.DistributedDataParallel(model)
     if t.compile:
@@ -119,8 +124,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
     metrics = _metrics_for(config, out, m, rank, metrics_port, metrics_port_file, metrics_http)
     meter = LearnerMeter(metrics, m, config.metrics.every_steps)
-    training = _Training(replica, sync, meter, metrics, world, rank, speed, stop,
-                         config.failures.checkpoint_every if writer is not None else 0, writer)
+    training = _Training(replica, sync, meter, metrics, world, rank, speed, stop, writer)
     # With a shared budget every learner trains until the syncer says the budget is spent, so all stop
     # together as in the simulator (its plan only shapes its learning-rate schedule); a learner that
     # stopped at its own plan would leave the others' last rounds to speak for the whole fleet.
@@ -136,9 +140,9 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     report.update(speed=speed, planned_steps=planned, steps=replica.steps, resumed_from_step=resumed_from,
                   tokens=tokens, busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
                   tokens_per_s=tokens / wall_s if wall_s else 0.0,
-                  interrupted=bool(stop is not None and stop.is_set()))
-    if checkpoint is not None and rank == 0:
-        writer.save(model, replica, wait=True)
+                  interrupted=bool(stop is not None and stop.is_set()), **_checkpoint_report(writer))
+    if writer is not None and rank == 0:
+        writer.save(lambda: _learner_state(model, replica, sync), wait=True)
         (out / "learners").mkdir(parents=True, exist_ok=True)
         (out / "learners" / f"learner-{m}.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -167,9 +171,8 @@ class _Training:
     rank: int
     speed: float
     stop: threading.Event | None
-    checkpoint_every: int
-    """0: no checkpoints."""
     writer: CheckpointWriter | None
+    """None: no checkpoints."""
     tokens: int = 0
     busy_s: float = 0.0
     began: float = field(default_factory=clock.monotonic)
@@ -189,8 +192,9 @@ class _Training:
             sync.step(tokens)
             if self.rank == 0:
                 self.record(final=False)
-                if self.checkpoint_every and replica.steps % self.checkpoint_every == 0:
-                    self.writer.save(_unwrap(replica.model), replica)
+                if self.writer is not None:
+                    self.writer.maybe_save(replica.steps, clock.monotonic() - self.started,
+                                           lambda: _learner_state(_unwrap(replica.model), replica, sync))
 
     def record(self, final: bool) -> None:
         now = clock.monotonic()
@@ -201,7 +205,8 @@ class _Training:
 
 
 def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int | None, emulate_link: bool,
-              connect_timeout_s: float, security: TransportSecurity | None) -> Learner | Standalone:
+              connect_timeout_s: float, security: TransportSecurity | None,
+              saved: dict[str, Any] | None = None) -> Learner | Standalone:
     """The learner's side of syncing: joined to the run at `syncer`, or standing alone."""
     if syncer is None:
         if learner is None:
@@ -217,7 +222,8 @@ def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int
                                          for home in Topology(config).homes(len(owners))]
     return Learner(replica.model, replica.optimizer, syncer=syncer, learner=learner, link=link,
                    connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security,
-                   tokens_per_step=config.train.batch_size * config.train.seq_len, homes=homes, owners=owners)
+                   tokens_per_step=config.train.batch_size * config.train.seq_len, homes=homes, owners=owners,
+                   own_progress=saved.get("sync") if saved is not None else None, resume=config.failures.resume)
 
 
 def _link_shape(config: Config, learner: int | None, home: str | None) -> LinkShape:
@@ -245,12 +251,10 @@ def run_origin() -> float:
     return float(os.environ.get(ORIGIN_ENV, clock.now()))
 
 
-def restore_checkpoint(path: Path, replica: Replica, world: int, policy: RestorePolicy, key: bytes | None = None
-                       ) -> None:
+def restore_checkpoint(state: dict[str, Any], replica: Replica, world: int, policy: RestorePolicy) -> None:
     """A restarted learner's own state, as `core/recovery.py` says: data position and step count, and
-    the inner optimizer unless the policy is `fresh`. Its parameters come from the syncer's current Θ
-    instead, which is newer. Loaded without unpickling code, once checked (`checkpoints.py`)."""
-    state = read_checkpoint(path, replica.planned_steps * STEP_CAP, replica.optimizer, key)
+    the inner optimizer unless the policy is `fresh`. Its parameters are Θ with its own unpushed progress
+    on top (`core/own_progress.py`, done as it joins). `state` was checked by `read_checkpoint`."""
     plan = restore_plan(policy, has_checkpoint=True)
     if plan.optimizer:
         replica.optimizer.load_state_dict(state["optimizer"])
@@ -260,37 +264,32 @@ def restore_checkpoint(path: Path, replica: Replica, world: int, policy: Restore
         replica.steps = int(state["steps"])
 
 
-def _snapshot(value: Any) -> Any:
-    """A copy of a state dict that training can no longer change: tensors cloned, containers rebuilt."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _snapshot(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_snapshot(v) for v in value)
-    return value
+def _saved_state(path: Path | None, config: Config, m: int | None, syncing: bool, replica: Replica,
+                 seal: bytes | None) -> dict[str, Any] | None:
+    """Learner m's checkpoint, checked (`read_checkpoint`), if it has one."""
+    if path is None or m is None or not path.is_file():
+        return None
+    return read_checkpoint(path, learner_plan(config, m, syncing=syncing).planned_steps * STEP_CAP,
+                           replica.optimizer, seal)
 
 
-class CheckpointWriter:
-    """The learner's own state (model, inner optimizer, data position, step), written atomically on a
-    background thread: the training thread only takes a copy, then trains on while it reaches the disk."""
+def _checkpoint_path(config: Config, out: Path | None, m: int | None) -> Path | None:
+    """Learner m's own checkpoint, where it keeps one (None: no out folder, or checkpoints off)."""
+    if out is None or m is None or not config.failures.learner_checkpoints:
+        return None
+    return out / "checkpoints" / f"learner-{m}.pt"
 
-    def __init__(self, path: Path, key: bytes | None = None) -> None:
-        self.path, self.key = path, key
-        self._thread: threading.Thread | None = None
 
-    def save(self, model: nn.Module, replica: Replica, wait: bool = False) -> None:
-        self.wait()  # one write at a time, in order
-        state = _snapshot({"model": model.state_dict(), "optimizer": replica.optimizer.state_dict(),
-                           "data": replica.sampler.state_dict(), "steps": replica.steps})
-        self._thread = threading.Thread(target=self._write, args=(state,), name="learner-checkpoint", daemon=True)
-        self._thread.start()
-        if wait:
-            self.wait()
+def _learner_state(model: nn.Module, replica: Replica, sync: Learner | Standalone) -> dict[str, Any]:
+    """What a learner's checkpoint holds (not yet copied: `CheckpointWriter` copies it)."""
+    own = sync.own_progress_state() if isinstance(sync, Learner) else None
+    return {"model": model.state_dict(), "optimizer": replica.optimizer.state_dict(),
+            "data": replica.sampler.state_dict(), "steps": replica.steps, **({"sync": own} if own else {})}
 
-    def _write(self, state: dict[str, Any]) -> None:
-        write_checkpoint(state, self.path, self.key)
 
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
+def _checkpoint_report(writer: CheckpointWriter | None) -> dict[str, Any]:
+    """What checkpoints cost this learner, for its report."""
+    if writer is None:
+        return {}
+    return {"checkpoints_written": writer.written, "checkpoints_skipped": writer.skipped,
+            "checkpoint_copy_s": writer.copy_s, "checkpoint_write_s": writer.write_s}

@@ -35,6 +35,8 @@ class Joined:
     versions: dict[int, int]
     last_seq: int
     """The learner's last push numbered in its earlier lives: its next pushes are numbered above."""
+    last_seqs: dict[int, int]
+    """Per fragment, the last push of this learner that the fragment's shard took."""
 
 
 def join_run(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
@@ -80,7 +82,7 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
         replies[info.index] = (client, with_retries(lambda c=client: c.join(me, host, tokens_per_step),
                                                     what="join"))
         joined.append((client, me))
-    last_seq, shards = 0, []
+    last_seq, last_seqs, shards = 0, {}, []
     for index, (client, shard_reply) in sorted(replies.items()):
         check_shard_map(shard_reply.shards, expected, client.address)
         owned = expected[index]
@@ -93,6 +95,7 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
             # another learner meanwhile, which the pull's layout check covers) is always safe.
             with_retries(lambda c=client, v=values, lay=layout: c.init(lay, v), what="init")
         last_seq = max(last_seq, shard_reply.last_seq)
+        last_seqs.update({p: shard_reply.last_seq for p in owned})
         shards.append(ShardLink(index, client, owned))
     theta: dict[str, torch.Tensor] = {}
     versions: dict[int, int] = {}
@@ -104,7 +107,7 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
             _check_layout(layout, [fragments[p]], params, shard.client.address)
             theta.update(values)
             versions.update(fragment_versions)
-    return Joined(me, settings, shards, fragments, theta, versions, last_seq)
+    return Joined(me, settings, shards, fragments, theta, versions, last_seq, last_seqs)
 
 
 def _check_layout(layout: list[pb.FragmentLayout], fragments: list[Fragment], params: dict[str, torch.Tensor],

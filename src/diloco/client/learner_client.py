@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from diloco.core.learner_core import LearnerCore
 from diloco.core.learner_events import (Advance, Finished, LearnerAction, PushRefused, SendProgress, SendPush,
                                         StepDone, UpdateArrived, WaitFor)
 from diloco.core.messages import Push
+from diloco.core.own_progress import ResumePolicy, export_progress, resume_progress
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment, embedding_names, partition
 from diloco.client.joining import ShardLink, join_run
@@ -63,7 +64,8 @@ class Learner:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, syncer: str,
                  learner: int | None = None, link: LinkShape | None = None, connect_timeout_s: float = 30.0,
                  host: str = "", security: TransportSecurity | None = None, tokens_per_step: int | None = None,
-                 homes: Sequence[HomeLink] | None = None, owners: Sequence[int] | None = None) -> None:
+                 homes: Sequence[HomeLink] | None = None, owners: Sequence[int] | None = None,
+                 own_progress: Mapping[str, Any] | None = None, resume: ResumePolicy = "own") -> None:
         """Join the run served at `syncer` (any shard's HOST:PORT) and load its current Θ into `model`.
         `learner` asks for an id (a restart keeps its own); by default the syncer picks one, or the one
         named by the learner's own credential (`security`, or $DILOCO_LEARNER_TOKEN). `tokens_per_step`:
@@ -72,8 +74,12 @@ class Learner:
         (`placement = "links"`): each shard's traffic is shaped and counted on its own link, instead of
         all on `link` (give `owners` with it: their shard indices are the same). `owners`: per fragment,
         the shard the learner's config says owns it; a run whose shards say otherwise is refused (None:
-        the shards' own map)."""
+        the shards' own map). `own_progress`: what this learner's checkpoint saved of its unpushed progress
+        (`export_progress`), resumed on top of Θ where `resume` and `core/own_progress.usable` allow."""
         self.model = model
+        self.own_progress, self.resume_policy = own_progress, resume
+        self.resumed: dict[int, str | None] = {}
+        """Per fragment: None where the saved progress was resumed, else why Θ was taken."""
         self.optimizer = optimizer
         self.module = _unwrap(model)
         self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
@@ -133,6 +139,7 @@ class Learner:
         self.core = spec_of(self.settings).learner_core(
             self.id, self.params, fragments, versions=[joined.versions[p] for p in range(len(fragments))],
             first_seq=joined.last_seq, encode_later=True)
+        self.resumed = resume_progress(self.core, self.own_progress, joined.last_seqs, self.resume_policy)
         self.link = ClientLink(self.id, f"learner {self.id}", self.shards, joined.versions, self.up, self.down,
                                self.staging)
         log.info("learner %d joined %d shard(s); %d fragments", self.id, len(self.shards), len(fragments))
@@ -149,6 +156,10 @@ class Learner:
         continues from there. Call before the first `step()`."""
         if self.core is not None:
             self.core.resume_at(step)
+
+    def own_progress_state(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps to resume this learner's unpushed progress (rank 0; None elsewhere)."""
+        return export_progress(self.core) if self.core is not None else None
 
     def request_stop(self) -> None:
         """Stop at the end of this step (e.g. on Ctrl-C); under torchrun, rank 0's request counts."""
