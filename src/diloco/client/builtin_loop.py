@@ -93,6 +93,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     """Train one learner to the end of its plan (or of the shared budget, or until `stop` is set);
     return its report, also written to OUT/learners/learner-ID.json with a checkpoint. With no
     `syncer`, train the same way without syncing (`learner` is then required)."""
+    entered = clock.monotonic()
     t = config.train
     materials = prepare(config)
     model = materials.model.to(resolve_device(t.device))
@@ -101,7 +102,9 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         if security is not None else None
     syncing = syncer is not None
     saved = _saved_state(_checkpoint_path(config, out, learner), config, learner, syncing, replica, seal)
+    joining = clock.monotonic()
     sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security, saved)
+    joined_s = clock.monotonic() - joining
     m, rank, world = sync.id, sync.rank, sync.world
     plan = learner_plan(config, m, syncing=syncing)
     speed, planned = plan.speed, plan.planned_steps
@@ -125,6 +128,9 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     metrics = _metrics_for(config, out, m, rank, metrics_port, metrics_port_file, metrics_http)
     meter = LearnerMeter(metrics, m, config.metrics.every_steps)
     training = _Training(replica, sync, meter, metrics, world, rank, speed, stop, writer)
+    training.start = {"import_s": max(0.0, process_age_s() - (clock.monotonic() - entered)), "join_s": joined_s,
+                      "steps": resumed_from, "resumed_fragments": sum(why is None for why in
+                                                                       getattr(sync, "resumed", {}).values())}
     # With a shared budget every learner trains until the syncer says the budget is spent, so all stop
     # together as in the simulator (its plan only shapes its learning-rate schedule); a learner that
     # stopped at its own plan would leave the others' last rounds to speak for the whole fleet.
@@ -140,7 +146,8 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     report.update(speed=speed, planned_steps=planned, steps=replica.steps, resumed_from_step=resumed_from,
                   tokens=tokens, busy_s=busy_s, wall_s=wall_s, busy_fraction=busy_s / wall_s if wall_s else 1.0,
                   tokens_per_s=tokens / wall_s if wall_s else 0.0,
-                  interrupted=bool(stop is not None and stop.is_set()), **_checkpoint_report(writer))
+                  interrupted=bool(stop is not None and stop.is_set()), **_checkpoint_report(writer),
+                  **{k: v for k, v in training.start.items() if k.endswith("_s")})
     if writer is not None and rank == 0:
         writer.save(lambda: _learner_state(model, replica, sync), wait=True)
         (out / "learners").mkdir(parents=True, exist_ok=True)
@@ -173,6 +180,8 @@ class _Training:
     stop: threading.Event | None
     writer: CheckpointWriter | None
     """None: no checkpoints."""
+    start: dict[str, Any] = field(default_factory=dict)
+    """How this life started (the `start` metrics), completed at its first step."""
     tokens: int = 0
     busy_s: float = 0.0
     began: float = field(default_factory=clock.monotonic)
@@ -191,6 +200,10 @@ class _Training:
                 sync.request_stop()
             sync.step(tokens)
             if self.rank == 0:
+                if "first_step_s" not in self.start:
+                    self.start.update(first_step_s=clock.monotonic() - self.started,
+                                      start_to_first_step_s=process_age_s())
+                    self.metrics.record("start", learner=self.sync.id, **self.start)
                 self.record(final=False)
                 if self.writer is not None:
                     self.writer.maybe_save(replica.steps, clock.monotonic() - self.started,
@@ -244,6 +257,21 @@ def _unwrap(model: nn.Module) -> nn.Module:
     """The plain module under DDP and torch.compile wrappers."""
     model = getattr(model, "_orig_mod", model)
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere since this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return clock.monotonic() - _IMPORTED
+
+
+_IMPORTED = clock.monotonic()
 
 
 def run_origin() -> float:

@@ -28,7 +28,7 @@ from torch import nn
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.core.learner_core import LearnerCore
 from diloco.core.learner_events import (Advance, Finished, LearnerAction, PushRefused, SendProgress, SendPush,
-                                        StepDone, UpdateArrived, WaitFor)
+                                        StepDone, Tick, UpdateArrived, WaitFor)
 from diloco.core.messages import Push
 from diloco.core.own_progress import ResumePolicy, export_progress, resume_progress
 from diloco.errors import DilocoError
@@ -234,8 +234,7 @@ class Learner:
             waited_from = clock.monotonic()
             arrival = self.link.arrivals.get(timeout=1.0)
             self.waiting_s += clock.monotonic() - waited_from
-            if arrival is not None:
-                self._carry_out(self._take(arrival))
+            self._carry_out(self._take(arrival) if arrival is not None else self.core.handle(Tick(), clock.now()))
             self._raise_if_failed()
 
     def _take(self, arrival: Arrival) -> list[LearnerAction]:
