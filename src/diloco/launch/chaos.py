@@ -20,7 +20,7 @@ from typing import Any
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.config import Config
 from diloco.core.accounting import learner_tokens, ledger_of
-from diloco.metrics.records import learner_lives
+from diloco.metrics.records import learner_lives, records_of
 from diloco.outputs import write_output
 from diloco.launch.launcher import Launcher
 from diloco.shard.ownership import placed_shard_count
@@ -103,15 +103,7 @@ def learner_starts(metrics: Path) -> list[dict[str, Any]]:
     time order; a learner's lives after its first are its restarts."""
     starts = []
     for path in sorted(metrics.glob("learner-*.jsonl")):
-        seen = 0
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the line a kill cut short
-            if record.get("kind") == "start":
-                starts.append({**record, "restart": seen > 0})
-                seen += 1
+        starts += [{**record, "restart": life > 0} for life, record in enumerate(records_of(path, "start"))]
     return sorted(starts, key=lambda r: r["time_s"])
 
 
