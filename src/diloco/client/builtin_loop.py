@@ -119,7 +119,11 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         log.info("learner %d resumes at step %d from %s (own progress: fragments %s)", m, replica.steps, checkpoint,
                  [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
     resumed_from = replica.steps
-    writer = CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every) if checkpoint is not None else None
+    writer = CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every, on_written=lambda state: isinstance(
+        sync, Learner) and "sync" in state and sync.push_gate.written(state["sync"]["seq"])) \
+        if checkpoint is not None else None
+    if writer is not None and isinstance(sync, Learner) and rank == 0:
+        sync.push_gate.hold()  # a push leaves once a checkpoint records it: its progress is never resumed twice
     if world > 1:
         replica.model = nn.parallel.DistributedDataParallel(model)
     if t.compile:
@@ -206,8 +210,10 @@ class _Training:
                     self.metrics.record("start", learner=self.sync.id, **self.start)
                 self.record(final=False)
                 if self.writer is not None:
+                    waiting = isinstance(sync, Learner) and sync.core is not None and \
+                        sync.push_gate.pending(sync.core.seq)
                     self.writer.maybe_save(replica.steps, clock.monotonic() - self.started,
-                                           lambda: _learner_state(_unwrap(replica.model), replica, sync))
+                                           lambda: _learner_state(_unwrap(replica.model), replica, sync), waiting)
 
     def record(self, final: bool) -> None:
         now = clock.monotonic()

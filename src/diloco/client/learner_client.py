@@ -37,6 +37,7 @@ from diloco.client.joining import ShardLink, join_run
 from diloco.client.link import (Arrival, ClientLink, HeartbeatOut, LeaveOut, LinkHandlers, LinkShape, ProgressOut,
                                 PushOut, ShardWays, UpEvent, bytes_by_home)
 from diloco.transport.wire_messages import spec_of
+from diloco.client.push_gate import PushGate
 from diloco.client.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
 from diloco.v1 import diloco_pb2 as pb
@@ -78,6 +79,8 @@ class Learner:
         (`export_progress`), resumed on top of Θ where `resume` and `core/own_progress.usable` allow."""
         self.model = model
         self.own_progress, self.resume_policy = own_progress, resume
+        self.push_gate = PushGate()
+        """Holds pushes until a checkpoint records them, once the training loop keeps checkpoints."""
         self.resumed: dict[int, str | None] = {}
         """Per fragment: None where the saved progress was resumed, else why Θ was taken."""
         self.optimizer = optimizer
@@ -117,7 +120,8 @@ class Learner:
         self.fragments = self.core.fragments if self.core else self._partition(fragment_count)
         if self.link is not None:
             self.link.start(LinkHandlers(encode=self.core.encode, anchors=lambda p: self.core.anchors[p],
-                                         refused=self._refused.put, stop=self.request_stop, beat=self._beat),
+                                         refused=self._refused.put, stop=self.request_stop, beat=self._beat,
+                                         release=self.push_gate.wait),
                             name="learner")
         self.started = self._last_step_end = clock.monotonic()
 
@@ -255,6 +259,7 @@ class Learner:
         self._closed = True
         self.wall_s = clock.monotonic() - self.started
         before = list(self.core.anchor_versions) if self.rank == 0 else []
+        self.push_gate.lift()  # the last pushes go at once; the last checkpoint follows them
         if self.rank == 0:
             self._carry_out(self.core.handle(Finished(), clock.now()))  # may merge answers that have arrived
         self._share_merges(before)

@@ -32,6 +32,8 @@ MAX_AGE_VERSIONS = 8
 @torch.no_grad()
 def export_progress(core: LearnerCore) -> dict[str, Any]:
     """What a checkpoint keeps to resume this learner's unpushed progress (copies: training goes on)."""
+    if core.finished:  # its last pushes carried everything
+        return {"seq": core.seq, "step": core.step, "fragments": []}
     residuals = dict(core.feedback.residuals) if core.feedback else {}
     fragments = []
     for p, fragment in enumerate(core.fragments):
