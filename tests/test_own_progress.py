@@ -74,3 +74,13 @@ def test_no_checkpoint_resumes_nothing():
     params = _theta(7.0)
     fresh = learner(0, params)
     assert resume_progress(fresh, None, {}, "own") == {0: "no checkpoint", 1: "no checkpoint"}
+
+
+def test_the_push_in_flight_is_resumed_too_when_its_shard_never_took_it():
+    core, _, pushes = _trained(3)
+    saved = export_progress(core)
+    params = _theta(7.0)
+    fresh = learner(0, params, tau=1, wait=False)
+    assert resume_progress(fresh, saved, {0: 0, 1: pushes[0].seq - 1}, "own") == {0: None, 1: None}
+    torch.testing.assert_close(params["b"], torch.full((2, 2), 7.0 + 1.5))  # the lost push's two steps and one
+    assert fresh.tokens_since == [30, 30] and fresh.steps_since == [3, 3]

@@ -7,9 +7,11 @@ restarted learner takes the syncer's current Θ and, for each fragment whose sav
 puts that progress back on top of Θ (θ = Θ − unpushed, the same rebasing as `outer.keep_progress`); its
 next push of the fragment carries it with its tokens. The one decision, per fragment, is `usable`.
 
-The push in flight when the checkpoint was taken is never carried again: the syncer has either merged
-it (it is in Θ) or never got it (its tokens are lost). A push sent after the checkpoint that the syncer
-took would be carried twice: a fragment whose shard saw a push numbered above the checkpoint's takes Θ.
+The push in flight when the checkpoint was taken is carried again only if its shard never took it (the
+shard's last push from this learner is numbered below it). A push sent after the checkpoint that the
+syncer took would be carried twice: a fragment whose shard saw a push numbered above the checkpoint's
+takes Θ (`client/push_gate.py` keeps pushes from leaving before a checkpoint records them, so this is
+the exception).
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ def export_progress(core: LearnerCore) -> dict[str, Any]:
             if flight is not None:
                 delta = delta - flight.sent_deltas[name]
             unpushed[name] = delta.cpu()
-        fragments.append({"version": core.anchor_versions[p], "unpushed": unpushed,
+        sent = None if flight is None else {"seq": flight.push.seq, "tokens": flight.push.tokens,
+                                            "steps": flight.push.steps,
+                                            "deltas": {n: d.detach().cpu().clone() for n, d in flight.sent_deltas.items()}}
+        fragments.append({"version": core.anchor_versions[p], "unpushed": unpushed, "in_flight": sent,
                           "tokens": core.tokens_since[p], "steps": core.steps_since[p],
                           "residuals": {n: residuals[n].detach().cpu().clone() for n in fragment.names
                                         if n in residuals}})
@@ -93,13 +98,31 @@ def resume_progress(core: LearnerCore, saved: Mapping[str, Any] | None, last_seq
         if why is not None:
             continue
         entry = saved["fragments"][p]
+        lost = _lost_in_flight(entry.get("in_flight"), last_seqs.get(p, 0), shapes)
         for name in fragment.names:
             param = core.params[name]
             param.sub_(entry["unpushed"][name].to(device=param.device, dtype=param.dtype))
-        core.tokens_since[p] += entry["tokens"]
-        core.steps_since[p] += entry["steps"]
+            if lost is not None:
+                param.sub_(lost["deltas"][name].to(device=param.device, dtype=param.dtype))
+        core.tokens_since[p] += entry["tokens"] + (lost["tokens"] if lost is not None else 0)
+        core.steps_since[p] += entry["steps"] + (lost["steps"] if lost is not None else 0)
         if core.feedback is not None:
             for name, residual in entry["residuals"].items():
                 if name in shapes and residual.shape == shapes[name]:
                     core.feedback.residuals[name] = residual.to(core.params[name].device)
     return outcome
+
+
+def _lost_in_flight(sent: Any, shard_last_seq: int, shapes: Mapping[str, torch.Size]) -> dict[str, Any] | None:
+    """The push in flight at the checkpoint, if its shard never took it (a shard takes a learner's pushes
+    in order: a last push numbered below it means it was lost with the process): resumed too."""
+    if not isinstance(sent, dict) or not isinstance(sent.get("seq"), int) or shard_last_seq >= sent["seq"]:
+        return None
+    deltas = sent.get("deltas")
+    if not isinstance(deltas, dict) or set(deltas) != set(shapes) or any(
+            not isinstance(t, torch.Tensor) or t.shape != shapes[n] or not bool(torch.isfinite(t).all())
+            for n, t in deltas.items()):
+        return None
+    if not all(isinstance(sent.get(k), int) and sent[k] >= 0 for k in ("tokens", "steps")):
+        return None
+    return sent
