@@ -249,7 +249,7 @@ class Learner:
         self.link.send(PushOut(push, self.staging.hand_off(push.deltas.values())))
 
     def _beat(self) -> list[UpEvent]:
-        return [HeartbeatOut(self.tokens, self.steps)]
+        return [HeartbeatOut(self.tokens, self.core.step if self.core is not None else self.steps)]  # resumed steps
 
     def close(self, finished: bool = True) -> dict[str, Any]:
         """Push what no push has carried yet, leave, stop the threads; return this learner's report.
