@@ -44,6 +44,7 @@ def one_run(steps: int, checkpoints: bool) -> dict[str, Any]:
     return {"checkpoints": checkpoints, "tokens_per_s": report["tokens_per_s"], "steps": report["steps"],
             "step_s": step_s, "written": report.get("checkpoints_written"),
             "skipped": report.get("checkpoints_skipped"), "copy_s": report.get("checkpoint_copy_s"),
+            "copy_share": (report["checkpoint_copy_total_s"] / report["busy_s"]) if checkpoints else None,
             "write_s": report.get("checkpoint_write_s")}
 
 
@@ -62,7 +63,7 @@ def main() -> int:
     off = [r for r in runs if not r["checkpoints"]]
     rate_on = statistics.median(r["tokens_per_s"] for r in on)
     rate_off = statistics.median(r["tokens_per_s"] for r in off)
-    copy_share = statistics.median(r["copy_s"] / r["step_s"] * r["written"] / r["steps"] for r in on)
+    copy_share = statistics.median(r["copy_share"] for r in on)
     result = {"runs": runs, "tokens_per_s_with": rate_on, "tokens_per_s_without": rate_off,
               "cost": 1 - rate_on / rate_off, "copy_share_of_step_time": copy_share}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

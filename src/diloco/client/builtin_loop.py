@@ -326,4 +326,5 @@ def _checkpoint_report(writer: CheckpointWriter | None) -> dict[str, Any]:
     if writer is None:
         return {}
     return {"checkpoints_written": writer.written, "checkpoints_skipped": writer.skipped,
-            "checkpoint_copy_s": writer.copy_s, "checkpoint_write_s": writer.write_s}
+            "checkpoint_copy_s": writer.copy_s, "checkpoint_copy_total_s": writer.copy_total_s,
+            "checkpoint_write_s": writer.write_s}

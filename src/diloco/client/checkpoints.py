@@ -123,6 +123,8 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self.copy_s = 0.0
         """The latest copy's time on the training thread."""
+        self.copy_total_s = 0.0
+        """Every copy's time on the training thread, summed."""
         self.write_s = 0.0
         """The latest write's time on the background thread."""
         self.saved_step: int | None = None
@@ -148,6 +150,7 @@ class CheckpointWriter:
         began = clock.monotonic()
         copied = snapshot(state())
         self.copy_s = clock.monotonic() - began
+        self.copy_total_s += self.copy_s
         self._thread = threading.Thread(target=self._write, args=(copied,), name="learner-checkpoint", daemon=True)
         self._thread.start()
         if wait:
