@@ -32,7 +32,7 @@ from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
 from diloco.client import sharded_checkpoints
-from diloco.client.checkpoints import checkpoint_key, read_checkpoint, write_checkpoint
+from diloco.client.checkpoints import CheckpointWriter, checkpoint_key, read_checkpoint
 from diloco.client.learner_client import HomeLink, Learner, LinkShape
 from diloco.client.param_shards import shard_model
 from diloco.transport.ports import report_port
@@ -104,6 +104,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     """Train one learner to the end of its plan (or of the shared budget, or until `stop` is set);
     return its report, also written to OUT/learners/learner-ID.json with a checkpoint. With no
     `syncer`, train the same way without syncing (`learner` is then required)."""
+    entered = clock.monotonic()
     t = config.train
     materials = prepare(config)
     model = materials.model.to(resolve_device(t.device))
@@ -111,26 +112,36 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     if sharded:  # before the optimizer and the learner: both take the sharded parameters
         model = shard_model(model, t.sharding, dist.get_world_size(), next(model.parameters()).device.type)
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
-    sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security)
+    seal = checkpoint_key(security.secret, security.learner.token if security.learner else None) \
+        if security is not None else None
+    syncing = syncer is not None
+    # A sharded learner resumes from its DCP checkpoint and Θ; own unpushed progress is the unsharded learner's.
+    saved = None if sharded else _saved_state(_checkpoint_path(config, out, learner), config, learner, syncing,
+                                               replica, seal)
+    joining = clock.monotonic()
+    sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security, saved)
+    joined_s = clock.monotonic() - joining
     m, rank, world = sync.id, sync.rank, sync.world
-    plan = learner_plan(config, m, syncing=syncer is not None)
+    plan = learner_plan(config, m, syncing=syncing)
     speed, planned = plan.speed, plan.planned_steps
     replica.sampler = _data_shard(config, materials.corpus.train, m, rank, world)
     replica.planned_steps = planned
-    checkpoint = out / "checkpoints" / f"learner-{m}.{'dcp' if sharded else 'pt'}" if out is not None else None
-    seal = checkpoint_key(security.secret, security.learner.token if security.learner else None) \
-        if security is not None else None
-    if checkpoint is not None and sharded and sharded_checkpoints.exists(checkpoint):
+    checkpoint = _checkpoint_path(config, out, m, sharded)
+    if sharded and checkpoint is not None and sharded_checkpoints.exists(checkpoint):
         sharded_checkpoints.restore_sharded(checkpoint, replica, planned * STEP_CAP,
                                             restore_plan(config.failures.restore, has_checkpoint=True), seal)
         sync.resume(replica.steps)
-    elif checkpoint is not None and checkpoint.is_file():
-        restore_checkpoint(checkpoint, replica, world, config.failures.restore, seal)
+    if not sharded and saved is None and learner is None:  # an id the syncer picked: Θ without own progress
+        saved = _saved_state(checkpoint, config, m, syncing, replica, seal)
+    if saved is not None:
+        restore_checkpoint(saved, replica, world, config.failures.restore)
         sync.resume(replica.steps)
-        log.info("learner %d resumes at step %d from %s", m, replica.steps, checkpoint)
+        log.info("learner %d resumes at step %d from %s (own progress: fragments %s)", m, replica.steps, checkpoint,
+                 [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
     resumed_from = replica.steps
-    writer = None if checkpoint is None else \
-        sharded_checkpoints.ShardedWriter(checkpoint, seal) if sharded else CheckpointWriter(checkpoint, seal)
+    writer = _writer_for(checkpoint, seal, config, sync, sharded)
+    if writer is not None and isinstance(writer, CheckpointWriter) and isinstance(sync, Learner) and rank == 0:
+        sync.push_gate.hold()  # a push leaves once a checkpoint records it: its progress is never resumed twice
     if world > 1 and not sharded:
         replica.model = shard_model(model, "ddp", world)
     if t.compile:
@@ -138,8 +149,11 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
     metrics = _metrics_for(config, out, m, rank, metrics_port, metrics_port_file, metrics_http)
     meter = LearnerMeter(metrics, m, config.metrics.every_steps)
-    training = _Training(replica, sync, meter, metrics, world, rank, speed, stop,
-                         config.failures.checkpoint_every if writer is not None else 0, writer)
+    training = _Training(replica, sync, meter, metrics, world, rank, speed, stop, writer,
+                         config.failures.checkpoint_every)
+    training.start = {"import_s": max(0.0, process_age_s() - (clock.monotonic() - entered)), "join_s": joined_s,
+                      "steps": resumed_from, "resumed_fragments": sum(why is None for why in
+                                                                       getattr(sync, "resumed", {}).values())}
     # With a shared budget every learner trains until the syncer says the budget is spent, so all stop
     # together as in the simulator (its plan only shapes its learning-rate schedule); a learner that
     # stopped at its own plan would leave the others' last rounds to speak for the whole fleet.
@@ -153,11 +167,25 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         report["eval_loss"] = eval_loss
     metrics.close()
     training.complete(report, plan.planned_steps, resumed_from)
-    if checkpoint is not None and (rank == 0 or sharded):
+    report.update(**_checkpoint_report(writer), **{k: v for k, v in training.start.items() if k.endswith("_s")})
+    if isinstance(writer, sharded_checkpoints.ShardedWriter):
         writer.save(model, replica, wait=True)
-    if checkpoint is not None and rank == 0:
+    elif writer is not None and rank == 0:
+        writer.save(lambda: _learner_state(model, replica, sync), wait=True)
+    if out is not None and rank == 0:
         write_report(out, report)
     return report
+
+
+def _writer_for(checkpoint: Path | None, seal: bytes | None, config: Config, sync: Learner | Standalone,
+                sharded: bool) -> CheckpointWriter | sharded_checkpoints.ShardedWriter | None:
+    """What writes this learner's checkpoints: DCP on every rank of a sharded learner, else rank 0's file."""
+    if checkpoint is None:
+        return None
+    if sharded:
+        return sharded_checkpoints.ShardedWriter(checkpoint, seal)
+    return CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every, on_written=lambda state: isinstance(
+        sync, Learner) and "sync" in state and sync.push_gate.written(state["sync"]["seq"]))
 
 
 def write_report(out: Path, report: dict[str, Any]) -> None:
@@ -178,6 +206,8 @@ def _metrics_for(config: Config, out: Path | None, m: int, rank: int, port: int 
 
 
 @dataclass
+
+@dataclass
 class _Training:
     """The loop a user would write, with what it measures: tokens, time busy, one record per step."""
 
@@ -189,9 +219,12 @@ class _Training:
     rank: int
     speed: float
     stop: threading.Event | None
-    checkpoint_every: int
-    """0: no checkpoints."""
     writer: CheckpointWriter | sharded_checkpoints.ShardedWriter | None
+    """None: no checkpoints."""
+    sharded_every: int = 0
+    """A sharded learner's checkpoint period in steps (every rank writes its rows)."""
+    start: dict[str, Any] = field(default_factory=dict)
+    """How this life started (the `start` metrics), completed at its first step."""
     tokens: int = 0
     busy_s: float = 0.0
     began: float = field(default_factory=clock.monotonic)
@@ -210,9 +243,18 @@ class _Training:
                 sync.request_stop()
             sync.step(tokens)
             if self.rank == 0:
+                if "first_step_s" not in self.start:
+                    self.start.update(first_step_s=clock.monotonic() - self.started,
+                                      start_to_first_step_s=process_age_s())
+                    self.metrics.record("start", learner=self.sync.id, **self.start)
                 self.record(final=False)
-            if self.checkpoint_every and replica.steps % self.checkpoint_every == 0 and \
-                    (self.rank == 0 or getattr(self.writer, "every_rank", False)):
+                if isinstance(self.writer, CheckpointWriter):
+                    waiting = isinstance(sync, Learner) and sync.core is not None and \
+                        sync.push_gate.pending(sync.core.seq)
+                    self.writer.maybe_save(replica.steps, clock.monotonic() - self.started,
+                                           lambda: _learner_state(_unwrap(replica.model), replica, sync), waiting)
+            if isinstance(self.writer, sharded_checkpoints.ShardedWriter) and self.sharded_every and \
+                    replica.steps % self.sharded_every == 0:
                 self.writer.save(_unwrap(replica.model), replica)
 
     def complete(self, report: dict[str, Any], planned_steps: int, resumed_from: int) -> None:
@@ -231,8 +273,10 @@ class _Training:
                         loss=lambda: self.replica.last_loss, core=self.sync.core, final=final)
 
 
+
 def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int | None, emulate_link: bool,
-              connect_timeout_s: float, security: TransportSecurity | None) -> Learner | Standalone:
+              connect_timeout_s: float, security: TransportSecurity | None,
+              saved: dict[str, Any] | None = None) -> Learner | Standalone:
     """The learner's side of syncing: joined to the run at `syncer`, or standing alone."""
     if syncer is None:
         if learner is None:
@@ -240,6 +284,7 @@ def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int
         return Standalone(learner)
     return Learner(replica.model, replica.optimizer, syncer=syncer, learner=learner,
                    connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security,
+                   own_progress=saved.get("sync") if saved is not None else None, resume=config.failures.resume,
                    **sync_options(config, learner, emulate_link))
 
 
@@ -255,6 +300,7 @@ def sync_options(config: Config, learner: int | None, emulate_link: bool) -> dic
                                          for home in Topology(config).homes(len(owners))]
     return {"link": link, "tokens_per_step": config.train.batch_size * config.train.seq_len, "homes": homes,
             "owners": owners}
+
 
 
 def _link_shape(config: Config, learner: int | None, home: str | None) -> LinkShape:
@@ -277,17 +323,30 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere since this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return clock.monotonic() - _IMPORTED
+
+
+_IMPORTED = clock.monotonic()
+
+
 def run_origin() -> float:
     """Time 0 of the run's metrics: the launcher's start when there is one, else now."""
     return float(os.environ.get(ORIGIN_ENV, clock.now()))
 
 
-def restore_checkpoint(path: Path, replica: Replica, world: int, policy: RestorePolicy, key: bytes | None = None
-                       ) -> None:
+def restore_checkpoint(state: dict[str, Any], replica: Replica, world: int, policy: RestorePolicy) -> None:
     """A restarted learner's own state, as `core/recovery.py` says: data position and step count, and
-    the inner optimizer unless the policy is `fresh`. Its parameters come from the syncer's current Θ
-    instead, which is newer. Loaded without unpickling code, once checked (`checkpoints.py`)."""
-    state = read_checkpoint(path, replica.planned_steps * STEP_CAP, replica.optimizer, key)
+    the inner optimizer unless the policy is `fresh`. Its parameters are Θ with its own unpushed progress
+    on top (`core/own_progress.py`, done as it joins). `state` was checked by `read_checkpoint`."""
     plan = restore_plan(policy, has_checkpoint=True)
     if plan.optimizer:
         replica.optimizer.load_state_dict(state["optimizer"])
@@ -297,37 +356,34 @@ def restore_checkpoint(path: Path, replica: Replica, world: int, policy: Restore
         replica.steps = int(state["steps"])
 
 
-def _snapshot(value: Any) -> Any:
-    """A copy of a state dict that training can no longer change: tensors cloned, containers rebuilt."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _snapshot(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_snapshot(v) for v in value)
-    return value
+def _saved_state(path: Path | None, config: Config, m: int | None, syncing: bool, replica: Replica,
+                 seal: bytes | None) -> dict[str, Any] | None:
+    """Learner m's checkpoint, checked (`read_checkpoint`), if it has one."""
+    if path is None or m is None or not path.is_file():
+        return None
+    return read_checkpoint(path, learner_plan(config, m, syncing=syncing).planned_steps * STEP_CAP,
+                           replica.optimizer, seal)
 
 
-class CheckpointWriter:
-    """The learner's own state (model, inner optimizer, data position, step), written atomically on a
-    background thread: the training thread only takes a copy, then trains on while it reaches the disk."""
+def _checkpoint_path(config: Config, out: Path | None, m: int | None, sharded: bool = False) -> Path | None:
+    """Learner m's own checkpoint, where it keeps one (None: no out folder, or checkpoints off): a file, or
+    a DCP folder for a sharded learner."""
+    if out is None or m is None or not config.failures.learner_checkpoints:
+        return None
+    return out / "checkpoints" / f"learner-{m}.{'dcp' if sharded else 'pt'}"
 
-    def __init__(self, path: Path, key: bytes | None = None) -> None:
-        self.path, self.key = path, key
-        self._thread: threading.Thread | None = None
 
-    def save(self, model: nn.Module, replica: Replica, wait: bool = False) -> None:
-        self.wait()  # one write at a time, in order
-        state = _snapshot({"model": model.state_dict(), "optimizer": replica.optimizer.state_dict(),
-                           "data": replica.sampler.state_dict(), "steps": replica.steps})
-        self._thread = threading.Thread(target=self._write, args=(state,), name="learner-checkpoint", daemon=True)
-        self._thread.start()
-        if wait:
-            self.wait()
+def _learner_state(model: nn.Module, replica: Replica, sync: Learner | Standalone) -> dict[str, Any]:
+    """What a learner's checkpoint holds (not yet copied: `CheckpointWriter` copies it)."""
+    own = sync.own_progress_state() if isinstance(sync, Learner) else None
+    return {"model": model.state_dict(), "optimizer": replica.optimizer.state_dict(),
+            "data": replica.sampler.state_dict(), "steps": replica.steps, **({"sync": own} if own else {})}
 
-    def _write(self, state: dict[str, Any]) -> None:
-        write_checkpoint(state, self.path, self.key)
 
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
+def _checkpoint_report(writer: CheckpointWriter | None) -> dict[str, Any]:
+    """What checkpoints cost this learner, for its report."""
+    if writer is None:
+        return {}
+    return {"checkpoints_written": writer.written, "checkpoints_skipped": writer.skipped,
+            "checkpoint_copy_s": writer.copy_s, "checkpoint_copy_total_s": writer.copy_total_s,
+            "checkpoint_write_s": writer.write_s}

@@ -1,5 +1,11 @@
-"""A learner's own checkpoint (inner optimizer, data position, step count): written with its digest,
-read back only once it is checked.
+"""A learner's own checkpoint (inner optimizer, data position, step count, and the progress no push has
+carried yet: `core/own_progress.py`): written off the training step, with its digest; read back only
+once it is checked.
+
+How often: as often as its measured cost allows. The training thread pays only for the copy
+(`CheckpointWriter.save`); the write runs on a background thread. The period is the fewest steps that
+keep that copy within `COST_SHARE` of step time (and at most `failures.checkpoint_every` steps), and a
+checkpoint whose predecessor is still being written is skipped, never waited for.
 
 The file is a `state_files.py` file (torch.save plus a BLAKE2b trailer, keyed with the run's secret or
 the learner's own credential when it holds one). Reading refuses, in one line
@@ -12,15 +18,22 @@ learner from the syncer's current Θ without its own state, which is always safe
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from diloco.clock import SYSTEM_CLOCK as clock
+
 from diloco.errors import DilocoError
 from diloco.state_files import file_key, load_checked, save_checked
 
 ADVICE = "delete it to restart this learner from the current Θ without its own state"
+
+COST_SHARE = 0.01
+"""The share of step time the training thread may spend copying checkpoints."""
 
 
 def write_checkpoint(state: dict[str, Any], path: Path, key: bytes | None = None) -> None:
@@ -84,3 +97,77 @@ def _check_optimizer(saved: Any, optimizer: torch.optim.Optimizer, refuse) -> No
                     raise refuse(f"holds NaN or Inf in optimizer state {key!r}")
             elif isinstance(value, float) and not math.isfinite(value):
                 raise refuse(f"holds a non-finite optimizer value {key!r}")
+
+
+def snapshot(value: Any) -> Any:
+    """A copy of a state dict that training can no longer change: tensors cloned, containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(snapshot(v) for v in value)
+    return value
+
+
+def checkpoint_period(copy_s: float, step_s: float, most: int) -> int:
+    """Steps between checkpoints so that copying one costs at most `COST_SHARE` of the steps between."""
+    if step_s <= 0:
+        return most
+    return max(1, min(most, math.ceil(copy_s / (COST_SHARE * step_s))))
+
+
+class CheckpointWriter:
+    """A learner's checkpoints, written atomically on a background thread: the training thread only
+    takes a copy, then trains on while it reaches the disk. `most_every`: the longest period in steps."""
+
+    def __init__(self, path: Path, key: bytes | None = None, most_every: int = 25,
+                 on_written: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
+        """`on_written`: called with each state once it is on disk (on the writing thread)."""
+        self.path, self.key, self.most_every, self.on_written = path, key, most_every, on_written
+        self._thread: threading.Thread | None = None
+        self.copy_s = 0.0
+        """The latest copy's time on the training thread."""
+        self.copy_total_s = 0.0
+        """Every copy's time on the training thread, summed."""
+        self.write_s = 0.0
+        """The latest write's time on the background thread."""
+        self.saved_step: int | None = None
+        self.written = self.skipped = 0
+
+    def period(self, step_s: float) -> int:
+        return 1 if self.saved_step is None else checkpoint_period(self.copy_s, step_s, self.most_every)
+
+    def maybe_save(self, step: int, step_s: float, state: Callable[[], dict[str, Any]], due: bool = False) -> bool:
+        """At the end of inner step `step` (steps take `step_s`): save `state()` if one is due (or `due`:
+        a push waits for it) and the previous write is done. True if it saved."""
+        if not due and self.saved_step is not None and step - self.saved_step < self.period(step_s):
+            return False
+        if self._thread is not None and self._thread.is_alive():
+            self.skipped += 1
+            return False
+        self.save(state)
+        self.saved_step = step
+        return True
+
+    def save(self, state: Callable[[], dict[str, Any]], wait: bool = False) -> None:
+        self.wait()  # one write at a time, in order
+        began = clock.monotonic()
+        copied = snapshot(state())
+        self.copy_s = clock.monotonic() - began
+        self.copy_total_s += self.copy_s
+        self._thread = threading.Thread(target=self._write, args=(copied,), name="learner-checkpoint", daemon=True)
+        self._thread.start()
+        if wait:
+            self.wait()
+
+    def _write(self, state: dict[str, Any]) -> None:
+        began = clock.monotonic()
+        write_checkpoint(state, self.path, self.key)
+        self.write_s = clock.monotonic() - began
+        self.written += 1
+        self.on_written(state)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()

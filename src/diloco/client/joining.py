@@ -40,6 +40,8 @@ class Joined:
     versions: dict[int, int]
     last_seq: int
     """The learner's last push numbered in its earlier lives: its next pushes are numbered above."""
+    last_seqs: dict[int, int]
+    """Per fragment, the last push of this learner that the fragment's shard took."""
     pull_s: float = 0.0
     """Seconds the pull of Θ took, every fragment from every shard."""
 
@@ -95,7 +97,7 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
         replies[info.index] = (client, with_retries(lambda c=client: c.join(me, host, tokens_per_step),
                                                     what="join"))
         joined.append((client, me))
-    last_seq, shards = 0, []
+    last_seq, last_seqs, shards = 0, {}, []
     for index, (client, shard_reply) in sorted(replies.items()):
         check_shard_map(shard_reply.shards, expected, client.address)
         owned = expected[index]
@@ -108,6 +110,7 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
             # another learner meanwhile, which the pull's layout check covers) is always safe.
             with_retries(lambda c=client, v=values, lay=layout: c.init(lay, v), what="init")
         last_seq = max(last_seq, shard_reply.last_seq)
+        last_seqs.update({p: shard_reply.last_seq for p in owned})
         shards.append(ShardLink(index, client, owned))
     theta: dict[str, torch.Tensor] = {}
     versions: dict[int, int] = {}
@@ -118,7 +121,8 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
             take(p, values)
         else:
             theta.update(values)
-    return Joined(me, settings, shards, fragments, theta, versions, last_seq, pull_s=time.monotonic() - started)
+    return Joined(me, settings, shards, fragments, theta, versions, last_seq, last_seqs,
+                  pull_s=time.monotonic() - started)
 
 
 def pull_theta(shards: list[ShardLink], me: int, last_seq: int, fragments: list[Fragment],

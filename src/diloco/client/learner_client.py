@@ -30,8 +30,9 @@ from torch import nn
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.core.learner_core import LearnerCore
 from diloco.core.learner_events import (Advance, Finished, LearnerAction, LearnerEvent, PushRefused, SendProgress,
-                                        SendPush, StepDone, UpdateArrived, WaitFor)
+                                        SendPush, StepDone, Tick, UpdateArrived, WaitFor)
 from diloco.core.messages import Push
+from diloco.core.own_progress import ResumePolicy, export_progress, resume_progress
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment, embedding_names, partition
 from diloco.client.joining import Joined, ShardLink, join_run
@@ -40,6 +41,7 @@ from diloco.client.link import (Arrival, ClientLink, HeartbeatOut, LeaveOut, Lin
 from diloco.transport.wire_messages import spec_of
 from diloco.client.param_shards import is_sharded
 from diloco.client.rank_sync import ReplicatedRanks, ShardedRanks, sharded_settings_problem
+from diloco.client.push_gate import PushGate
 from diloco.client.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
 from diloco.v1 import diloco_pb2 as pb
@@ -68,7 +70,8 @@ class Learner:
                  learner: int | None = None, link: LinkShape | None = None, connect_timeout_s: float = 30.0,
                  host: str = "", security: TransportSecurity | None = None, tokens_per_step: int | None = None,
                  homes: Sequence[HomeLink] | None = None, owners: Sequence[int] | None = None,
-                 host_params: Mapping[str, torch.Tensor] | None = None) -> None:
+                 host_params: Mapping[str, torch.Tensor] | None = None,
+                 own_progress: Mapping[str, Any] | None = None, resume: ResumePolicy = "own") -> None:
         """Join the run served at `syncer` (any shard's HOST:PORT) and load its current Θ into `model`.
         `learner` asks for an id (a restart keeps its own); by default the syncer picks one, or the one
         named by the learner's own credential (`security`, or $DILOCO_LEARNER_TOKEN). `tokens_per_step`:
@@ -78,8 +81,14 @@ class Learner:
         all on `link` (give `owners` with it: their shard indices are the same). `owners`: per fragment,
         the shard the learner's config says owns it; a run whose shards say otherwise is refused (None:
         the shards' own map). `host_params`: the tensors to read and merge into instead of the module's
-        own (the JAX learner's host mirror, which copies a tensor from its device when it is read)."""
+        own (the JAX learner's host mirror, which copies a tensor from its device when it is read).
+        `own_progress`: what this learner's checkpoint saved of its unpushed progress (`export_progress`), resumed on top of Θ where `resume` and `core/own_progress.usable` allow."""
         self.model = model
+        self.own_progress, self.resume_policy = own_progress, resume
+        self.push_gate = PushGate()
+        """Holds pushes until a checkpoint records them, once the training loop keeps checkpoints."""
+        self.resumed: dict[int, str | None] = {}
+        """Per fragment: None where the saved progress was resumed, else why Θ was taken."""
         self.optimizer = optimizer
         self.module = _unwrap(model)
         self.params = host_params if host_params is not None else {
@@ -115,7 +124,8 @@ class Learner:
         self.ranks.core, self.ranks.fragments = self.core, self.fragments
         if self.link is not None:
             self.link.start(LinkHandlers(encode=self.core.encode, anchors=lambda p: self.core.anchors[p],
-                                         refused=self._refused.put, stop=self.request_stop, beat=self._beat),
+                                         refused=self._refused.put, stop=self.request_stop, beat=self._beat,
+                                         release=self.push_gate.wait),
                             name="learner")
         self.started = self._last_step_end = clock.monotonic()
 
@@ -133,6 +143,7 @@ class Learner:
                 for name, value in joined.theta.items():
                     self.params[name].copy_(value)
             self._build(joined.settings, joined.fragments, joined.versions, joined.last_seq, self.params)
+            self.resumed = resume_progress(self.core, self.own_progress, joined.last_seqs, self.resume_policy)
             header[0], header[1] = self.id, self.settings.fragments
         if self.world > 1:
             dist.broadcast(header, 0)
@@ -196,6 +207,10 @@ class Learner:
         continues from there. Call before the first `step()`."""
         if self.core is not None:
             self.core.resume_at(step)
+
+    def own_progress_state(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps to resume this learner's unpushed progress (rank 0; None elsewhere)."""
+        return export_progress(self.core) if self.core is not None else None
 
     def request_stop(self) -> None:
         """Stop at the end of this step (e.g. on Ctrl-C); under torchrun, rank 0's request counts."""
@@ -277,6 +292,7 @@ class Learner:
                 self._carry_out(self._take(arrival))
             else:
                 self.ranks.tick()
+                self._carry_out(self._feed(Tick()))  # an answer overdue past its bound is given up
             self._raise_if_failed()
 
     def _take(self, arrival: Arrival) -> list[LearnerAction]:
@@ -287,7 +303,7 @@ class Learner:
         self.link.send(PushOut(push, self.staging.hand_off(push.deltas.values())))
 
     def _beat(self) -> list[UpEvent]:
-        return [HeartbeatOut(self.tokens, self.steps)]
+        return [HeartbeatOut(self.tokens, self.core.step if self.core is not None else self.steps)]  # resumed steps
 
     def close(self, finished: bool = True) -> dict[str, Any]:
         """Push what no push has carried yet, leave, stop the threads; return this learner's report.
@@ -296,6 +312,7 @@ class Learner:
             return self.report()
         self._closed = True
         self.wall_s = clock.monotonic() - self.started
+        self.push_gate.lift()  # the last pushes go at once; the last checkpoint follows them
         if self.ranks.leader:  # may merge answers that have arrived
             self._lead(lambda: self._carry_out(self._feed(Finished())))
         else:

@@ -41,7 +41,13 @@ class FailuresConfig:
     """Inner-optimizer state after a crash: the learner's own last checkpoint, or a fresh AdamW (both
     drivers; data position and step always come from the checkpoint)."""
     checkpoint_every: int = 25
-    """Inner steps between a learner's checkpoints of its optimizer state and data position."""
+    """Inner steps between a learner's checkpoints of its optimizer state and data position (the simulator);
+    the real runtime's learners checkpoint as often as costs them at most 1% of a step, and at least this often."""
+    learner_checkpoints: bool = True
+    """The real runtime's learners write their own checkpoints (off: a restart takes Θ with nothing of its own)."""
+    resume: Literal["own", "theta"] = "own"
+    """A restarted learner of the real runtime: `own` puts the progress its checkpoint holds and no push
+    carried back on top of Θ, fragment by fragment where it is usable; `theta` takes Θ alone."""
     outages: list[OutageConfig] = field(default_factory=list)
     """Link outages, e.g. [{learner = 1, at_s = 30, duration_s = 20}]: nothing crosses that link meanwhile;
     or regional outages, e.g. [{region = "eu", at_s = 30, duration_s = 60}]: the region's learners crash and

@@ -35,11 +35,15 @@ import torch
 
 from diloco.codecs import Codec, Encoded, ErrorFeedback, get_codec
 from diloco.core.learner_events import (Advance, Finished, LearnerAction, LearnerEvent, NextStep, PushRefused,
-                                        SendProgress, SendPush, StepDone, UpdateArrived, WaitFor)
+                                        SendProgress, SendPush, StepDone, Tick, UpdateArrived, WaitFor)
 from diloco.core.messages import Progress, Push, Update
 from diloco.fragments import Fragment, Schedule
 
 STEP_TIME_EMA = 0.2
+
+ANSWER_PATIENCE = 4.0
+"""A push whose answer has not come within this many times the longer of the sync period (H measured
+steps) and the slowest answer measured so far is given up: the learner trains on without it."""
 
 
 @dataclass
@@ -104,6 +108,9 @@ class LearnerCore:
         """Versions the fragment had moved on by others when the latest merge arrived."""
         self.merge_lags: list[int] = []
         """Per merge, inner steps from sending the push to merging its answer (τ at best)."""
+        self.answer_delay_s = 0.0
+        """The slowest answer so far, from sending the push to its arrival (own clock)."""
+        self.answers_given_up = 0
         self.waiting = False
         """The last `Advance` said to wait: an answer that arrives now may let the learner go on."""
 
@@ -118,7 +125,9 @@ class LearnerCore:
             actions = [] if event.last else self._advance(now)
             return actions + [SendProgress(self.progress())]
         if isinstance(event, UpdateArrived):
-            self.on_update(event.update)
+            self.on_update(event.update, now)
+            return self._advance(now) if self.waiting else []
+        if isinstance(event, Tick):
             return self._advance(now) if self.waiting else []
         if isinstance(event, PushRefused):
             self.on_refused(event.push)
@@ -199,20 +208,37 @@ class LearnerCore:
         self.next_due = [self.schedule.next_due(p, step) for p in range(len(self.fragments))]
         self.next_due_at = [None] * len(self.fragments)
 
-    def on_update(self, update: Update) -> bool:
+    def on_update(self, update: Update, now: float | None = None) -> bool:
         """Keep an answer to the push in flight; drop (and return False) one that answers none, such as
-        an answer to a push sent before a crash and restart."""
+        an answer to a push sent before a crash and restart, or one given up on (`ANSWER_PATIENCE`)."""
         flight = self.in_flight.get(update.fragment)
         if flight is None or flight.update is not None or update.ack_seq < flight.push.seq:
             self.stale_updates += 1
             return False
         flight.update = update
+        if now is not None and flight.push.sent_at is not None:
+            self.answer_delay_s = max(self.answer_delay_s, now - flight.push.sent_at)
         return True
+
+    def _give_up_late_answers(self) -> None:
+        """Push in flight whose answer is later than `ANSWER_PATIENCE` allows (a syncer that cannot make
+        it): the learner trains on. Its progress was sent, so the anchor moves to what was sent, and the
+        fragment's next push carries only what came after (based on the old version: merged as stale)."""
+        if self.now is None or self.step_time_s <= 0:
+            return
+        bound = ANSWER_PATIENCE * max(self.schedule.H * self.step_time_s, self.answer_delay_s)
+        for p, flight in list(self.in_flight.items()):
+            if flight.update is None and flight.push.sent_at is not None and self.now - flight.push.sent_at > bound:
+                for name, sent in flight.sent_deltas.items():
+                    self.anchors[p][name] = self.anchors[p][name] - sent
+                del self.in_flight[p]
+                self.answers_given_up += 1
 
     def poll(self, now: float | None = None) -> Poll:
         """Merge every answer whose time has come; push what fell due meanwhile; say whether to wait."""
         if now is not None:
             self.now = now
+        self._give_up_late_answers()
         for p, flight in sorted(self.in_flight.items()):
             if flight.update is not None and self.step >= flight.merge_at_step:
                 self._merge(p, flight)

@@ -50,7 +50,12 @@ class Finished:
     """No more inner steps: push what no push has carried yet."""
 
 
-LearnerEvent = Union[StepDone, Advance, UpdateArrived, PushRefused, Finished]
+@dataclass(frozen=True)
+class Tick:
+    """Time passed while the learner waits and nothing arrived: an answer may now be given up on."""
+
+
+LearnerEvent = Union[StepDone, Advance, UpdateArrived, PushRefused, Finished, Tick]
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def run_jax_learner(config: Config, *, syncer: str | None, learner: int | None =
     metrics = _metrics_for(config, out, m, 0, metrics_port, metrics_port_file, metrics_http)
     synced = _Synced(sync, replica)
     training = _Training(replica, synced, LearnerMeter(metrics, m, config.metrics.every_steps), metrics,  # type: ignore[arg-type]
-                         world=1, rank=0, speed=plan.speed, stop=stop, checkpoint_every=0, writer=None)
+                         world=1, rank=0, speed=plan.speed, stop=stop, writer=None)
     training.run(plan.last_step)
     report = synced.close(finished=not (stop is not None and stop.is_set()))
     training.record(final=True)

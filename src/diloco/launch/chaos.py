@@ -20,7 +20,7 @@ from typing import Any
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.config import Config
 from diloco.core.accounting import learner_tokens, ledger_of
-from diloco.metrics.records import learner_lives
+from diloco.metrics.records import learner_lives, records_of
 from diloco.outputs import write_output
 from diloco.launch.launcher import Launcher
 from diloco.shard.ownership import placed_shard_count
@@ -98,6 +98,23 @@ def account(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
             "per_learner": per_learner}
 
 
+def learner_starts(metrics: Path) -> list[dict[str, Any]]:
+    """Every learner life's start (the `start` metrics: process start to first step, and its parts), in
+    time order; a learner's lives after its first are its restarts."""
+    starts = []
+    for path in sorted(metrics.glob("learner-*.jsonl")):
+        starts += [{**record, "restart": life > 0} for life, record in enumerate(records_of(path, "start"))]
+    return sorted(starts, key=lambda r: r["time_s"])
+
+
+def restart_summary(starts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Restart times (process start to first step) of the restarts among `starts`."""
+    times = sorted(r["start_to_first_step_s"] for r in starts if r["restart"])
+    return {"restarts": len(times), "restart_s_max": times[-1] if times else None,
+            "restart_s_median": times[len(times) // 2] if times else None,
+            "restart_s_mean": sum(times) / len(times) if times else None}
+
+
 def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learners: int, kill_syncer: int,
               seed: int, restart_after_s: float, shards: int = 1, **launcher_options) -> dict[str, Any]:
     """The fault-free run, then the faulty one; their comparison (also written to OUT/chaos.json)."""
@@ -115,6 +132,7 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
         monkey.done.set()
         thread.join()
     accounting = account(out / "faulty", faulty)
+    starts = learner_starts(out / "faulty" / "metrics")
     killed = {k.victim for k in kills if k.restarted_at_s is not None}
     survivors = [r for r in faulty["per_learner"] if f"learner-{r['learner']}" not in killed]
     result = {
@@ -129,8 +147,12 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
                    "survivors": [r["learner"] for r in survivors],
                    "goodput_while_up": (sum(r["busy_s"] for r in faulty["per_learner"]) /
                                         sum(r["busy_s"] / r["busy_fraction"] for r in faulty["per_learner"])),
-                   **accounting},
+                   **accounting, **restart_summary(starts),
+                   "learner_restarts": [{k: r.get(k) for k in ("learner", "time_s", "start_to_first_step_s", "import_s",
+                                                               "join_s", "first_step_s", "steps", "resumed_fragments")}
+                                        for r in starts if r["restart"]]},
     }
+    result["faulty"]["tokens_lost_share"] = accounting["tokens_lost"] / max(1, accounting["tokens_trained"])
     result["loss_vs_clean"] = result["faulty"]["final_eval_loss"] / clean["final_eval_loss"] - 1
     write_output(out / "chaos.json", json.dumps(result, indent=2) + "\n")
     return result

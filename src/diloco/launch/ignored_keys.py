@@ -21,7 +21,8 @@ SIMULATOR_ONLY = {
     "learners.drift_steps": _STEP_TIME_MODEL,
 }
 """Keys, or whole sections, that only the simulator reads, with the reason."""
-READ_BY_THE_RUNTIME = {"failures.checkpoint_every", "failures.detect_s", "failures.restore"}
+READ_BY_THE_RUNTIME = {"failures.checkpoint_every", "failures.detect_s", "failures.restore",
+                       "failures.learner_checkpoints", "failures.resume"}
 """Keys inside those sections that the runtime reads after all: its learners' checkpoints, the silence
 after which the syncer counts a learner dead, and what a restarted learner restores."""
 

@@ -235,6 +235,10 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
     table.add_row("rounds merged", str(clean["rounds"]), str(faulty["rounds"]), "")
     table.add_row("tokens trained / lost", "", f"{faulty['tokens_trained']:,} / {faulty['tokens_lost']:,.0f}",
                   "each accounted")
+    table.add_row("tokens lost / trained", "", f"{faulty['tokens_lost_share']:.2%}", "≤ 3%")
+    if faulty["restarts"]:
+        table.add_row("learner restart, start to first step", "", f"median {faulty['restart_s_median']:.1f} s, "
+                      f"max {faulty['restart_s_max']:.1f} s", "")
     table.add_row("tokens counted twice", "", f"{faulty['tokens_counted_twice']:,.0f}", "0")
     table.add_row("retried pushes recognised", "", str(faulty["retries_recognised"]), "")
     console.print(table)

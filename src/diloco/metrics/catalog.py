@@ -4,7 +4,7 @@ under `<kind>/<source>/`."""
 
 from __future__ import annotations
 
-LABELS = {"learner": ("learner",), "round": ("shard", "fragment"), "syncer": ("shard",), "eval": ()}
+LABELS = {"learner": ("learner",), "start": ("learner",), "round": ("shard", "fragment"), "syncer": ("shard",), "eval": ()}
 """Fields that say whose record it is: Prometheus labels, not values."""
 
 CATALOG: dict[str, dict[str, str]] = {
@@ -20,6 +20,14 @@ CATALOG: dict[str, dict[str, str]] = {
         "outer_grad_norm": "L2 norm of the latest push's outer gradient",
         "staleness": "versions the fragment had moved on (by other learners) when the latest merge arrived",
         "last_merged_version": "the newest version merged, over fragments",
+    },
+    "start": {
+        "start_to_first_step_s": "from this learner process's start to the end of its first inner step",
+        "import_s": "from the process's start until the learner began building its model",
+        "join_s": "joining the run and taking Θ (with its own progress put back on top)",
+        "first_step_s": "the first inner step",
+        "steps": "the inner step it resumed from (0: a fresh start)",
+        "resumed_fragments": "fragments whose own unpushed progress it resumed from its checkpoint",
     },
     "round": {
         "version": "the version this round produced",

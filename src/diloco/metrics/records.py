@@ -63,18 +63,24 @@ def resident_memory_bytes() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def records_of(path: Path, kind: str) -> list[dict[str, Any]]:
+    """The records of one kind in a JSONL metrics file, in order (a line a kill cut short is skipped)."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the line a kill cut short
+        if record.get("kind") == kind:
+            records.append(record)
+    return records
+
+
 def learner_lives(metrics: Path) -> dict[int, list[dict[str, Any]]]:
     """Per learner, the last record of each life (a restart starts its counters from zero)."""
     lives: dict[int, list[dict[str, Any]]] = {}
     for path in sorted(metrics.glob("learner-*.jsonl")):
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the line a kill cut short
-            if record.get("kind") == "learner":
-                records.append(record)
+        records = records_of(path, "learner")
         ends = []
         for i, record in enumerate(records):
             nxt = records[i + 1] if i + 1 < len(records) else None

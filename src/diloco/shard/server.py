@@ -250,17 +250,30 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
                 break
             taken[:] = [slot]
             try:
-                update = self._answer(learner, notice)
-                if update is None or update.relative:
-                    slot.release()  # its differences are shared: no new memory to bound
-                if update is None:
-                    continue
-                if not update.relative:
-                    slot.hold_until_sent(update.wire_bytes(), context.cancel)
-                yield from update_frames(update)
+                frames = self._whole_answer(learner, notice, slot, context)
+                yield from frames
             finally:
                 slot.release()
-                update = None  # a stream waiting for its next notice keeps nothing of the last answer alive
+                frames = []  # a stream waiting for its next notice keeps nothing of the last answer alive
+
+    def _whole_answer(self, learner: int, notice: Update, slot: Slot, context: grpc.ServicerContext
+                      ) -> list[pb.Frame]:
+        """Every frame of the answer a notice stands for, made before the first is sent: a whole fragment,
+        or nothing and one line in the log. An answer that cannot be made never ends the stream (the
+        learner would reopen it and meet the same failure again); the learner trains on without it."""
+        try:
+            update = self._answer(learner, notice)
+            if update is None or update.relative:
+                slot.release()  # its differences are shared: no new memory to bound
+            if update is None:
+                return []
+            if not update.relative:
+                slot.hold_until_sent(update.wire_bytes(), context.cancel)
+            return list(update_frames(update))
+        except Exception as exc:  # noqa: BLE001 - any failure to make it: refused in one line
+            log.error("answer of fragment %d to learner %d refused: %s: %s", notice.fragment, learner,
+                      type(exc).__name__, exc)
+            return []
 
     def _stream_opened(self, learner: int, holds: tuple[tuple[int, int], ...], context: grpc.ServicerContext
                        ) -> None:

@@ -1,0 +1,128 @@
+"""A learner's own progress across a crash: what its checkpoint keeps, and what a restart resumes.
+
+A crash used to throw away everything a learner had trained since its last push of each fragment. Its
+checkpoint now also holds, per fragment, the progress no push has carried yet (anchor − θ − what the
+push in flight carries), its tokens and steps, the anchor version and the error-feedback residuals. A
+restarted learner takes the syncer's current Θ and, for each fragment whose saved progress is usable,
+puts that progress back on top of Θ (θ = Θ − unpushed, the same rebasing as `outer.keep_progress`); its
+next push of the fragment carries it with its tokens. The one decision, per fragment, is `usable`.
+
+The push in flight when the checkpoint was taken is carried again only if its shard never took it (the
+shard's last push from this learner is numbered below it). A push sent after the checkpoint that the
+syncer took would be carried twice: a fragment whose shard saw a push numbered above the checkpoint's
+takes Θ (`client/push_gate.py` keeps pushes from leaving before a checkpoint records them, so this is
+the exception).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from diloco.core.learner_core import LearnerCore
+
+ResumePolicy = Literal["own", "theta"]
+"""`own`: a restarted learner resumes its own unpushed progress where it can; `theta`: it takes Θ only."""
+
+MAX_AGE_VERSIONS = 8
+"""Versions Θ may have moved on past a fragment's saved anchor before that progress is too old to rebase."""
+
+
+@torch.no_grad()
+def export_progress(core: LearnerCore) -> dict[str, Any]:
+    """What a checkpoint keeps to resume this learner's unpushed progress (copies: training goes on)."""
+    if core.finished:  # its last pushes carried everything
+        return {"seq": core.seq, "step": core.step, "fragments": []}
+    residuals = dict(core.feedback.residuals) if core.feedback else {}
+    fragments = []
+    for p, fragment in enumerate(core.fragments):
+        flight = core.in_flight.get(p)
+        unpushed = {}
+        for name in fragment.names:
+            delta = core.anchors[p][name] - core.params[name].detach().to(torch.float32)
+            if flight is not None:
+                delta = delta - flight.sent_deltas[name]
+            unpushed[name] = delta.cpu()
+        sent = None if flight is None else {"seq": flight.push.seq, "tokens": flight.push.tokens,
+                                            "steps": flight.push.steps,
+                                            "deltas": {n: d.detach().cpu().clone() for n, d in flight.sent_deltas.items()}}
+        fragments.append({"version": core.anchor_versions[p], "unpushed": unpushed, "in_flight": sent,
+                          "tokens": core.tokens_since[p], "steps": core.steps_since[p],
+                          "residuals": {n: residuals[n].detach().cpu().clone() for n in fragment.names
+                                        if n in residuals}})
+    return {"seq": core.seq, "step": core.step, "fragments": fragments}
+
+
+def usable(saved: Mapping[str, Any], p: int, version: int, shard_last_seq: int, shapes: Mapping[str, torch.Size],
+           policy: ResumePolicy, max_age: int = MAX_AGE_VERSIONS) -> str | None:
+    """Why fragment p's saved progress must not be resumed (the learner takes Θ for it), or None.
+
+    `version`: Θ's version of p now; `shard_last_seq`: the last push of this learner that p's shard took."""
+    if policy != "own":
+        return "the policy takes Θ"
+    fragments = saved.get("fragments")
+    if not isinstance(fragments, list) or p >= len(fragments) or not isinstance(fragments[p], dict):
+        return "the checkpoint holds no progress for it"
+    entry = fragments[p]
+    if shard_last_seq > saved.get("seq", 0):
+        return f"its shard took push {shard_last_seq}, sent after the checkpoint (push {saved.get('seq')})"
+    if not isinstance(entry.get("version"), int) or not 0 <= entry["version"] <= version:
+        return f"its anchor version {entry.get('version')!r} is not one Θ has had (now {version})"
+    if version - entry["version"] > max_age:
+        return f"Θ moved on {version - entry['version']} versions since (more than {max_age})"
+    unpushed = entry.get("unpushed")
+    if not isinstance(unpushed, dict) or set(unpushed) != set(shapes) or any(
+            not isinstance(t, torch.Tensor) or t.shape != shapes[n] or not bool(torch.isfinite(t).all())
+            for n, t in unpushed.items()):
+        return "its saved progress does not fit the model or is not finite"
+    if not all(isinstance(entry.get(k), int) and entry[k] >= 0 for k in ("tokens", "steps")):
+        return "its saved counters are not counts"
+    return None
+
+
+@torch.no_grad()
+def resume_progress(core: LearnerCore, saved: Mapping[str, Any] | None, last_seqs: Mapping[int, int],
+                    policy: ResumePolicy, max_age: int = MAX_AGE_VERSIONS) -> dict[int, str | None]:
+    """Put each usable fragment's saved progress back on top of Θ (the core holds Θ at its versions);
+    per fragment, None where it was resumed, else why it takes Θ. `last_seqs`: per fragment, the last
+    push of this learner its shard took."""
+    outcome: dict[int, str | None] = {}
+    for p, fragment in enumerate(core.fragments):
+        shapes = {n: core.params[n].shape for n in fragment.names}
+        why = "no checkpoint" if saved is None else \
+            usable(saved, p, core.anchor_versions[p], last_seqs.get(p, 0), shapes, policy, max_age)
+        outcome[p] = why
+        if why is not None:
+            continue
+        entry = saved["fragments"][p]
+        lost = _lost_in_flight(entry.get("in_flight"), last_seqs.get(p, 0), shapes)
+        for name in fragment.names:
+            param = core.params[name]
+            param.sub_(entry["unpushed"][name].to(device=param.device, dtype=param.dtype))
+            if lost is not None:
+                param.sub_(lost["deltas"][name].to(device=param.device, dtype=param.dtype))
+        core.tokens_since[p] += entry["tokens"] + (lost["tokens"] if lost is not None else 0)
+        core.steps_since[p] += entry["steps"] + (lost["steps"] if lost is not None else 0)
+        if core.feedback is not None:
+            for name, residual in entry["residuals"].items():
+                if name in shapes and residual.shape == shapes[name]:
+                    core.feedback.residuals[name] = residual.to(core.params[name].device)
+    return outcome
+
+
+def _lost_in_flight(sent: Any, shard_last_seq: int, shapes: Mapping[str, torch.Size]) -> dict[str, Any] | None:
+    """The push in flight at the checkpoint, if its shard never took it (a shard takes a learner's pushes
+    in order: a last push numbered below it means it was lost with the process): resumed too."""
+    if not isinstance(sent, dict) or not isinstance(sent.get("seq"), int) or shard_last_seq >= sent["seq"]:
+        return None
+    deltas = sent.get("deltas")
+    if not isinstance(deltas, dict) or set(deltas) != set(shapes) or any(
+            not isinstance(t, torch.Tensor) or t.shape != shapes[n] or not bool(torch.isfinite(t).all())
+            for n, t in deltas.items()):
+        return None
+    if not all(isinstance(sent.get(k), int) and sent[k] >= 0 for k in ("tokens", "steps")):
+        return None
+    return sent

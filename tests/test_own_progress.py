@@ -1,0 +1,86 @@
+"""A restarted learner resumes the progress no push carried (`core/own_progress.py`): exactly that
+progress on top of Θ, with its tokens, never the push in flight again, and Θ alone where the saved
+progress is unusable."""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.core.own_progress import export_progress, resume_progress, usable
+from test_cores import learner, make_params, train
+
+
+def _trained(steps: int, tau: int = 1):
+    """A learner after `steps` steps of +0.5 each, pushing fragment 1 at step 2 (in flight, τ = 1)."""
+    params = make_params()
+    core = learner(0, params, tau=tau, wait=False)
+    pushes = []
+    for _ in range(steps):
+        train(params, 0.5)
+        pushes += core.on_step(tokens=10)
+    return core, params, pushes
+
+
+def _theta(value: float):
+    return {n: torch.full_like(t, value) for n, t in make_params().items()}
+
+
+def test_resumed_progress_is_theta_minus_what_no_push_carried_with_its_tokens():
+    core, _, pushes = _trained(3)
+    assert [p.fragment for p in pushes] == [1]  # fragment 1 pushed at step 2, its answer not yet merged
+    saved = export_progress(core)
+    params = _theta(7.0)
+    fresh = learner(0, params, tau=1, wait=False)
+    outcome = resume_progress(fresh, saved, {0: saved["seq"], 1: saved["seq"]}, "own")
+    assert outcome == {0: None, 1: None}
+    torch.testing.assert_close(params["a"], torch.full((3,), 7.0 + 1.5))  # three steps, never pushed
+    torch.testing.assert_close(params["b"], torch.full((2, 2), 7.0 + 0.5))  # the step after the push only
+    assert fresh.tokens_since == [30, 10] and fresh.steps_since == [3, 1]
+    fresh.resume_at(3)
+    train(params, 0.5)
+    (push,) = fresh.on_step(tokens=10)  # fragment 0 is due at step 4: the saved progress and this step
+    assert push.fragment == 0 and push.base_version == 0 and push.tokens == 40 and push.steps == 4
+    torch.testing.assert_close(push.deltas["a"], torch.full((3,), -2.0))
+
+
+def test_a_fragment_whose_shard_took_a_later_push_takes_theta_and_its_tokens_are_not_carried():
+    core, _, _ = _trained(3)
+    saved = export_progress(core)
+    params = _theta(7.0)
+    fresh = learner(0, params, tau=1, wait=False)
+    outcome = resume_progress(fresh, saved, {0: saved["seq"], 1: saved["seq"] + 1}, "own")
+    assert outcome[0] is None and "after the checkpoint" in outcome[1]
+    torch.testing.assert_close(params["b"], torch.full((2, 2), 7.0))
+    assert fresh.tokens_since == [30, 0]
+
+
+def test_the_theta_policy_and_unusable_checkpoints_leave_theta_untouched():
+    core, _, _ = _trained(3)
+    saved = export_progress(core)
+    shapes = {"a": torch.Size([3])}
+    assert usable(saved, 0, 0, 0, shapes, "theta") == "the policy takes Θ"
+    assert "moved on" in usable(saved, 0, 20, 0, shapes, "own", max_age=8)
+    assert "does not fit" in usable(saved, 0, 0, 0, {"a": torch.Size([4])}, "own")
+    broken = {**saved, "fragments": [{**saved["fragments"][0], "unpushed": {"a": torch.full((3,), float("nan"))}}]}
+    assert "not finite" in usable(broken, 0, 0, 0, shapes, "own")
+    assert usable({"seq": 0}, 0, 0, 0, shapes, "own") == "the checkpoint holds no progress for it"
+    params = _theta(7.0)
+    fresh = learner(0, params, tau=1, wait=False)
+    assert all(why is not None for why in resume_progress(fresh, saved, {}, "theta").values())
+    assert all(bool((t == 7.0).all()) for t in params.values()) and fresh.tokens_since == [0, 0]
+
+
+def test_no_checkpoint_resumes_nothing():
+    params = _theta(7.0)
+    fresh = learner(0, params)
+    assert resume_progress(fresh, None, {}, "own") == {0: "no checkpoint", 1: "no checkpoint"}
+
+
+def test_the_push_in_flight_is_resumed_too_when_its_shard_never_took_it():
+    core, _, pushes = _trained(3)
+    saved = export_progress(core)
+    params = _theta(7.0)
+    fresh = learner(0, params, tau=1, wait=False)
+    assert resume_progress(fresh, saved, {0: 0, 1: pushes[0].seq - 1}, "own") == {0: None, 1: None}
+    torch.testing.assert_close(params["b"], torch.full((2, 2), 7.0 + 1.5))  # the lost push's two steps and one
+    assert fresh.tokens_since == [30, 30] and fresh.steps_since == [3, 3]
