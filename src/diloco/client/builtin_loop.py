@@ -206,8 +206,6 @@ def _metrics_for(config: Config, out: Path | None, m: int, rank: int, port: int 
 
 
 @dataclass
-
-@dataclass
 class _Training:
     """The loop a user would write, with what it measures: tokens, time busy, one record per step."""
 
@@ -271,7 +269,6 @@ class _Training:
                         busy_fraction=self.busy_s / (now - self.began), step_time_s=now - self.started,
                         bytes_up=self.sync.up.bytes_sent, bytes_down=self.sync.down.bytes_sent,
                         loss=lambda: self.replica.last_loss, core=self.sync.core, final=final)
-
 
 
 def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int | None, emulate_link: bool,
