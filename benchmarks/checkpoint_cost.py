@@ -7,7 +7,7 @@ report: tokens over its wall time), and for the arm with checkpoints the checkpo
 skipped, and the training thread's copy time per checkpoint against the step time (the share the
 period is derived from, target ≤ 1%).
 
-    flock /work/bench.lock python benchmarks/checkpoint_cost.py --pairs 3 --steps 200
+    python benchmarks/checkpoint_cost.py --pairs 3 --steps 200
 
 Writes JSON (default benchmarks/results/checkpoint_cost.json). Its figures are times: run it alone.
 """

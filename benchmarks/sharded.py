@@ -1,7 +1,7 @@
 """Sharded learners (FSDP2, HSDP) on this machine (CPU, Gloo): memory, speed, join time, whole-run
 equivalence with DDP learners, and a mixed run.
 
-    flock /work/bench.lock python benchmarks/sharded.py [--steps N] [--width W] [--layers L] [--out FILE]
+    python benchmarks/sharded.py [--steps N] [--width W] [--layers L] [--out FILE]
 
 Every learner rank is a benchmarks/sharded_worker.py process; each run's syncer is one shard served in
 this process. Parts, all in one invocation:
