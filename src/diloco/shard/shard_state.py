@@ -91,6 +91,9 @@ class ShardState:
         self.decoding = threading.BoundedSemaphore(DECODING_PUSHES)
         """Pushes decoded at once: the others wait in their compressed form."""
         self.sink = os.environ.get(SINK_ENV) == "1"
+        if self.sink:  # a benchmark's switch: a run started with it by mistake learns nothing, so say so
+            log.warning("%s=1: this shard takes pushes without merging them (a transport benchmark); nothing is "
+                        "learned", SINK_ENV)
         self.push_queue = PushQueue(GROUP_PUSHES if tier is None else 1)
         """Pushes waiting for the lock, taken as one group by whoever gets it (`group_commit.py`)."""
         self.answer_slots = AnswerSlots()
