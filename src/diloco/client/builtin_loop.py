@@ -377,9 +377,10 @@ def _learner_state(model: nn.Module, replica: Replica, sync: Learner | Standalon
             "data": replica.sampler.state_dict(), "steps": replica.steps, **({"sync": own} if own else {})}
 
 
-def _checkpoint_report(writer: CheckpointWriter | None) -> dict[str, Any]:
-    """What checkpoints cost this learner, for its report."""
-    if writer is None:
+def _checkpoint_report(writer: CheckpointWriter | sharded_checkpoints.ShardedWriter | None) -> dict[str, Any]:
+    """What the own-progress checkpoints cost this learner, for its report (a sharded learner's DCP writes
+    are not timed)."""
+    if not isinstance(writer, CheckpointWriter):
         return {}
     return {"checkpoints_written": writer.written, "checkpoints_skipped": writer.skipped,
             "checkpoint_copy_s": writer.copy_s, "checkpoint_copy_total_s": writer.copy_total_s,
