@@ -44,6 +44,10 @@ STEP_TIME_EMA = 0.2
 ANSWER_PATIENCE = 4.0
 """A push whose answer has not come within this many times the longer of the sync period (H measured
 steps) and the slowest answer measured so far is given up: the learner trains on without it."""
+ANSWER_FLOOR_S = 60.0
+"""Never given up sooner: what the learner cannot measure from its side. A synchronous round rightly
+waits for the slowest learner and for a silent one to be declared dead (seconds of missed heartbeats,
+up to the syncer's 60 s bound for a learner never heard from); a first answer has no measured delay yet."""
 
 
 @dataclass
@@ -109,6 +113,8 @@ class LearnerCore:
         self.merge_lags: list[int] = []
         """Per merge, inner steps from sending the push to merging its answer (τ at best)."""
         self.answer_delay_s = 0.0
+        self.answer_floor_s = ANSWER_FLOOR_S
+        """The least time an answer is waited for (`ANSWER_FLOOR_S`; a test of the give-up lowers it)."""
         """The slowest answer so far, from sending the push to its arrival (own clock)."""
         self.answers_given_up = 0
         self.waiting = False
@@ -226,7 +232,8 @@ class LearnerCore:
         fragment's next push carries only what came after (based on the old version: merged as stale)."""
         if self.now is None or self.step_time_s <= 0:
             return
-        bound = ANSWER_PATIENCE * max(self.schedule.H * self.step_time_s, self.answer_delay_s)
+        measured = ANSWER_PATIENCE * max(self.schedule.H * self.step_time_s, self.answer_delay_s)
+        bound = max(measured, self.answer_floor_s)
         for p, flight in list(self.in_flight.items()):
             if flight.update is None and flight.push.sent_at is not None and self.now - flight.push.sent_at > bound:
                 for name, sent in flight.sent_deltas.items():
