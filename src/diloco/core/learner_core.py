@@ -45,9 +45,10 @@ ANSWER_PATIENCE = 4.0
 """A push whose answer has not come within this many times the longer of the sync period (H measured
 steps) and the slowest answer measured so far is given up: the learner trains on without it."""
 ANSWER_FLOOR_S = 60.0
-"""Never given up sooner: what the learner cannot measure from its side. A synchronous round rightly
-waits for the slowest learner and for a silent one to be declared dead (seconds of missed heartbeats,
-up to the syncer's 60 s bound for a learner never heard from); a first answer has no measured delay yet."""
+"""A synchronous learner never gives up its round sooner: what it cannot measure from its side. Its round
+rightly waits for the slowest learner and for a silent one to be declared dead (seconds of missed
+heartbeats, up to the syncer's 60 s bound for a learner never heard from). A learner that does not wait
+(decoupled, async) has no floor: giving up only lets that fragment's next push go, its progress kept."""
 
 
 @dataclass
@@ -233,7 +234,7 @@ class LearnerCore:
         if self.now is None or self.step_time_s <= 0:
             return
         measured = ANSWER_PATIENCE * max(self.schedule.H * self.step_time_s, self.answer_delay_s)
-        bound = max(measured, self.answer_floor_s)
+        bound = max(measured, self.answer_floor_s) if self.wait_for_updates else measured
         for p, flight in list(self.in_flight.items()):
             if flight.update is None and flight.push.sent_at is not None and self.now - flight.push.sent_at > bound:
                 for name, sent in flight.sent_deltas.items():
