@@ -270,6 +270,8 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
             if not update.relative:
                 slot.hold_until_sent(update.wire_bytes(), context.cancel)
             return list(update_frames(update))
+        except OSError:  # the stream itself broke (not the answer): it ends, and the learner's reopening asks again
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure to make it: refused in one line
             log.error("answer of fragment %d to learner %d refused: %s: %s", notice.fragment, learner,
                       type(exc).__name__, exc)
