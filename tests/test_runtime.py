@@ -75,7 +75,8 @@ def test_run_trains_and_writes_the_summary_the_simulator_writes(tmp_path):
     assert all((tmp_path / "checkpoints" / f"learner-{m}.pt").is_file() for m in range(2))
     # The metrics of every process, in one file: the same totals as the summary and the transport.
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert {r["kind"] for r in records} == {"learner", "round", "eval", "syncer", "start"}  # start: each learner life, from process start to first step
+    # start: each learner life's record, from process start to its first step
+    assert {r["kind"] for r in records} == {"learner", "round", "eval", "syncer", "start"}
     last = {r["learner"]: r for r in records if r["kind"] == "learner"}
     for report in summary["per_learner"]:
         final = last[report["learner"]]
