@@ -33,6 +33,7 @@ from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived, P
 from diloco.core.messages import Progress, Push
 from diloco.fragments import Fragment
 from diloco.strategies import build_strategy
+from scale_baselines import roofline_ns_per_param  # benchmarks/scale_baselines.py
 
 SIZES = (4, 64)
 NUMEL = 16
@@ -116,23 +117,11 @@ def merge_cost(numel: int, rounds: int, group: int, learners: int = 8) -> float:
     return spent / pushed
 
 
-def roofline(numel: int, repeats: int = 5) -> float:
-    """ns per parameter of one fused in-place pass (Θ += w·Δ) over `numel` fp32 values: the best of `repeats`."""
-    theta, delta = torch.rand(numel), torch.rand(numel)
-    theta.add_(delta, alpha=0.5)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.process_time_ns()
-        theta.add_(delta, alpha=0.5)
-        best = min(best, (time.process_time_ns() - started) / numel)
-    return best
-
-
 def main_merge(args: argparse.Namespace) -> None:
     from diloco.shard.serving import huge_pages_for_tensors
 
     huge_pages_for_tensors()  # as a shard runs its core
-    line = roofline(args.numel)
+    line = roofline_ns_per_param(args.numel)
     alone, grouped = merge_cost(args.numel, args.rounds, 1), merge_cost(args.numel, args.rounds, 8)
     result = {"numel": args.numel, "learners": 8, "roofline_ns_per_param": line,
               "cpu_ns_per_param": {"alone": alone, "group_of_8": grouped},

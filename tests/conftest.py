@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -72,3 +73,26 @@ def retire_update_stream(shard, learner: int) -> None:
     with shard.lock:
         shard.streams[learner] += 1  # a newer stream id retires the open one
     time.sleep(2 * OUTBOX_POLL_S)
+
+
+def live_shard(*overrides: str, workers: int | None = None, state_dir: Path | None = None) -> tuple[Any, Any, str]:
+    """One syncer shard of a tiny config serving on a free loopback port: (shard, gRPC server, address).
+    The caller stops both (`server.stop(0)`, `shard.stop()`)."""
+    from diloco.shard.server import ShardPlan, SyncerShard, serve
+
+    shard = SyncerShard(tiny_config(*overrides), ShardPlan(0, 1, ("",)), state_dir=state_dir)
+    server, port = serve(shard, "127.0.0.1:0", workers=workers)
+    address = f"127.0.0.1:{port}"
+    shard.plan = ShardPlan(0, 1, (address,))
+    return shard, server, address
+
+
+@contextmanager
+def serving_shard(*overrides: str, workers: int | None = None) -> Iterator[tuple[Any, str]]:
+    """`live_shard` for the length of a `with`: yields (shard, address), always stopped."""
+    shard, server, address = live_shard(*overrides, workers=workers)
+    try:
+        yield shard, address
+    finally:
+        server.stop(0)
+        shard.stop()

@@ -9,20 +9,12 @@ import time
 import pytest
 import torch
 
-from conftest import retire_update_stream, tiny_config, wait_for
+from conftest import live_shard, retire_update_stream, tiny_config, wait_for
 from diloco.client.learner_client import Learner
 from diloco.client.builtin_loop import run_learner
 from diloco.shard.server import ShardPlan, SyncerShard, serve
 
 pytestmark = pytest.mark.integration  # live shards over real gRPC, learner threads and a syncer process
-
-
-def live_shard(*overrides: str) -> tuple[SyncerShard, object, str]:
-    shard = SyncerShard(tiny_config(*overrides), ShardPlan(0, 1, ("",)))
-    server, port = serve(shard, "127.0.0.1:0")
-    address = f"127.0.0.1:{port}"
-    shard.plan = ShardPlan(0, 1, (address,))
-    return shard, server, address
 
 
 def tiny_model():

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import ExitStack
 
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import serving_shard
+from diloco.shard.server import SyncerShard
 from diloco.errors import DilocoError
 from diloco.client.learner_client import Learner
-from diloco.shard.server import ShardPlan, SyncerShard, serve
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing is downloaded
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -40,22 +41,10 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def syncer():
-    """Start a syncer shard on a free port; yields (shard, address); always stopped."""
-    started = []
-
-    def start(*overrides: str) -> tuple[SyncerShard, str]:
-        shard = SyncerShard(tiny_config("strategy=decoupled", "outer.H=5", "outer.fragments=2",
-                                        "train.tokens=100000000", *overrides), ShardPlan(0, 1, ("",)))
-        server, port = serve(shard, "127.0.0.1:0", workers=8)
-        address = f"127.0.0.1:{port}"
-        shard.plan = ShardPlan(0, 1, (address,))
-        started.append((server, shard))
-        return shard, address
-
-    yield start
-    for server, shard in started:
-        server.stop(0)
-        shard.stop()
+    """Start a syncer shard on a free port; yields start(*overrides) -> (shard, address); always stopped."""
+    with ExitStack() as stack:
+        yield lambda *overrides: stack.enter_context(serving_shard(
+            "strategy=decoupled", "outer.H=5", "outer.fragments=2", "train.tokens=100000000", *overrides, workers=8))
 
 
 def train(model: torch.nn.Module, learner: Learner, steps: int, seed: int) -> None:

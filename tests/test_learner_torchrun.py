@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import free_port_for_torchrun, tiny_config
-from diloco.shard.server import ShardPlan, SyncerShard, serve
+from conftest import free_port_for_torchrun, serving_shard
 
 WORKER = Path(__file__).parent / "workers" / "ddp_learner.py"
 RANKS, STEPS, BATCH, SEQ = 2, 24, 4, 16
@@ -92,17 +91,9 @@ def descendants(pid: int) -> list[int]:
 @pytest.fixture
 def syncer():
     """A decoupled syncer for one learner, with a short period so that several merges happen."""
-    shard = SyncerShard(tiny_config("learners.count=1", "strategy=decoupled", "outer.H=4",
-                                    f"outer.fragments={FRAGMENTS}", "train.tokens=100000000"),
-                        ShardPlan(0, 1, ("",)))
-    server, port = serve(shard, "127.0.0.1:0", workers=8)
-    address = f"127.0.0.1:{port}"
-    shard.plan = ShardPlan(0, 1, (address,))
-    try:
-        yield shard, address
-    finally:
-        server.stop(0)
-        shard.stop()
+    with serving_shard("learners.count=1", "strategy=decoupled", "outer.H=4", f"outer.fragments={FRAGMENTS}",
+                       "train.tokens=100000000", workers=8) as started:
+        yield started
 
 
 def test_two_gloo_ranks_are_one_learner(syncer, tmp_path):
