@@ -7,6 +7,7 @@ from __future__ import annotations
 from concurrent import futures
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from google.protobuf.message import DecodeError
@@ -97,3 +98,15 @@ def test_the_generated_stub_and_ours_talk_to_our_server_alike():
         channel.close()
     finally:
         server.stop(None)
+
+
+def test_a_snapshot_of_theta_is_sent_from_its_own_memory_and_reads_back_exactly():
+    from diloco.transport.frames import decode, encode_snapshot
+
+    theta = {"w": torch.randn(3, 1000), "h": torch.randn(5, dtype=torch.float64), "g": torch.randn(4).requires_grad_()}
+    encoded = encode_snapshot(theta)
+    assert np.frombuffer(encoded["w"].payload, dtype=np.float32).ctypes.data == theta["w"].data_ptr()  # no copy
+    assert {n: bytes(e.payload) for n, e in encoded.items()} == \
+        {n: bytes(e.payload) for n, e in encode_fp32(theta).items()}  # the same bytes as the copying encoder
+    for name, value in theta.items():
+        assert torch.equal(decode(encoded[name]), value.detach().to(torch.float32))

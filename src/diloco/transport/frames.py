@@ -203,3 +203,17 @@ def encode_fp32(values: dict[str, torch.Tensor]) -> dict[str, Encoded]:
     """Exact values (Θ, a model's initial parameters) as they travel."""
     codec = get_codec("fp32")
     return {name: codec.encode(v.detach().to(torch.float32)) for name, v in values.items()}
+
+
+def encode_snapshot(values: dict[str, torch.Tensor]) -> dict[str, Encoded]:
+    """Θ as the shard holds it, sent as views of its own memory: no copy. Only for fp32 CPU tensors nobody
+    writes to again (a shard's Θ is replaced by new tensors on every commit, never changed in place, and
+    only finite values are committed); anything else is encoded by copy, as `encode_fp32` does."""
+    out = {}
+    for name, v in values.items():
+        t = v.detach()
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
+            out.update(encode_fp32({name: t}))
+            continue
+        out[name] = Encoded("fp32", tuple(t.shape), 0, memoryview(t.reshape(-1).numpy()).cast("B").toreadonly())
+    return out
