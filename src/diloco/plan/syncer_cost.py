@@ -15,14 +15,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-SHARD_CPU_NS_PER_PARAM = 10.72
+SHARD_CPU_NS_PER_PARAM = 9.51
 """CPU-ns of a shard per pushed parameter: `cpu_ns_per_param` of
 `python benchmarks/scale.py --params 20M --learners 8 --codec int4 --quorum 1 --seconds 8 --min-pushes 8
---socket-seconds 2 --json benchmarks/results/scale-after-q1.json` (one shard, 8 learners, int4 pushes,
-each closing its own round: CPU-seconds of the shard process ÷ parameters pushed in the window)."""
-SHARD_PULL_BYTES_PER_S = 67.3e6
+--socket-seconds 2 --json benchmarks/results/scale-transport-after-q1.json` (one shard, 8 learners, int4
+pushes, each closing its own round: CPU-seconds of the shard process ÷ parameters pushed in the window;
+9.506 there, 10.72 in scale-after-q1.json before the transport's copies went)."""
+SHARD_PULL_BYTES_PER_S = 408e6
 """Bytes/s of Θ one shard serves a joining learner: `join_bytes ÷ join_s` of the same run (80 MB of
-fp32 Θ from one shard in 1.19 s, while 8 learners were pushing)."""
+fp32 Θ from one shard in 0.196 s, 4 fragments on 4 streams, while 8 learners were pushing)."""
 FLOPS_PER_PARAM_TOKEN = 6
 """Forward and backward of a dense transformer: 6 FLOPs per parameter per token."""
 LEARNER_FLOPS = 64 * 989e12 * 0.4
