@@ -18,8 +18,8 @@ from diloco.transport.calls import ShardClient
 from diloco.transport.frames import message_frames
 from diloco.transport.security import (LEARNER_KEY, METADATA_KEY, ClientIdentity, TransportSecurity,
                                        learner_security, make_channel)
+from diloco.transport.stream_calls import syncer_stub
 from diloco.v1 import diloco_pb2 as pb
-from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
 
 def outsider_probes(shard: Shard) -> Iterator[tuple[str, Callable[[], object]]]:
@@ -85,7 +85,7 @@ def streams_and_half_open(shard: Shard, streams: int, half_open: int) -> Callabl
     def probe() -> object:
         release = threading.Event()
         channels = [make_channel(shard.address, learner_security(shard.run_secret, m)) for m in range(streams)]
-        calls = [pb_grpc.SyncerStub(c).Updates(pb.UpdatesRequest(learner=m), timeout=60)
+        calls = [syncer_stub(c).Updates(pb.UpdatesRequest(learner=m), timeout=60)
                  for m, c in enumerate(channels)]
         outsider = make_channel(shard.address, None)
 
@@ -289,7 +289,7 @@ def claim_probes(shard: Shard) -> Iterator[tuple[str, Callable[[], object]]]:
         return "the shared budget reads spent: every learner is told to stop" if reply.stop else "taken"
 
     yield "Join declaring 10^12 tokens per step, then a heartbeat of 10^12 tokens", end_the_run
-    raw = pb_grpc.SyncerStub(make_channel(shard.address, None))
+    raw = syncer_stub(make_channel(shard.address, None))
     right = bound_metadata(shard, 1)
     honest = pb.HeartbeatRequest(learner=1, tokens=shard.step[1] * 64, steps=shard.step[1])
     forms = {"learner id header '01'": [right[0], (LEARNER_KEY, "01")],
@@ -330,7 +330,7 @@ def replayed_into(fresh: Shard, recorded: list[tuple[str, str]]) -> Callable[[],
     def probe() -> object:
         header, tensors = push_message(0, 0, fresh.seq[0] + 1, {"w0": torch.randn(64) * 1e-3}, tokens=256,
                                        steps=4, step=fresh.step[0] + 4)
-        raw = pb_grpc.SyncerStub(make_channel(fresh.address, None))
+        raw = syncer_stub(make_channel(fresh.address, None))
         return call(lambda: raw.Push(message_frames(pb.Frame(push=header), tensors), metadata=recorded, timeout=5))
 
     return probe

@@ -21,6 +21,7 @@ import torch
 from diloco.transport.calls import ShardClient
 from diloco.transport.frames import encode_fp32, tensor_header
 from diloco.transport.security import TransportSecurity, learner_security, make_channel
+from diloco.transport.stream_calls import syncer_stub
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -75,7 +76,7 @@ class Shard:
         self.step = {0: 0, 1: 0}
 
     def stub(self, security: TransportSecurity | None) -> pb_grpc.SyncerStub:
-        return pb_grpc.SyncerStub(make_channel(self.address, security))
+        return syncer_stub(make_channel(self.address, security))
 
     def seed(self, by_operator: bool = False) -> None:
         """Learners 0 and 1 join; 0 (or the run secret's holder) seeds Θ with two small fragments; both take

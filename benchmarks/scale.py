@@ -42,7 +42,8 @@ With no arguments, a quick sweep (20M parameters, 1, 4, 8 and 16 learners, one s
             the pushes taken in it: `cpu_ns_per_param`, against `roofline_ns_per_param`, one fused in-place
             pass (Θ += w·Δ, one thread) over a tensor of the largest fragment's size, measured by this
             script in the same run (target: at most 4x, with 8 learners).
-  join      after the window, an observer's pull of Θ (fp32) from every shard, timed: `join_vs_socket`
+  join      after the window, an observer's pull of Θ (fp32) from every shard, timed, as a join pulls
+            it: each fragment on its own stream, PULL_STREAMS at once over all shards. `join_vs_socket`
             is that time over the plain socket's time for the same bytes (target: at most 2x).
   --sink    the shards take pushes off the wire and answer them without merging (the transport alone;
             target: push and pull at least 0.5x the socket). --paced keeps the default config's pacing.

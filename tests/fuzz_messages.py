@@ -14,8 +14,8 @@ import torch
 from diloco.codecs import CODEC_NAMES, DEFAULT_BLOCK, get_codec
 from diloco.shard.server import SyncerShard
 from diloco.transport.frames import tensor_header
+from diloco.transport.stream_calls import syncer_stub
 from diloco.v1 import diloco_pb2 as pb
-from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
 from fuzz_shard import CODECS, DESERIALIZE, I64, NAME_CHARS, REAL, U32, U64, UNKNOWN_IDS, View, core_marks
 
@@ -27,7 +27,7 @@ class FuzzMessages:
         self.rng, self.shard, self.view, self.seeded = rng, shard, view, seeded
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20),
                                                                ("grpc.max_receive_message_length", 64 << 20)])
-        self.stub = pb_grpc.SyncerStub(self.channel)
+        self.stub = syncer_stub(self.channel)
         self.torch = torch.Generator().manual_seed(rng.randrange(2**31))
         self.codes: Counter[tuple[str, str]] = Counter()
         self.violations: list[str] = []

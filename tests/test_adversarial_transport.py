@@ -24,6 +24,7 @@ from diloco.transport.calls import ShardClient
 from diloco.transport.frames import encode_fp32, message_frames, tensor_header
 from diloco.transport.security import (BUSY, REFUSED, ClientIdentity, LearnerCredential, TransportSecurity,
                                        learner_security, make_channel)
+from diloco.transport.stream_calls import syncer_stub
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -54,7 +55,7 @@ def served():
 
 
 def stub(address: str, security: TransportSecurity | None) -> pb_grpc.SyncerStub:
-    return pb_grpc.SyncerStub(make_channel(address, security))
+    return syncer_stub(make_channel(address, security))
 
 
 def as_learner(address: str, m: int) -> pb_grpc.SyncerStub:
@@ -360,7 +361,7 @@ def test_a_push_recorded_in_one_run_is_refused_by_a_fresh_run_with_the_same_secr
     fresh, fresh_address = served()
     seed(fresh, fresh_address, range(1))
     before = state_of(fresh)
-    replayed = pb_grpc.SyncerStub(grpc.insecure_channel(fresh_address))
+    replayed = syncer_stub(grpc.insecure_channel(fresh_address))
     code, _ = refusal(lambda: replayed.Push(iter(push_frames(0, 1)), metadata=recorded[0], timeout=TIMEOUT))
     assert code == grpc.StatusCode.UNAUTHENTICATED and state_of(fresh) == before
     as_learner(fresh_address, 0).Push(iter(push_frames(0, 1)), timeout=TIMEOUT)  # its own calls go through

@@ -14,8 +14,8 @@ import torch
 from conftest import wait_for
 from diloco.shard.server import SyncerShard
 from diloco.transport.frames import data_frames, encode_fp32, tensor_header
+from diloco.transport.stream_calls import syncer_stub as project_stub
 from diloco.v1 import diloco_pb2 as pb
-from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
 from fuzz_shard import REAL, U64, core_state, differences, learner_of, live_shard
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration  # every test fuzzes a live shard over real
 def syncer_stub(address: str):
     channel = grpc.insecure_channel(address)
     try:
-        yield pb_grpc.SyncerStub(channel)
+        yield project_stub(channel)
     finally:
         channel.close()
 

@@ -20,6 +20,7 @@ from diloco.transport.frames import encode_fp32, message_frames, tensor_header
 from diloco.transport.security import (
     METADATA_KEY, REFUSED, SECRET_ENV, TransportSecurity, add_security_arguments, learner_security, load_security,
     make_channel, resolve_secret, secure_server_port, security_from_args, server_interceptors, with_run_secret)
+from diloco.transport.stream_calls import add_syncer_to_server, syncer_stub
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -44,7 +45,7 @@ def serve_shard():
 
     def serve(security: TransportSecurity):
         shard = SyncerShard(tiny_config("learners.count=1"), ShardPlan(0, 1, ("",)))
-        server, port = start_server(security, lambda s: pb_grpc.add_SyncerServicer_to_server(shard, s),
+        server, port = start_server(security, lambda s: add_syncer_to_server(shard, s),
                                     run=shard.run_id)
         started.append((shard, server))
         return shard, f"127.0.0.1:{port}"
@@ -56,7 +57,7 @@ def serve_shard():
 
 
 def stub(address: str, security: TransportSecurity | None) -> pb_grpc.SyncerStub:
-    return pb_grpc.SyncerStub(make_channel(address, security))
+    return syncer_stub(make_channel(address, security))
 
 
 def init_frames(shard: SyncerShard) -> list[pb.Frame]:

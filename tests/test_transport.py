@@ -34,7 +34,7 @@ def test_frames_round_trip_large_tensors_exactly():
 @pytest.mark.parametrize("mutate, message", [
     (lambda f: f[:-1], "truncated"),
     (lambda f: f + [pb.Frame(data=b"x")], None),  # trailing bytes belong to the next message: not read here
-    (lambda f: [f[0], pb.Frame(data=f[1].data + b"extra")], "more than"),
+    (lambda f: [f[0], pb.Frame(data=bytes(f[1].data) + b"extra")], "more than"),
     (lambda f: [pb.Frame(push=pb.PushHeader())] + f[1:], "expected a state header"),
     (lambda f: [f[0], f[0]], "mid-message"),
 ])

@@ -4,12 +4,14 @@ simulator's schedule can be replayed."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from diloco.errors import DilocoError
 from diloco.plan import units
 from diloco.plan.deployment import Deployment, Region
 from diloco.plan.layout import Layout, assumed_layout, model_layout
+from diloco.plan.syncer_cost import LEARNER_FLOPS, PLAN_STEP_TOKENS, step_time_s
 
 if TYPE_CHECKING:
     from diloco.config import Config
@@ -33,6 +35,27 @@ def parse_regions(text: str, default_latency_s: float) -> tuple[Region, ...]:
     return tuple(regions)
 
 
+def step_tokens(args: argparse.Namespace) -> int | None:
+    """Tokens per inner step: `--step-tokens`; for a `--params` plan without it, PLAN_STEP_TOKENS."""
+    if args.step_tokens:
+        return units.count("--step-tokens", args.step_tokens)
+    return PLAN_STEP_TOKENS if args.params else None
+
+
+def derived_step(args: argparse.Namespace) -> tuple[float, str] | None:
+    """A `--params` plan's step time from the model's FLOPs, unless `--step-time` or
+    `--set learners.step_time_s` gives it: (seconds, how it was found)."""
+    if not args.params or args.step_time is not None or any(
+            s.startswith("learners.step_time_s") for s in args.set or []):
+        if args.learner_flops is not None:
+            units.flops("--learner-flops", args.learner_flops)  # checked, though the step time is given
+        return None
+    flops = units.flops("--learner-flops", args.learner_flops) if args.learner_flops else LEARNER_FLOPS
+    tokens = step_tokens(args) or PLAN_STEP_TOKENS
+    return step_time_s(units.count("--params", args.params), tokens, flops), (
+        f"6 × params × {tokens:,} tokens ÷ {flops / 1e15:.3g} PFLOP/s per learner")
+
+
 def build_deployment(config: Config, args: argparse.Namespace) -> Deployment:
     """The deployment the config and the command's flags describe (the model is built unless --params)."""
     from diloco.strategies import build_strategy
@@ -44,12 +67,14 @@ def build_deployment(config: Config, args: argparse.Namespace) -> Deployment:
     regions = parse_regions(args.regions, config.link.latency_ms / 1e3) if args.regions else ()
     explicit_tokens = args.config is not None or args.tokens is not None or any(
         s.startswith("train.tokens") for s in args.set or [])
-    step_tokens = units.count("--step-tokens", args.step_tokens) if args.step_tokens else None
-    return deployment(config, layout, regions=regions,
-                      shards=units.integer("--shards", args.shards) if args.shards else None,
-                      shard_memory_bytes=units.memory_bytes("--shard-memory", args.shard_memory)
-                      if args.shard_memory else None,
-                      tokens_per_step=step_tokens, with_totals=explicit_tokens)
+    derived = derived_step(args)
+    d = deployment(config, layout, regions=regions,
+                   shards=units.integer("--shards", args.shards) if args.shards else None,
+                   shard_memory_bytes=units.memory_bytes("--shard-memory", args.shard_memory)
+                   if args.shard_memory else None,
+                   tokens_per_step=step_tokens(args), with_totals=explicit_tokens)
+    cores = units.positive("--shard-cores", args.shard_cores) if args.shard_cores else None
+    return replace(d, step_time_source=derived[1] if derived else "", shard_cores=cores)
 
 
 def deployment(config: Config, layout: Layout | None = None, *, regions: tuple[Region, ...] = (),

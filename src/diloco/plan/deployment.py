@@ -61,6 +61,10 @@ class Deployment:
     """Tokens one learner trains per inner step."""
     tokens: int | None = None
     """The run's token budget, over all learners: totals are given when it is."""
+    step_time_source: str = ""
+    """How the step time was found when it was not given (`--params`: from the model's FLOPs)."""
+    shard_cores: float | None = None
+    """Cores of one shard's machine: how many shards the syncer's CPU needs (`syncer_cost.py`)."""
     network: Config | None = field(default=None, compare=False, repr=False)
     """A config with `[[regions]]`: its regions, learners, links, topology and placement, which the
     plan's per-link loads follow (`network.py`); None otherwise."""

@@ -10,13 +10,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict
+import shlex
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from diloco.errors import DilocoError
 from diloco.plan import units
+
+if TYPE_CHECKING:
+    from diloco.plan.reports import Plan
+    from diloco.plan.search import Combination
 
 DIRECT_FLAGS = (
     ("--strategy", "NAME", "ddp, diloco, streaming, async, async-dn or decoupled (config: strategy)"),
@@ -25,8 +31,11 @@ DIRECT_FLAGS = (
     ("--fragments", "P", "fragments (config: outer.fragments)"),
     ("--H", "STEPS", "inner steps between syncs of a fragment (config: outer.H)"),
     ("--tau", "STEPS", "overlap τ in inner steps (config: outer.tau)"),
-    ("--step-time", "TIME", "one inner step, e.g. 1.5s or 800ms (config: learners.step_time_s)"),
-    ("--step-tokens", "N", "tokens per inner step per learner, for totals (default: batch × seq_len)"),
+    ("--step-time", "TIME", "one inner step, e.g. 1.5s or 800ms (config: learners.step_time_s; with --params "
+                            "default: 6 × params × step tokens ÷ --learner-flops)"),
+    ("--step-tokens", "N", "tokens per inner step per learner (default: batch × seq_len; with --params 524288)"),
+    ("--learner-flops", "FLOPS", "one learner's effective FLOP/s, e.g. 25P, for a --params plan's step time "
+                                 "(default: 64 H100s at 40%%, 25.3P)"),
     ("--tokens", "N", "the run's token budget, e.g. 1T, for totals (config: train.tokens)"),
     ("--codec", "NAME", "uplink codec: fp32, bf16, int8, int4, fp4 (config: codec.up)"),
     ("--down-codec", "NAME", "downlink codec (config: codec.down)"),
@@ -36,6 +45,7 @@ DIRECT_FLAGS = (
                                            "spread over them in turn and share their region's link"),
     ("--shards", "N", "syncer shards to show (default: as many as --shard-memory needs, else 1)"),
     ("--shard-memory", "SIZE", "memory of one shard, e.g. 64GiB: how many shards the fragments need"),
+    ("--shard-cores", "N", "CPU cores of one shard: how many shards the syncer's merging needs"),
 )
 
 
@@ -61,14 +71,47 @@ def run(args: argparse.Namespace) -> int:
     deployment = build_deployment(config, args)
     result = plan(deployment, replayed_run(config, deployment, args))
     advice = advise(deployment)
+    proposal = proposed_command(args, advice.combination, plan_of(result, advice.combination))
     if not args.quiet:
         print_plan(Console(), result, advice, deployment.shard_memory_bytes)
+        if proposal:
+            Console().print(f"- try: {proposal}", soft_wrap=True, highlight=False)
     if args.json:
-        data = {**result.to_dict(), "advice": {**asdict(advice), "lines": list(advice.lines)}}
+        data = {**result.to_dict(), "advice": {**asdict(advice), "lines": list(advice.lines), "command": proposal}}
         write_output(Path(args.json), json.dumps(_finite(data), indent=2) + "\n")
         if args.quiet:
             print(args.json)
     return 0
+
+
+def plan_of(result: Plan, combo: Combination | None) -> Plan | None:
+    """The plan with the proposed combination's knobs (None without one)."""
+    from diloco.plan.plan_model import plan
+
+    if combo is None:
+        return None
+    d = result.deployment
+    return plan(replace(d, H=combo.H, codec_up=combo.codec, codec_down=combo.codec,
+                        layout=d.layout.with_fragments(combo.fragments)))
+
+
+def proposed_command(args: argparse.Namespace, combo: Combination | None, combo_plan: Plan | None) -> str:
+    """The command line that plans the combination: the user's own, its H, fragments and codecs replaced
+    (and its shard count, where memory or cores call for more than one)."""
+    if combo is None or combo_plan is None:
+        return ""
+    words = ["diloco", "plan", *([args.config] if args.config else [])]
+    for item in args.set or []:
+        words += ["--set", item]
+    changed = {"--H": str(combo.H), "--fragments": str(combo.fragments), "--codec": combo.codec,
+               "--down-codec": combo.codec}
+    if len(combo_plan.shards) > 1:
+        changed["--shards"] = str(len(combo_plan.shards))
+    for flag, _, _ in DIRECT_FLAGS:
+        value = changed.pop(flag, getattr(args, flag.lstrip("-").replace("-", "_")))
+        if value is not None:
+            words += [flag, str(value)]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def _finite(value: object) -> object:
@@ -95,6 +138,11 @@ def config_overrides(args: argparse.Namespace) -> list[str]:
             out.append(f"{key}={units.integer('--' + flag, value, minimum)}")
     if args.step_time is not None:
         out.append(f"learners.step_time_s={units.seconds('--step-time', args.step_time)!r}")
+    from diloco.plan.build import derived_step
+
+    derived = derived_step(args)
+    if derived is not None:
+        out.append(f"learners.step_time_s={derived[0]!r}")
     if args.tokens is not None:
         out.append(f"train.tokens={units.count('--tokens', args.tokens)}")
     for flag, key in (("codec", "codec.up"), ("down_codec", "codec.down")):

@@ -17,6 +17,7 @@ from diloco.plan.steady_links import LinkState, Site, Traffic, steady_state, ver
 from diloco.plan.memory import shard_memory, shards_needed
 from diloco.plan.network import network_report
 from diloco.plan.reports import Plan, RegionReport, ShardReport, SiteReport
+from diloco.plan.syncer_cost import cores, join_s, shards_for_cores
 from diloco.plan.totals import estimate_totals, replayed_totals
 from diloco.shard.ownership import placed_shard_count
 from diloco.plan.wire import all_reduce_share
@@ -91,15 +92,21 @@ def shard_reports(d: Deployment, sites: list[SiteReport], shards: int, owners: S
                             d.syncer_state(), owners):
         pushes = sum(t.push[p] for p in mem.fragments) * learners
         answers = sum(t.update[p] for p in mem.fragments) * learners
-        reports.append(ShardReport(mem, pushes / d.period_s, answers / d.period_s))
+        pushed = mem.parameters * learners / d.period_s
+        reports.append(ShardReport(mem, pushes / d.period_s, answers / d.period_s, pushed, cores(pushed)))
     return reports
+
+
+def pushed_params_per_s(d: Deployment) -> float:
+    """Parameters the whole syncer is pushed per second: every learner pushes every fragment per period."""
+    return d.layout.parameters * d.learners / d.period_s
 
 
 def plan(d: Deployment, replayed: ReplayResult | None = None) -> Plan:
     """The plan; its totals and links' bytes are the `replayed` run's where given (exact)."""
     sites = site_reports(d)
     numels = tuple(f.numel for f in d.layout.fragments)
-    needed, shards = None, []
+    needed, shards, for_cores = None, [], None
     homes = Topology(d.network).fragment_homes(len(numels)) if d.network and d.exchange == "outer" else []
     if d.exchange == "outer" and d.network is not None and d.network.placement == "links":
         # One shard per home region, owning the fragments homed there, as `diloco run` starts them.
@@ -112,9 +119,11 @@ def plan(d: Deployment, replayed: ReplayResult | None = None) -> Plan:
         if d.shard_memory_bytes is not None:
             needed = shards_needed(list(numels), [f.embedding for f in d.layout.fragments], d.syncer_state(),
                                    d.shard_memory_bytes)
-        count = d.shards or needed or 1
+        for_cores = shards_for_cores(pushed_params_per_s(d), numels, d.shard_cores) if d.shard_cores else None
+        count = d.shards or max(needed or 1, for_cores or 1)
         shards = shard_reports(d, sites, min(count, len(numels)))
     totals = replayed_totals(replayed) if replayed else estimate_totals(d, sites) if d.tokens else None
     network = network_report(d, replayed.links if replayed else None, totals.time_s if totals else None)
     return Plan(d, d.period_s, numels, tuple(sites), tuple(region_reports(d, sites)), tuple(shards), needed, totals,
-                network.links, tuple(homes), network.slow_routes)
+                network.links, tuple(homes), network.slow_routes,
+                join_s([s.memory.parameters for s in shards]) if shards else None, for_cores)

@@ -83,6 +83,10 @@ class ShardReport:
     memory: ShardMemory
     in_per_s: float
     out_per_s: float
+    pushed_params_per_s: float = 0.0
+    """Parameters pushed to it per second, over all learners."""
+    cores: float = 0.0
+    """CPU cores its merging keeps busy (`syncer_cost.cores`)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,10 @@ class Plan:
     """With the config's `[[regions]]`: the region homing each fragment (`placement`)."""
     slow_routes: tuple[str, ...] = ()
     """Senders' routes that miss τ though each of their links alone keeps up."""
+    join_s: float | None = None
+    """A joining learner's pull of Θ from every shard at once (`syncer_cost.join_s`)."""
+    shards_for_cores: int | None = None
+    """With `--shard-cores`: the fewest shards whose CPU keeps up (None: one fragment needs more)."""
 
     @property
     def keeps_up(self) -> bool:
@@ -137,8 +145,10 @@ class Plan:
             "period_s": self.period_s, "fragment_numels": list(self.fragment_numels), "keeps_up": self.keeps_up,
             "learners": [asdict(s) for s in self.sites], "regions": [asdict(r) for r in self.regions],
             "shards": [{**asdict(s.memory), "peak_bytes": s.memory.peak_bytes, "in_per_s": s.in_per_s,
-                        "out_per_s": s.out_per_s} for s in self.shards],
-            "shards_needed": self.shards_needed, "totals": asdict(self.totals) if self.totals else None,
+                        "out_per_s": s.out_per_s, "pushed_params_per_s": s.pushed_params_per_s, "cores": s.cores}
+                       for s in self.shards],
+            "shards_needed": self.shards_needed, "join_s": self.join_s, "shard_cores": d.shard_cores,
+            "shards_for_cores": self.shards_for_cores, "step_time_source": d.step_time_source, "totals": asdict(self.totals) if self.totals else None,
             "placement": d.network.placement if d.network else None, "fragment_homes": list(self.homes),
             "slow_routes": list(self.slow_routes),
             "links": [asdict(lk) for lk in self.links]}

@@ -7,6 +7,10 @@
 - the smallest τ (a fragment's round trip does not depend on τ: τ only sets the time it may take);
 - the fewest fragments (smaller messages, each one's round trip shorter), for the strategies that stagger
   fragments.
+
+When none of them fits alone, `combination` searches the three together (codec both ways, fragment count
+on a ladder, the smallest H for each) and keeps the smallest H (syncing as often as the links allow),
+then the least compression, then the fewest fragments; τ stays as given (it sets how stale a merge is).
 """
 
 from __future__ import annotations
@@ -22,6 +26,21 @@ H_MAX = 1_000_000
 FRAGMENTS_MAX = 1024
 CODECS_BY_SIZE = ("fp32", "bf16", "int8", "int4", "fp4")
 """Registered codecs from the most bytes to the fewest (int4 and fp4 take the same)."""
+FRAGMENT_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+"""Fragment counts `combination` tries (besides the given one)."""
+
+
+@dataclass(frozen=True)
+class Combination:
+    """Knobs moved together that keep up, the others as given."""
+
+    H: int
+    fragments: int
+    codec: str
+    """Both ways."""
+
+    def describe(self) -> str:
+        return f"H = {self.H:,}, {self.fragments} fragments, {self.codec} both ways"
 
 
 @dataclass(frozen=True)
@@ -31,6 +50,7 @@ class Advice:
     smallest_tau: int | None
     fewest_fragments: int | None
     lines: tuple[str, ...]
+    combination: Combination | None = None
 
 
 def keeps_up(d: Deployment) -> bool:
@@ -87,6 +107,25 @@ def fewest_fragments(d: Deployment) -> int | None:
     return None
 
 
+def combination(d: Deployment) -> Combination | None:
+    """The smallest H that keeps up over codecs and fragment counts; ties go to the least compression,
+    then the fewest fragments. Fragment counts are tried only for the strategies that stagger them."""
+    counts = [len(d.layout.fragments)]
+    if d.staggered:
+        top = min(d.layout.tensor_count if d.layout.exact else FRAGMENTS_MAX, FRAGMENTS_MAX)
+        counts = sorted({*counts, *(f for f in FRAGMENT_LADDER if f <= top)})
+    best: tuple[int, int, int] | None = None
+    for rank, codec in enumerate(CODECS_BY_SIZE):
+        for count in counts:
+            if best is not None and count > best[0]:
+                break  # a staggered schedule needs H >= fragments: no better H from here
+            trial = replace(d, codec_up=codec, codec_down=codec, layout=d.layout.with_fragments(count))
+            h = smallest_H(trial)
+            if h is not None and (best is None or (h, rank, count) < best):
+                best = (h, rank, count)
+    return Combination(best[0], best[2], CODECS_BY_SIZE[best[1]]) if best else None
+
+
 def _bare_round_trip(d: Deployment) -> str:
     """Why no H helps: a fragment's round trip with nothing queued ahead of it (as at a huge H)."""
     name, rt, budget = max(round_trips(replace(d, H=H_MAX)), key=lambda r: r[1] / r[2])
@@ -112,7 +151,10 @@ def advise(d: Deployment) -> Advice:
              + (f"{tau} step{'s' if tau > 1 else ''}" if tau else f"none below H = {d.H:,}")]
     if d.staggered:
         lines.append(f"fewest fragments that keep up at H = {d.H:,}: " + (str(fragments) if fragments else "none"))
+    combo = None
     if not any((h, codec, tau, fragments)):
-        lines.append("nothing fits by moving one knob: more bandwidth, a longer step (larger batches) or "
-                     "moving several knobs at once")
-    return Advice(h, codec, tau, fragments, tuple(lines))
+        combo = combination(d)
+        lines.append("nothing fits by moving one knob; " + (
+            f"moved together: {combo.describe()}" if combo else
+            "nor by moving H, fragments and codec together: more bandwidth or a longer step (larger batches)"))
+    return Advice(h, codec, tau, fragments, tuple(lines), combo)

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from diloco.plan.reports import Plan
 from diloco.plan.search import Advice
+from diloco.plan.syncer_cost import SHARD_CPU_NS_PER_PARAM, SHARD_PULL_BYTES_PER_S
 from diloco.results import human_bytes
 
 GIB = 2**30
@@ -56,7 +57,8 @@ def deployment_table(p: Plan) -> Table:
                  ("sync period", f"{seconds(p.period_s)} (H × {seconds(d.grid_step_s)} per step)")]
     speeds = sorted(set(d.speeds))
     rows += [("step time", f"{seconds(d.step_time_s)} at speed 1"
-              + (f"; speeds {', '.join(f'{v:g}' for v in speeds)}" if len(speeds) > 1 else "")),
+              + (f"; speeds {', '.join(f'{v:g}' for v in speeds)}" if len(speeds) > 1 else "")
+              + (f" ({d.step_time_source})" if d.step_time_source else "")),
              ("links", _links_setting(p))]
     if p.homes:
         homed = Counter(p.homes)
@@ -153,13 +155,31 @@ def shards_table(p: Plan) -> Table:
     d = p.deployment
     held = f"Θ, {d.optimizer} state, {d.merge_rule} sums" + (", published copy" if d.codec_down != "fp32" else "")
     table = Table(title=f"per shard ({len(p.shards)}; fp32: {held})")
-    for col in ("shard", "fragments", "parameters", "in / s", "out / s", "resident", "closing", "peak"):
+    for col in ("shard", "fragments", "parameters", "in / s", "out / s", "cores", "resident", "closing", "peak"):
         table.add_column(col, justify="right")
     for s in p.shards:
         m = s.memory
         table.add_row(str(m.index), _fragment_list(m.fragments), f"{m.parameters:,}", rate(s.in_per_s),
-                      rate(s.out_per_s), gib(m.resident_bytes), gib(m.transient_bytes), gib(m.peak_bytes))
+                      rate(s.out_per_s), f"{s.cores:.3g}", gib(m.resident_bytes), gib(m.transient_bytes),
+                      gib(m.peak_bytes))
     return table
+
+
+def syncer_lines(p: Plan) -> list[str]:
+    """The syncer's CPU and a join, from the measured constants (`syncer_cost.py`)."""
+    cores = [s.cores for s in p.shards]
+    lines = [f"syncer CPU: {sum(cores):.3g} cores in all, {max(cores):.3g} on the busiest shard "
+             f"({SHARD_CPU_NS_PER_PARAM:g} ns per pushed parameter, measured)"]
+    if p.deployment.shard_cores is not None:
+        lines.append(f"shards needed for the CPU: {p.shards_for_cores} of {p.deployment.shard_cores:g} cores"
+                     if p.shards_for_cores else
+                     f"shards needed for the CPU: none of {p.deployment.shard_cores:g} cores is enough: one "
+                     "fragment alone needs more; use more fragments or a larger H")
+    if p.join_s is not None:
+        theta = 4 * p.deployment.layout.parameters
+        lines.append(f"a join: {human_bytes(theta)} of fp32 Θ from {len(p.shards)} shard(s) at once, "
+                     f"{seconds(p.join_s)} ({rate(SHARD_PULL_BYTES_PER_S)} per shard, measured)")
+    return lines
 
 
 def _fragment_list(fragments: tuple[int, ...]) -> str:
@@ -197,6 +217,8 @@ def print_plan(console: Console, p: Plan, advice: Advice, memory_limit: float | 
             needed = (f"{p.shards_needed} shard(s) of {gib(memory_limit)}" if p.shards_needed else
                       f"no shard count fits {gib(memory_limit)}: one fragment alone is bigger; use more fragments")
             console.print(f"shards needed: {needed}")
+        for line in syncer_lines(p):
+            console.print(line)
     if p.totals is not None:
         console.print(totals_table(p))
         if p.links:

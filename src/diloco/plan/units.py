@@ -21,6 +21,8 @@ BANDWIDTH_SUFFIXES = {"": 1e9, "gbit": 1e9, "gbps": 1e9, "gbit/s": 1e9, "gb/s": 
 """Bits per second; a bare number is Gbit/s. GB/s and MB/s are bytes."""
 MEMORY_SUFFIXES = {"": 2**30, "gib": 2**30, "gb": 1e9, "tib": 2**40, "tb": 1e12, "mib": 2**20, "mb": 1e6}
 """Bytes; a bare number is GiB."""
+FLOPS_SUFFIXES = {"": 1.0, "t": 1e12, "tflop/s": 1e12, "p": 1e15, "pflop/s": 1e15, "eflop/s": 1e18}
+"""FLOP/s: 25P = 25e15; a bare number is FLOP/s."""
 TIME_SUFFIXES = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "min": 60.0, "h": 3600.0}
 
 
@@ -78,3 +80,13 @@ def seconds(flag: str, text: str, default_unit: str = "s", allow_zero: bool = Fa
     """A duration: 1.5s, 1500ms, 40 (in `default_unit`)."""
     suffixes = {**TIME_SUFFIXES, "": TIME_SUFFIXES[default_unit]}
     return _scaled(flag, text, suffixes, f"1.5{default_unit}", allow_zero=allow_zero)
+
+
+def flops(flag: str, text: str) -> float:
+    """Effective FLOP/s: 25P, 800T, 2.5e16."""
+    return _scaled(flag, text, FLOPS_SUFFIXES, "25P")
+
+
+def positive(flag: str, text: str) -> float:
+    """A plain positive number (cores: 16, 0.5)."""
+    return _scaled(flag, text, {"": 1.0}, "16")

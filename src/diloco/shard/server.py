@@ -152,14 +152,14 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
                                                                 f"{self.plan.index}")
             if request.observer:
                 names = [n for p in fragments for n in core.fragments[p].fragment.names]
-                theta = {n: core.theta[n].clone() for n in names}
+                theta = {n: core.theta[n] for n in names}  # a commit replaces Θ's tensors, never writes them
                 versions = {p: core.fragments[p].version for p in fragments}
             else:
                 self._speaks_for(request.learner, "pull", context)
                 event = LearnerRejoined(request.learner, request.after_seq, tuple(fragments))
                 sent = next(a for a in self._take(event, context) if isinstance(a, SendState))
                 theta, versions = sent.values, sent.versions
-        yield from state_frames(theta, self.layout, versions)
+        yield from state_frames(theta, self.layout, versions, snapshot=True)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
         core = self._require_core(context)

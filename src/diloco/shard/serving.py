@@ -25,7 +25,7 @@ import grpc
 from diloco.errors import DilocoError
 from diloco.transport.security import (PLAINTEXT, CallLimits, TransportSecurity, secure_server_port,
                                        server_interceptors)
-from diloco.v1 import diloco_pb2_grpc as pb_grpc
+from diloco.transport.stream_calls import add_syncer_to_server
 
 if TYPE_CHECKING:
     from diloco.shard.shard_view import ShardView
@@ -137,7 +137,7 @@ def serve(shard: ShardView, bind: str, workers: int | None = None,
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="syncer-rpc"),
                          interceptors=server_interceptors(security, limits, shard.run_id), options=SERVER_OPTIONS,
                          maximum_concurrent_rpcs=workers)
-    pb_grpc.add_SyncerServicer_to_server(shard, server)
+    add_syncer_to_server(shard, server)
     check_bindable(bind)
     try:
         port = secure_server_port(server, bind, security)

@@ -14,9 +14,9 @@ from diloco.codecs import Encoded
 from diloco.errors import DilocoError
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
 from diloco.transport.frames import decode, message_frames, read_message
+from diloco.transport.stream_calls import syncer_stub
 from diloco.transport.wire_messages import fragment_versions, heartbeat_request, state_frames, versions_of
 from diloco.v1 import diloco_pb2 as pb
-from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
                    ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_permit_without_calls", 1),
@@ -55,7 +55,7 @@ class ShardClient:
         security = security if security is not None else default_security()
         self.identity = ClientIdentity(security)
         self.channel = make_channel(address, security, CHANNEL_OPTIONS, self.identity)
-        self.stub = pb_grpc.SyncerStub(self.channel)
+        self.stub = syncer_stub(self.channel)
 
     def _call(self, what: str, fn, *args, **kwargs):
         try:

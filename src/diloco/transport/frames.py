@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Union
 
 import torch
 
@@ -34,7 +35,71 @@ def tensor_header(name: str, encoded: Encoded, relative: bool = False) -> pb.Ten
                            payload_bytes=len(encoded.payload), scale_bytes=len(encoded.scales), relative=relative)
 
 
-def data_frames(tensors: Iterable[Encoded]) -> Iterator[pb.Frame]:
+class DataFrame:
+    """A data frame as it travels: protobuf's own encoding of `Frame(data=...)` (the tag of field 4, the
+    length as a varint, the bytes), made with one copy of the bytes and read with none. A peer using
+    protobuf's generated code sends and reads the very same bytes: the wire protocol is unchanged."""
+
+    __slots__ = ("wire", "start")
+
+    def __init__(self, wire: bytes, start: int) -> None:
+        self.wire = wire
+        self.start = start
+
+    @property
+    def data(self) -> memoryview:
+        return memoryview(self.wire)[self.start:]
+
+    def WhichOneof(self, group: str) -> str:  # noqa: N802 - as pb.Frame names it
+        return "data"
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - as pb.Frame names it
+        return self.wire
+
+
+Frame = Union[pb.Frame, DataFrame]
+DATA_TAG = b"\x22"
+"""Field 4 (`data`), wire type 2 (length-delimited)."""
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def data_frame(pieces: list[bytes | memoryview], size: int) -> DataFrame:
+    """One data frame of `pieces` (`size` bytes in all), joined straight into its wire bytes."""
+    prefix = DATA_TAG + _varint(size)
+    return DataFrame(b"".join([prefix, *pieces]), len(prefix))
+
+
+def serialize_frame(frame: Frame) -> bytes:
+    """A frame's wire bytes (the stream calls' serializer)."""
+    return frame.SerializeToString()
+
+
+def parse_frame(raw: bytes) -> Frame:
+    """A frame off the wire (the stream calls' deserializer): a frame that is one data field is read as a
+    view of `raw`, any other by protobuf (a malformed one raises its DecodeError, as before)."""
+    if raw[:1] == DATA_TAG:
+        size, shift, at = 0, 0, 1
+        while at < len(raw) and at <= 10:
+            byte = raw[at]
+            size |= (byte & 0x7F) << shift
+            at += 1
+            if not byte & 0x80:
+                if at + size == len(raw):
+                    return DataFrame(raw, at)
+                break
+            shift += 7
+    return pb.Frame.FromString(raw)
+
+
+def data_frames(tensors: Iterable[Encoded]) -> Iterator[DataFrame]:
     """The tensors' bytes, coalesced into frames of about FRAME_BYTES."""
     pending: list[bytes | memoryview] = []
     size = 0
@@ -47,13 +112,13 @@ def data_frames(tensors: Iterable[Encoded]) -> Iterator[pb.Frame]:
                 size += piece.nbytes
                 view = view[piece.nbytes:]
                 if size == FRAME_BYTES:
-                    yield pb.Frame(data=b"".join(pending))
+                    yield data_frame(pending, size)
                     pending, size = [], 0
     if size:
-        yield pb.Frame(data=b"".join(pending))
+        yield data_frame(pending, size)
 
 
-def message_frames(header: pb.Frame, tensors: dict[str, Encoded]) -> Iterator[pb.Frame]:
+def message_frames(header: pb.Frame, tensors: dict[str, Encoded]) -> Iterator[Frame]:
     """A whole message: `header` (its tensor list must follow `tensors`' order), then the data."""
     yield header
     yield from data_frames(tensors.values())
@@ -79,7 +144,7 @@ def checked_header(header: pb.TensorHeader) -> tuple[int, int]:
     return numel, sum(want)
 
 
-def read_message(frames: Iterator[pb.Frame], kind: str, limit: int) -> tuple[object, dict[str, Encoded]] | None:
+def read_message(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object, dict[str, Encoded]] | None:
     """The next message of `kind` from `frames`: its header and tensors, or None when the stream ended
     cleanly before one began. At most `limit` data bytes are accepted."""
     first = next(frames, None)
@@ -105,10 +170,11 @@ def read_message(frames: Iterator[pb.Frame], kind: str, limit: int) -> tuple[obj
             raise FrameError(f"stream ended after {filled} of {total} bytes: the message is truncated")
         if frame.WhichOneof("body") != "data":
             raise FrameError(f"expected data, got a {frame.WhichOneof('body') or 'empty'} frame mid-message")
-        if filled + len(frame.data) > total:
+        chunk = frame.data  # read once: a protobuf message copies its bytes on every read
+        if filled + len(chunk) > total:
             raise FrameError(f"message carries more than the {total} bytes its header declares")
-        view[filled:filled + len(frame.data)] = frame.data
-        filled += len(frame.data)
+        view[filled:filled + len(chunk)] = chunk
+        filled += len(chunk)
     tensors, offset = {}, 0
     blob = view.toreadonly()  # each tensor's bytes are a view of the one buffer: no copy per tensor
     for t in header.tensors:
@@ -137,3 +203,17 @@ def encode_fp32(values: dict[str, torch.Tensor]) -> dict[str, Encoded]:
     """Exact values (Θ, a model's initial parameters) as they travel."""
     codec = get_codec("fp32")
     return {name: codec.encode(v.detach().to(torch.float32)) for name, v in values.items()}
+
+
+def encode_snapshot(values: dict[str, torch.Tensor]) -> dict[str, Encoded]:
+    """Θ as the shard holds it, sent as views of its own memory: no copy. Only for fp32 CPU tensors nobody
+    writes to again (a shard's Θ is replaced by new tensors on every commit, never changed in place, and
+    only finite values are committed); anything else is encoded by copy, as `encode_fp32` does."""
+    out = {}
+    for name, v in values.items():
+        t = v.detach()
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
+            out.update(encode_fp32({name: t}))
+            continue
+        out[name] = Encoded("fp32", tuple(t.shape), 0, memoryview(t.reshape(-1).numpy()).cast("B").toreadonly())
+    return out

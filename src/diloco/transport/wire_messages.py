@@ -23,7 +23,8 @@ from diloco.core.refusals import ProtocolError
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.strategies import StrategySpec, Wiring, build_strategy
-from diloco.transport.frames import FrameError, decode, encode_fp32, message_frames, tensor_header
+from diloco.transport.frames import (Frame, FrameError, decode, encode_fp32, encode_snapshot, message_frames,
+                                     tensor_header)
 from diloco.v1 import diloco_pb2 as pb
 
 FRAME_LENGTH = struct.Struct("<I")
@@ -170,9 +171,10 @@ def fragment_layout(fragment: Fragment, params: dict[str, torch.Tensor]) -> pb.F
 
 
 def state_frames(values: dict[str, torch.Tensor], layout: list[pb.FragmentLayout],
-                 versions: dict[int, int] | None = None) -> Iterator[pb.Frame]:
-    """Exact values of Θ (a seeding, or a pull's answer) with their layout and versions."""
-    encoded = encode_fp32(values)
+                 versions: dict[int, int] | None = None, snapshot: bool = False) -> Iterator[Frame]:
+    """Exact values of Θ (a seeding, or a pull's answer) with their layout and versions. `snapshot`: the
+    shard's own Θ, never written again, sent without a copy (`frames.encode_snapshot`)."""
+    encoded = encode_snapshot(values) if snapshot else encode_fp32(values)
     header = pb.StateHeader(versions=fragment_versions(versions or {}), layout=layout,
                             tensors=[tensor_header(n, e) for n, e in encoded.items()])
     return message_frames(pb.Frame(state=header), encoded)

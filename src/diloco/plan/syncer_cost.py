@@ -1,0 +1,60 @@
+"""What a plan costs beyond the links: the syncer's CPU, the time a joining learner takes to pull Θ, and
+the step time of a model that does not exist yet. Each figure rests on a measured constant, named here
+with the command that measures it, so a faster syncer or another accelerator is one edit away.
+
+- Syncer cores: a shard spends `SHARD_CPU_NS_PER_PARAM` CPU-nanoseconds per parameter it is pushed
+  (decode, accumulate, close the round, answer), so it needs pushed parameters/s × that many cores.
+- Join time: a joining learner pulls Θ whole (fp32) from every shard at once; each shard serves its part
+  at `SHARD_PULL_BYTES_PER_S`, so the join lasts as long as the largest shard's part takes.
+- Step time of a `--params` plan: 6·N FLOPs per token (forward and backward) × the tokens of one inner
+  step ÷ one learner's effective FLOP/s (`LEARNER_FLOPS`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+SHARD_CPU_NS_PER_PARAM = 9.51
+"""CPU-ns of a shard per pushed parameter: `cpu_ns_per_param` of
+`python benchmarks/scale.py --params 20M --learners 8 --codec int4 --quorum 1 --seconds 8 --min-pushes 8
+--socket-seconds 2 --json benchmarks/results/scale-transport-after-q1.json` (one shard, 8 learners, int4
+pushes, each closing its own round: CPU-seconds of the shard process ÷ parameters pushed in the window;
+9.506 there, 10.72 in scale-after-q1.json before the transport's copies went)."""
+SHARD_PULL_BYTES_PER_S = 408e6
+"""Bytes/s of Θ one shard serves a joining learner: `join_bytes ÷ join_s` of the same run (80 MB of
+fp32 Θ from one shard in 0.196 s, 4 fragments on 4 streams, while 8 learners were pushing)."""
+FLOPS_PER_PARAM_TOKEN = 6
+"""Forward and backward of a dense transformer: 6 FLOPs per parameter per token."""
+LEARNER_FLOPS = 64 * 989e12 * 0.4
+"""One learner's effective FLOP/s when `--params` is planned without `--step-time`: 64 accelerators
+(8 nodes of 8) at 40% of an H100's 989 dense bf16 TFLOP/s, about 25 PFLOP/s (`--learner-flops`)."""
+PLAN_STEP_TOKENS = 524_288
+"""Tokens per inner step per learner of a `--params` plan without `--step-tokens` (2^19, a usual batch)."""
+FP32 = 4
+
+
+def step_time_s(parameters: int, tokens_per_step: int, flops: float = LEARNER_FLOPS) -> float:
+    """One inner step of a model of `parameters` on a learner of `flops` effective FLOP/s."""
+    return FLOPS_PER_PARAM_TOKEN * parameters * tokens_per_step / flops
+
+
+def cores(pushed_params_per_s: float, ns_per_param: float = SHARD_CPU_NS_PER_PARAM) -> float:
+    """Cores a shard keeps busy merging `pushed_params_per_s`."""
+    return pushed_params_per_s * ns_per_param * 1e-9
+
+
+def join_s(shard_parameters: Sequence[int], pull_bytes_per_s: float = SHARD_PULL_BYTES_PER_S) -> float:
+    """A joining learner's pull of Θ (fp32) from every shard in parallel: the largest part sets it."""
+    return max((FP32 * n for n in shard_parameters), default=0) / pull_bytes_per_s
+
+
+def shards_for_cores(pushed_params_per_s: float, fragment_numels: Sequence[int], limit_cores: float) -> int | None:
+    """The fewest shards (fragment p on shard p mod S) none of which needs more than `limit_cores`; None
+    if one fragment alone needs more."""
+    total = sum(fragment_numels)
+    for shards in range(max(1, math.ceil(cores(pushed_params_per_s) / limit_cores)), len(fragment_numels) + 1):
+        largest = max(sum(fragment_numels[p::shards]) for p in range(shards))
+        if cores(pushed_params_per_s * largest / total) <= limit_cores:
+            return shards
+    return None

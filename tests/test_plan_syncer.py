@@ -1,0 +1,113 @@
+"""`diloco plan` on the syncer's side: cores from the measured cost per pushed parameter, the join time,
+a `--params` plan's step time from the model's FLOPs, and a combination of knobs proposed when no knob
+alone keeps up (the README example), as a command line that does keep up."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import replace
+
+import pytest
+
+from conftest import tiny_config
+from diloco.cli import main
+from diloco.plan.build import deployment
+from diloco.plan.layout import assumed_layout
+from diloco.plan.plan_model import plan
+from diloco.plan.syncer_cost import (LEARNER_FLOPS, PLAN_STEP_TOKENS, SHARD_CPU_NS_PER_PARAM,
+                                     SHARD_PULL_BYTES_PER_S, shards_for_cores)
+
+README_EXAMPLE = ["plan", "--params", "12B", "--learners", "8", "--bandwidth", "1Gbit"]
+
+
+def _plan_json(tmp_path, argv: list[str], name: str = "plan.json") -> dict:
+    out = tmp_path / name
+    assert main([*argv, "--json", str(out), "-q"]) == 0
+    return json.loads(out.read_text())
+
+
+def _deployment(**changes):
+    config = tiny_config("learners.count=8", "learners.step_time_s=1.5", "outer.H=100", "outer.fragments=6",
+                         "codec.up=int4", "codec.down=int4")
+    return replace(deployment(config, assumed_layout(1_000_000_007, 6), with_totals=False), **changes)
+
+
+def test_cores_are_pushed_parameters_per_second_times_the_measured_cost():
+    p = plan(_deployment(shards=4))
+    d = p.deployment
+    period = 100 * 1.5
+    for s in p.shards:
+        pushed = s.memory.parameters * 8 / period  # every learner pushes each owned fragment once per period
+        assert s.pushed_params_per_s == pytest.approx(pushed)
+        assert s.cores == pytest.approx(pushed * SHARD_CPU_NS_PER_PARAM * 1e-9)
+    assert sum(s.cores for s in p.shards) == pytest.approx(d.layout.parameters * 8 / period * SHARD_CPU_NS_PER_PARAM
+                                                           * 1e-9)
+    # shards 0 and 1 own two fragments each (p mod 4), 2 and 3 one: the join waits for the largest part
+    assert p.join_s == pytest.approx(4 * p.shards[0].memory.parameters / SHARD_PULL_BYTES_PER_S)
+    assert p.shards[0].memory.parameters > p.shards[2].memory.parameters
+
+
+def test_shards_for_cores_is_the_fewest_whose_busiest_fits():
+    d = _deployment()
+    total = plan(replace(d, shards=1)).shards[0].cores
+    limit = total / 2.5
+    p = plan(replace(d, shard_cores=limit))
+    assert p.shards_for_cores is not None and len(p.shards) == p.shards_for_cores
+    assert max(s.cores for s in p.shards) <= limit
+    fewer = plan(replace(d, shards=p.shards_for_cores - 1))
+    assert max(s.cores for s in fewer.shards) > limit
+    numels = [f.numel for f in d.layout.fragments]
+    assert shards_for_cores(total / SHARD_CPU_NS_PER_PARAM * 1e9, numels, total / 100) is None  # a fragment > limit
+
+
+def test_a_params_plan_derives_its_step_time_from_the_models_flops(tmp_path):
+    data = _plan_json(tmp_path, README_EXAMPLE)
+    expected = 6 * 12e9 * PLAN_STEP_TOKENS / LEARNER_FLOPS
+    assert data["deployment"]["step_time_s"] == pytest.approx(expected)
+    assert data["deployment"]["tokens_per_step"] == PLAN_STEP_TOKENS
+    slower = _plan_json(tmp_path, [*README_EXAMPLE, "--learner-flops", f"{LEARNER_FLOPS / 2e15}P"], "slow.json")
+    assert slower["deployment"]["step_time_s"] == pytest.approx(2 * expected)
+    given = _plan_json(tmp_path, [*README_EXAMPLE, "--step-time", "3s"], "given.json")
+    assert given["deployment"]["step_time_s"] == 3.0 and given["step_time_source"] == ""
+    by_key = _plan_json(tmp_path, [*README_EXAMPLE, "--set", "learners.step_time_s=4.0"], "key.json")
+    assert by_key["deployment"]["step_time_s"] == 4.0
+
+
+def test_the_readme_example_is_fixed_by_the_combination_it_proposes(tmp_path, capsys):
+    data = _plan_json(tmp_path, README_EXAMPLE)
+    advice = data["advice"]
+    assert data["keeps_up"] is False
+    assert not any(advice[k] for k in ("smallest_H", "least_codec", "smallest_tau", "fewest_fragments"))
+    assert advice["combination"] is not None and advice["command"].startswith("diloco plan ")
+    words = shlex.split(advice["command"])[1:]
+    assert words[:3] == README_EXAMPLE[:3] and "--bandwidth" in words  # the user's own flags kept
+    proposed = _plan_json(tmp_path, words, "proposed.json")
+    assert proposed["keeps_up"] is True
+    assert proposed["deployment"]["H"] == advice["combination"]["H"]
+    assert proposed["deployment"]["codec_up"] == advice["combination"]["codec"]
+    assert main(README_EXAMPLE) == 0
+    assert "- try: diloco plan --params 12B" in capsys.readouterr().out
+
+
+def test_a_plan_that_keeps_up_proposes_nothing(tmp_path):
+    data = _plan_json(tmp_path, [*README_EXAMPLE, "--H", "48", "--fragments", "48", "--codec", "int4",
+                                 "--down-codec", "int4"])
+    assert data["keeps_up"] is True and data["advice"]["command"] == "" and data["advice"]["combination"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--learner-flops", "0"], "--learner-flops: must be positive"),
+    (["--learner-flops", "5X"], "--learner-flops: unknown unit"),
+    (["--learner-flops", "inf"], "--learner-flops: expected a positive number"),
+    (["--step-time", "1s", "--learner-flops=-3P"], "--learner-flops: expected a positive number"),
+    (["--shard-cores", "0"], "--shard-cores: must be positive"),
+    (["--shard-cores", "many"], "--shard-cores: expected a positive number"),
+    (["--step-tokens", "0"], "--step-tokens: must be positive"),
+])
+def test_bad_syncer_input_is_refused_in_one_line(argv, message, capsys, tmp_path):
+    out = tmp_path / "never.json"
+    assert main(["plan", "--params", "1B", *argv, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("diloco: error:") and message in err and "\n" not in err
+    assert not out.exists()

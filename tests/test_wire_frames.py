@@ -1,0 +1,112 @@
+"""Data frames made and read without a protobuf copy are protobuf's own bytes: a peer on the generated
+stub and one on ours exchange the same messages, and a frame that is not one plain data field is read
+by protobuf as before (a malformed one refused as before)."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from google.protobuf.message import DecodeError
+
+from diloco.transport.frames import (DataFrame, data_frame, encode_fp32, message_frames, parse_frame, read_message,
+                                     tensor_header)
+from diloco.transport.stream_calls import METHODS, add_syncer_to_server, syncer_stub
+from diloco.v1 import diloco_pb2 as pb
+from diloco.v1 import diloco_pb2_grpc as pb_grpc
+
+SIZES = [0, 1, 127, 128, 16_383, 16_384, 1 << 20, (1 << 20) + 3]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_data_frame_is_protobufs_own_bytes_both_ways(size):
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    stock = pb.Frame(data=payload).SerializeToString()
+    ours = data_frame([memoryview(payload)[: size // 2], payload[size // 2:]], size)
+    assert ours.SerializeToString() == stock
+    read = parse_frame(stock)
+    assert isinstance(read, DataFrame) and read.WhichOneof("body") == "data" and bytes(read.data) == payload
+    assert pb.Frame.FromString(ours.SerializeToString()).data == payload
+
+
+def test_other_frames_are_read_by_protobuf_and_malformed_ones_refused_as_before():
+    header = pb.Frame(push=pb.PushHeader(learner=3, fragment=1)).SerializeToString()
+    assert parse_frame(header) == pb.Frame.FromString(header)
+    # a data field followed by another field: not a plain data frame, protobuf decides (the last oneof wins)
+    mixed = pb.Frame(data=b"abc").SerializeToString() + pb.Frame(push=pb.PushHeader(learner=2)).SerializeToString()
+    assert parse_frame(mixed) == pb.Frame.FromString(mixed) and parse_frame(mixed).WhichOneof("body") == "push"
+    for bad in (b"\x22\x05ab", b"\x22\xff", b"\x22\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01"):
+        with pytest.raises(DecodeError):
+            pb.Frame.FromString(bad)
+        with pytest.raises(DecodeError):
+            parse_frame(bad)
+
+
+def _message() -> tuple[pb.Frame, dict]:
+    torch.manual_seed(0)
+    encoded = encode_fp32({"a": torch.randn(300_000), "b": torch.randn(7)})
+    header = pb.Frame(push=pb.PushHeader(learner=0, fragment=0, seq=1,
+                                         tensors=[tensor_header(n, e) for n, e in encoded.items()]))
+    return header, encoded
+
+
+def test_read_message_reads_the_same_tensors_from_either_kind_of_frame():
+    header, encoded = _message()
+    ours = list(message_frames(header, encoded))
+    stock = [pb.Frame.FromString(f.SerializeToString()) for f in ours]
+    for frames in (ours, stock, [parse_frame(f.SerializeToString()) for f in ours]):
+        _, tensors = read_message(iter(frames), "push", limit=1 << 30)
+        assert {n: bytes(e.payload) for n, e in tensors.items()} == {n: bytes(e.payload) for n, e in encoded.items()}
+
+
+class _Echo(pb_grpc.SyncerServicer):
+    """Pull sends a fixed message; Push reads one and says (as `duplicate`) whether it holds the same bytes."""
+
+    def __init__(self) -> None:
+        self.header, self.encoded = _message()
+
+    def Pull(self, request, context):  # noqa: N802
+        yield from message_frames(self.header, self.encoded)
+
+    def Push(self, request_iterator, context):  # noqa: N802
+        _, tensors = read_message(iter(request_iterator), "push", limit=1 << 30)
+        same = {n: bytes(e.payload) for n, e in tensors.items()} == {n: bytes(e.payload)
+                                                                       for n, e in self.encoded.items()}
+        return pb.PushReply(duplicate=same)
+
+
+def test_the_generated_stub_and_ours_talk_to_our_server_alike():
+    assert set(METHODS) == set(pb.DESCRIPTOR.services_by_name["Syncer"].methods_by_name)
+    servicer = _Echo()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    add_syncer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        expected = {n: bytes(e.payload) for n, e in servicer.encoded.items()}
+        stock, ours = pb_grpc.SyncerStub(channel), syncer_stub(channel)
+        for stub, frames in ((stock, [pb.Frame.FromString(f.SerializeToString())
+                                      for f in message_frames(*_message())]),
+                             (ours, list(message_frames(*_message())))):
+            _, tensors = read_message(iter(stub.Pull(pb.PullRequest(), timeout=30)), "push", limit=1 << 30)
+            assert {n: bytes(e.payload) for n, e in tensors.items()} == expected
+            assert stub.Push(iter(frames), timeout=30).duplicate
+        channel.close()
+    finally:
+        server.stop(None)
+
+
+def test_a_snapshot_of_theta_is_sent_from_its_own_memory_and_reads_back_exactly():
+    from diloco.transport.frames import decode, encode_snapshot
+
+    theta = {"w": torch.randn(3, 1000), "h": torch.randn(5, dtype=torch.float64), "g": torch.randn(4).requires_grad_()}
+    encoded = encode_snapshot(theta)
+    assert np.frombuffer(encoded["w"].payload, dtype=np.float32).ctypes.data == theta["w"].data_ptr()  # no copy
+    assert {n: bytes(e.payload) for n, e in encoded.items()} == \
+        {n: bytes(e.payload) for n, e in encode_fp32(theta).items()}  # the same bytes as the copying encoder
+    for name, value in theta.items():
+        assert torch.equal(decode(encoded[name]), value.detach().to(torch.float32))
