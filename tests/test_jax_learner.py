@@ -26,6 +26,7 @@ pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 from diloco.jax.flax_gpt import FlaxGPT, gpt_layout  # noqa: E402
+from diloco.jax.host_mirror import HostMirror  # noqa: E402
 from diloco.jax.jax_learner import JaxLearner  # noqa: E402
 from diloco.jax.equivalence import flax_params_for  # noqa: E402
 from diloco.jax.jax_training import jitted_step  # noqa: E402
@@ -173,3 +174,24 @@ def test_a_jax_model_that_is_not_the_runs_is_refused_at_join_naming_the_tensor(s
     message = str(refused.value)
     assert "\n" not in message and "does not match the run" in message
     assert "weight" in message and "48" in message
+
+
+def test_pushes_staged_off_the_step_carry_exactly_what_copies_on_the_step_would(syncer, monkeypatch):
+    """Synchronous DiLoCo, one learner (merges at fixed steps: the run is deterministic): with its pushes'
+    device → host copies on the staging thread, Θ and the learner's params end bit for bit as with every
+    copy made on the training thread, and the staging thread made the pushes' copies."""
+    ends = []
+    for staged in (True, False):
+        if not staged:
+            monkeypatch.setattr(HostMirror, "stage_pushes", lambda self, core: None)
+        shard, address = syncer("strategy=diloco", "learners.count=1")
+        learner, model = join_jax(address)
+        train_jax(learner, model, STEPS, seed=1)
+        report = learner.close()
+        assert report["steps"] == STEPS and report["merges"] > 0
+        assert (learner.mirror.staged > 0) == staged
+        ends.append(({n: t.clone() for n, t in shard.core.theta.items()}, GPT_NAMES.theta_from_params(learner.params)))
+    (theta, params), (theta_twin, params_twin) = ends
+    for name in theta:
+        assert torch.equal(theta[name], theta_twin[name]), name
+        assert torch.equal(params[name], params_twin[name]), name

@@ -9,8 +9,9 @@
     report = learner.close(); params = learner.params                  # with the last merges
 
 It is `diloco.Learner` driven over a host mirror of the params (`host_mirror.py`): the same core, codecs,
-join, client link and step sequence; only the tensors it reads and writes are the mirror's. A tensor is
-copied device → host when a push or a merge reads it, and host → device when a merge wrote it.
+join, client link and step sequence; only the tensors it reads and writes are the mirror's. A push's
+tensors are copied device → host on the mirror's staging thread, off the step (the link encodes the push
+once they are); a merge's are copied when it reads them, and host → device once it wrote them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class JaxLearner:
                                connect_timeout_s=connect_timeout_s, host=host, security=security,
                                tokens_per_step=tokens_per_step, homes=homes, owners=owners, host_params=self.mirror,
                                own_progress=own_progress, resume=resume)
+        if self.learner.link is not None:  # its pushes' device → host copies are staged off the step
+            self.mirror.stage_pushes(self.learner.core)
+            self.learner.staging = self.learner.link.landing = self.mirror  # type: ignore[assignment]
         self.params = self.mirror.merged_into(params, self.mirror)
         """The latest params: Θ as joined, then what `step` and `close` return."""
 
@@ -63,7 +67,11 @@ class JaxLearner:
         """One inner step made `params`: push what is due, merge what has arrived; return the params to
         train on (`params` with the merged tensors replaced)."""
         self.mirror.trained(params)
-        self.params = self._with_merges(params, lambda: self.learner.step(tokens))
+        self.mirror.stepping = True
+        try:
+            self.params = self._with_merges(params, lambda: self.learner.step(tokens))
+        finally:
+            self.mirror.stepping = False
         return self.params
 
     def close(self, finished: bool = True) -> dict[str, Any]:
@@ -74,6 +82,7 @@ class JaxLearner:
             report.update(self.learner.close(finished))
 
         self.params = self._with_merges(self.params, finish)
+        self.mirror.close()
         return report
 
     def _with_merges(self, params: Any, act: Any) -> Any:

@@ -162,7 +162,9 @@ def train_jax_learner(life: JaxLife, *, out: Path | None = None, stop: threading
                                          for x, y in life.materials.eval_batches]))
     metrics.close()
     training.complete(report, life.plan.planned_steps, life.resumed_from)
-    report.update(framework="jax", copied_to_host=sync.mirror.copied_to_host if isinstance(sync, JaxLearner) else 0,
+    mirror = sync.mirror if isinstance(sync, JaxLearner) else None
+    report.update(framework="jax", copied_to_host=mirror.copied_to_host if mirror else 0,
+                  staged_to_host=mirror.staged if mirror else 0,
                   **_checkpoint_report(writer))
     if writer is not None:  # after the last pushes: a restart resumes nothing twice
         writer.save(lambda: _learner_state(replica.model, replica, synced), wait=True)  # type: ignore[arg-type]
