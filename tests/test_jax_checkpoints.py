@@ -5,6 +5,7 @@ foreign checkpoint is refused in one line and the learner takes Θ without its o
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -97,12 +98,19 @@ DAMAGES = {
 }
 
 
+@pytest.fixture(scope="module")
+def saved_state() -> dict:
+    """What a JAX learner's checkpoint holds after two steps (each test damages its own copy)."""
+    saving = replica(steps=2)
+    return snapshot(_learner_state(saving.model, saving, Standalone(0)))
+
+
 @pytest.mark.parametrize("damage", list(DAMAGES))
-def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line_and_theta_taken(tmp_path, caplog, damage):
+def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line_and_theta_taken(tmp_path, caplog, damage,
+                                                                                 saved_state):
     config = tiny_config(*SETTINGS)
-    saving = replica(config, steps=2)
     path = tmp_path / "learner-0.pt"
-    state = snapshot(_learner_state(saving.model, saving, Standalone(0)))
+    state = copy.deepcopy(saved_state)
     expected, change = DAMAGES[damage]
     if change is not None:
         change(state)
