@@ -137,7 +137,7 @@ def throughput_part(config: Any, sets: list[str], steps: int, repeats: int) -> d
             report = learner.close()
             mirror = learner.mirror
             return rate, {"merges": report["merges"], "pushes": report["pushes"], "staged_to_host": mirror.staged,
-                          "copied_to_host_on_step": mirror.copied_to_host - mirror.staged}
+                          "copied_to_host_on_step": mirror.copied_on_step}
         finally:
             server.stop(0)
             shard.stop()

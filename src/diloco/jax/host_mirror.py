@@ -72,10 +72,10 @@ class HostMirror(Mapping[str, torch.Tensor]):
         self.tensors = dict(self.module.named_parameters())
         self._device: dict[str, jax.Array] = {}
         """Names whose device array is newer than the host copy, with that array."""
-        self.copied_to_host = 0
-        """Tensors copied device → host, on the training thread or staged."""
+        self.copied_on_step = 0
+        """Tensors copied device → host on the training thread (a merge's, a checkpoint's)."""
         self.staged = 0
-        """Of those, the ones copied by the staging thread (a push's), off the training step."""
+        """Tensors copied device → host by the staging thread (a push's), off the training step."""
         self.core: LearnerCore | None = None
         self.stepping = False
         """Inside the learner's step: where a due fragment's read is staged."""
@@ -106,8 +106,13 @@ class HostMirror(Mapping[str, torch.Tensor]):
                 return self._zeros.setdefault(name, torch.zeros_like(tensor, requires_grad=False))
         elif newer is not None:
             np.copyto(tensor.detach().numpy(), self.names.to_theta(name, newer))
-            self.copied_to_host += 1
+            self.copied_on_step += 1
         return tensor
+
+    @property
+    def copied_to_host(self) -> int:
+        """Tensors copied device → host, on the step or staged."""
+        return self.copied_on_step + self.staged
 
     def _wait(self, name: str) -> None:
         pending = self._pending.pop(name, None)
@@ -142,7 +147,6 @@ class HostMirror(Mapping[str, torch.Tensor]):
             tensor = self.tensors[name]
             np.copyto(tensor.detach().numpy(), self.names.to_theta(name, newer))  # waits for the copy
             delta.sub_(tensor)
-        self.copied_to_host += len(staged)
         self.staged += len(staged)
         if seq is not None:
             self._shown_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in deltas]))
