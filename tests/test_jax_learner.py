@@ -190,8 +190,11 @@ def test_pushes_staged_off_the_step_carry_exactly_what_copies_on_the_step_would(
         report = learner.close()
         assert report["steps"] == STEPS and report["merges"] > 0
         assert (learner.mirror.staged > 0) == staged
-        ends.append(({n: t.clone() for n, t in shard.core.theta.items()}, GPT_NAMES.theta_from_params(learner.params)))
-    (theta, params), (theta_twin, params_twin) = ends
+        ends.append(({n: t.clone() for n, t in shard.core.theta.items()}, GPT_NAMES.theta_from_params(learner.params),
+                     learner.mirror))
+    (theta, params, mirror), (theta_twin, params_twin, mirror_twin) = ends
+    # Each staged copy is one the training thread no longer makes.
+    assert mirror.copied_on_step + mirror.staged == mirror_twin.copied_on_step
     for name in theta:
         assert torch.equal(theta[name], theta_twin[name]), name
         assert torch.equal(params[name], params_twin[name]), name
