@@ -167,10 +167,11 @@ def test_a_jax_model_that_is_not_the_runs_is_refused_at_join_naming_the_tensor(s
     """Θ seeded by a torch GPT of width 32; a JAX GPT of width 48 is refused in one line that names the
     first tensor that differs, and the run goes on with the learner not counted."""
     shard, address = syncer("learners.count=2")
-    Learner(torch_gpt(), syncer=address)
+    seeder = Learner(torch_gpt(), syncer=address)
     wider = GPTConfig(vocab_size=VOCAB, context=SEQ, layers=1, width=48, heads=2)
     with pytest.raises(DilocoError) as refused:
         join_jax(address, wider)
+    seeder.close()  # its link's threads end with the test
     message = str(refused.value)
     assert "\n" not in message and "does not match the run" in message
     assert "weight" in message and "48" in message
