@@ -16,7 +16,8 @@ All in one invocation, on this machine's CPU, fp32:
               a JaxLearner syncing to an in-process syncer shard (strategy decoupled, one learner, the
               default H and fragments), and the same compiled loop without syncing, alternated --repeats
               times; tokens/s of each, median ratio (target ≥ 0.95). The clock stops once the last step's
-              params are ready on the device.
+              params are ready on the device. Also per run: tensors whose device → host copy the staging
+              thread made (pushes) and those copied on the training step (merges read them).
 
 Prints a table per part and writes JSON (default benchmarks/results/frameworks.json).
 """
@@ -124,7 +125,7 @@ def throughput_part(config: Any, sets: list[str], steps: int, repeats: int) -> d
         jax.block_until_ready(replica.params)
         return steps * t.batch_size * t.seq_len / (time.perf_counter() - began)
 
-    def synced() -> tuple[float, int]:
+    def synced() -> tuple[float, dict[str, int]]:
         shard_config = load_config(None, [*sets, "strategy=decoupled", "learners.count=1", f"train.tokens={10 ** 12}"])
         shard = SyncerShard(shard_config, ShardPlan(0, 1, ("",)))
         server, port = serve(shard, "127.0.0.1:0", workers=8)
@@ -134,7 +135,9 @@ def throughput_part(config: Any, sets: list[str], steps: int, repeats: int) -> d
                                  embeddings=sorted(embedding_names(materials.model)))
             rate = loop(learner)
             report = learner.close()
-            return rate, report["merges"]
+            mirror = learner.mirror
+            return rate, {"merges": report["merges"], "pushes": report["pushes"], "staged_to_host": mirror.staged,
+                          "copied_to_host_on_step": mirror.copied_on_step}
         finally:
             server.stop(0)
             shard.stop()
@@ -142,9 +145,9 @@ def throughput_part(config: Any, sets: list[str], steps: int, repeats: int) -> d
     rows = []
     for _ in range(repeats):
         alone = loop(None)
-        rate, merges = synced()
+        rate, counts = synced()
         rows.append({"tokens_per_s_without_sync": alone, "tokens_per_s_with_sync": rate, "ratio": rate / alone,
-                     "merges": merges})
+                     **counts})
     ratio = statistics.median(r["ratio"] for r in rows)
     return {"steps": steps, "repeats": rows, "median_ratio": ratio, "ok": ratio >= THROUGHPUT_TARGET,
             "tokens_per_step": t.batch_size * t.seq_len, "H": config.outer.H, "fragments": config.outer.fragments}
@@ -170,11 +173,12 @@ def show(console: Console, result: dict[str, Any]) -> None:
         console.print(table)
     if "throughput" in result:
         table = Table(title=f"JAX learner tokens/s, {result['throughput']['steps']} steps")
-        for col in ("without sync", "with sync", "ratio", "merges"):
+        for col in ("without sync", "with sync", "ratio", "merges", "tensors staged / copied on the step"):
             table.add_column(col)
         for r in result["throughput"]["repeats"]:
             table.add_row(f"{r['tokens_per_s_without_sync']:,.0f}", f"{r['tokens_per_s_with_sync']:,.0f}",
-                          f"{r['ratio']:.3f}", str(r["merges"]))
+                          f"{r['ratio']:.3f}", str(r["merges"]),
+                          f"{r['staged_to_host']} / {r['copied_to_host_on_step']}")
         console.print(table)
         console.print(f"median ratio {result['throughput']['median_ratio']:.3f} (target ≥ {THROUGHPUT_TARGET})")
 

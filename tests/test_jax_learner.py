@@ -26,6 +26,7 @@ pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 from diloco.jax.flax_gpt import FlaxGPT, gpt_layout  # noqa: E402
+from diloco.jax.host_mirror import HostMirror  # noqa: E402
 from diloco.jax.jax_learner import JaxLearner  # noqa: E402
 from diloco.jax.equivalence import flax_params_for  # noqa: E402
 from diloco.jax.jax_training import jitted_step  # noqa: E402
@@ -166,10 +167,35 @@ def test_a_jax_model_that_is_not_the_runs_is_refused_at_join_naming_the_tensor(s
     """Θ seeded by a torch GPT of width 32; a JAX GPT of width 48 is refused in one line that names the
     first tensor that differs, and the run goes on with the learner not counted."""
     shard, address = syncer("learners.count=2")
-    Learner(torch_gpt(), syncer=address)
+    seeder = Learner(torch_gpt(), syncer=address)
     wider = GPTConfig(vocab_size=VOCAB, context=SEQ, layers=1, width=48, heads=2)
     with pytest.raises(DilocoError) as refused:
         join_jax(address, wider)
+    seeder.close()  # its link's threads end with the test
     message = str(refused.value)
     assert "\n" not in message and "does not match the run" in message
     assert "weight" in message and "48" in message
+
+
+def test_pushes_staged_off_the_step_carry_exactly_what_copies_on_the_step_would(syncer, monkeypatch):
+    """Synchronous DiLoCo, one learner (merges at fixed steps: the run is deterministic): with its pushes'
+    device → host copies on the staging thread, Θ and the learner's params end bit for bit as with every
+    copy made on the training thread, and the staging thread made the pushes' copies."""
+    ends = []
+    for staged in (True, False):
+        if not staged:
+            monkeypatch.setattr(HostMirror, "stage_pushes", lambda self, core: None)
+        shard, address = syncer("strategy=diloco", "learners.count=1")
+        learner, model = join_jax(address)
+        train_jax(learner, model, STEPS, seed=1)
+        report = learner.close()
+        assert report["steps"] == STEPS and report["merges"] > 0
+        assert (learner.mirror.staged > 0) == staged
+        ends.append(({n: t.clone() for n, t in shard.core.theta.items()}, GPT_NAMES.theta_from_params(learner.params),
+                     learner.mirror))
+    (theta, params, mirror), (theta_twin, params_twin, mirror_twin) = ends
+    # Each staged copy is one the training thread no longer makes.
+    assert mirror.copied_on_step + mirror.staged == mirror_twin.copied_on_step
+    for name in theta:
+        assert torch.equal(theta[name], theta_twin[name]), name
+        assert torch.equal(params[name], params_twin[name]), name

@@ -184,8 +184,14 @@ def _writer_for(checkpoint: Path | None, seal: bytes | None, config: Config, syn
         return None
     if sharded:
         return sharded_checkpoints.ShardedWriter(checkpoint, seal)
-    return CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every, on_written=lambda state: isinstance(
-        sync, Learner) and "sync" in state and sync.push_gate.written(state["sync"]["seq"]))
+    learner = syncing_learner(sync)
+    return CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every, on_written=lambda state: learner
+                            is not None and "sync" in state and learner.push_gate.written(state["sync"]["seq"]))
+
+
+def syncing_learner(sync: Any) -> Learner | None:
+    """The `Learner` that syncs for this loop (the JAX loop's wraps one: its `learner`); None standing alone."""
+    return sync if isinstance(sync, Learner) else getattr(sync, "learner", None)
 
 
 def write_report(out: Path, report: dict[str, Any]) -> None:
@@ -247,8 +253,9 @@ class _Training:
                     self.metrics.record("start", learner=self.sync.id, **self.start)
                 self.record(final=False)
                 if isinstance(self.writer, CheckpointWriter):
-                    waiting = isinstance(sync, Learner) and sync.core is not None and \
-                        sync.push_gate.pending(sync.core.seq)
+                    learner = syncing_learner(sync)
+                    waiting = learner is not None and learner.core is not None and \
+                        learner.push_gate.pending(learner.core.seq)
                     self.writer.maybe_save(replica.steps, clock.monotonic() - self.started,
                                            lambda: _learner_state(_unwrap(replica.model), replica, sync), waiting)
             if isinstance(self.writer, sharded_checkpoints.ShardedWriter) and self.sharded_every and \
@@ -372,7 +379,8 @@ def _checkpoint_path(config: Config, out: Path | None, m: int | None, sharded: b
 
 def _learner_state(model: nn.Module, replica: Replica, sync: Learner | Standalone) -> dict[str, Any]:
     """What a learner's checkpoint holds (not yet copied: `CheckpointWriter` copies it)."""
-    own = sync.own_progress_state() if isinstance(sync, Learner) else None
+    learner = syncing_learner(sync)
+    own = learner.own_progress_state() if learner is not None else None
     return {"model": model.state_dict(), "optimizer": replica.optimizer.state_dict(),
             "data": replica.sampler.state_dict(), "steps": replica.steps, **({"sync": own} if own else {})}
 

@@ -5,12 +5,23 @@ than the host copies; a tensor is copied to the host only when the learner's cor
 fragment, or to merge into it), so a step without a push or merge moves nothing. What a merge wrote is
 copied back to the device between steps (`merged_into`). `MirrorModule` shows the mirror to the shared
 code as the nn.Module it partitions into fragments: embeddings declared, in Θ's tensor order.
+
+A push's copy is staged off the training step (`stage_pushes`), as the torch learner's is on a GPU: when
+the core reads a due fragment in a step (it is not in flight: a merge reads only fragments in flight),
+the mirror starts the device → host copy (`copy_to_host_async`) and gives the core zeros, so its outer
+gradient anchor − θ is, for now, the anchor itself, exactly. The staging thread then waits for the copy,
+writes θ into the host tensor and subtracts it from that gradient in place (anchor − θ, bit for bit what
+the core would have computed), before the link's encode thread may read the push (`side`). A later read
+of the tensor on the training thread (a merge, a checkpoint) waits for its staging to be done.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +30,9 @@ import torch
 from torch import nn
 
 from diloco.jax.name_map import NameMap, path_name
+
+if TYPE_CHECKING:
+    from diloco.core.learner_core import LearnerCore
 
 
 class MirrorModule(nn.Module):
@@ -58,15 +72,106 @@ class HostMirror(Mapping[str, torch.Tensor]):
         self.tensors = dict(self.module.named_parameters())
         self._device: dict[str, jax.Array] = {}
         """Names whose device array is newer than the host copy, with that array."""
-        self.copied_to_host = 0
+        self.copied_on_step = 0
+        """Tensors copied device → host on the training thread (a merge's, a checkpoint's)."""
+        self.staged = 0
+        """Tensors copied device → host by the staging thread (a push's), off the training step."""
+        self.core: LearnerCore | None = None
+        self.stepping = False
+        """Inside the learner's step: where a due fragment's read is staged."""
+        self._fragment_of: dict[str, int] = {}
+        self._zeros: dict[str, torch.Tensor] = {}
+        self._reads: deque[tuple[str, jax.Array | None]] = deque()
+        """A push's reads, in the order the core made them, until its deltas are handed off."""
+        self._pending: dict[str, Future[None]] = {}
+        """Names whose host tensor the staging thread is writing."""
+        self._staging: ThreadPoolExecutor | None = None
+        self._shown_norm: torch.Tensor | None = None
+        """The norm of the latest push staged: the core's `last_push_norm` while a later one is staged."""
+
+    def stage_pushes(self, core: LearnerCore) -> None:
+        """From now on, a push's device → host copy is the staging thread's (see the module's note)."""
+        self.core = core
+        self._fragment_of = {n: p for p, fragment in enumerate(core.fragments) for n in fragment.names}
+        self._staging = ThreadPoolExecutor(1, thread_name_prefix="jax-staging")
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        self._wait(name)
         newer = self._device.pop(name, None)
         tensor = self.tensors[name]
-        if newer is not None:
+        if self._staging is not None and self.stepping and self._fragment_of[name] not in self.core.in_flight:
+            self._reads.append((name, newer))  # a push's read
+            if newer is not None:
+                newer.copy_to_host_async()
+                return self._zeros.setdefault(name, torch.zeros_like(tensor, requires_grad=False))
+        elif newer is not None:
             np.copyto(tensor.detach().numpy(), self.names.to_theta(name, newer))
-            self.copied_to_host += 1
+            self.copied_on_step += 1
         return tensor
+
+    @property
+    def copied_to_host(self) -> int:
+        """Tensors copied device → host, on the step or staged."""
+        return self.copied_on_step + self.staged
+
+    def _wait(self, name: str) -> None:
+        pending = self._pending.pop(name, None)
+        if pending is not None:
+            pending.result()
+
+    # ------------------------------------------------------------ the learner's staging (`link.Landing`)
+
+    def hand_off(self, deltas: Iterable[torch.Tensor]) -> Future[None] | None:
+        """Training thread: the core made a push of `deltas` from the reads it just made: stage them."""
+        if self._staging is None or not self.stepping:  # the last pushes, at close: read on the training thread
+            return None
+        deltas = list(deltas)
+        reads = [self._reads.popleft() for _ in deltas if self._reads]
+        if len(reads) != len(deltas) or len({self._fragment_of[name] for name, _ in reads}) != 1:
+            raise RuntimeError("a JAX learner's push does not match the reads its core made for it")
+        staged = [(name, newer, delta) for (name, newer), delta in zip(reads, deltas) if newer is not None]
+        if not staged:
+            return None
+        seq = None
+        if not self._reads:  # the core's latest push: its norm (`outer_grad_norm`) is known once staged
+            seq, self.core._last_push_norm = self.core.seq, self._shown_norm
+        done = self._staging.submit(self._stage, staged, deltas, seq)
+        for name, _, _ in staged:
+            self._pending[name] = done
+        return done
+
+    @torch.no_grad()
+    def _stage(self, staged: list[tuple[str, jax.Array, torch.Tensor]], deltas: list[torch.Tensor],
+               seq: int | None) -> None:
+        for name, newer, delta in staged:
+            tensor = self.tensors[name]
+            np.copyto(tensor.detach().numpy(), self.names.to_theta(name, newer))  # waits for the copy
+            delta.sub_(tensor)
+        self.staged += len(staged)
+        if seq is not None:
+            self._shown_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in deltas]))
+            if self.core.seq == seq:
+                self.core._last_push_norm = self._shown_norm
+
+    @contextmanager
+    def side(self, after: Future[None] | None = None) -> Iterator[None]:
+        """The link's threads: what follows reads a push once its staging is done."""
+        if after is not None:
+            after.result()
+        yield
+
+    def to_device(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def done(self) -> None:
+        return None
+
+    def wait_in_training(self, event: Any) -> None:
+        """An answer is merged on the host: nothing to wait for."""
+
+    def close(self) -> None:
+        if self._staging is not None:
+            self._staging.shutdown(wait=True)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -83,6 +188,8 @@ class HostMirror(Mapping[str, torch.Tensor]):
         wanted = set(names)
         if not wanted:
             return params
+        for name in wanted:
+            self._wait(name)
         flat, tree = jax.tree_util.tree_flatten_with_path(params)
         values = []
         for path, leaf in flat:

@@ -15,6 +15,8 @@ import numpy as np
 import optax
 
 from diloco.config import TrainConfig
+from diloco.jax.jax_checkpoints import OptaxOptimizer, ParamsModel
+from diloco.jax.name_map import GPT_NAMES, NameMap
 from diloco.training import learning_rate
 
 TORCH_CLIP_EPS = 1e-6
@@ -59,11 +61,13 @@ def jitted_step(loss_fn: Callable[[Any, jax.Array, jax.Array], jax.Array], cfg: 
 
 class JaxReplica:
     """The JAX twin of `training.Replica`, with what the built-in loop reads of it: `train_step()`
-    (tokens), `steps`, `last_loss`, `sampler`, `planned_steps`."""
+    (tokens), `steps`, `last_loss`, `sampler`, `planned_steps`; and what its checkpoints read and restore:
+    `model.state_dict()`, `optimizer.state_dict()` / `load_state_dict()` (`jax_checkpoints.py`)."""
 
     def __init__(self, params: Any, loss_fn: Callable[[Any, jax.Array, jax.Array], jax.Array], cfg: TrainConfig,
-                 sampler: Any, planned_steps: int) -> None:
+                 sampler: Any, planned_steps: int, names: NameMap = GPT_NAMES) -> None:
         self.cfg = cfg
+        self.model, self.optimizer = ParamsModel(self, names), OptaxOptimizer(self, names)
         self.sampler = sampler
         self.planned_steps = planned_steps
         self.jitted = jitted_step(loss_fn, cfg)
