@@ -108,9 +108,10 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     t = config.train
     materials = prepare(config)
     model = materials.model.to(resolve_device(t.device))
-    sharded = t.sharding != "ddp" and dist.is_initialized()
+    sharding = config.learners.sharding_of(learner, t.sharding)
+    sharded = sharding != "ddp" and dist.is_initialized()
     if sharded:  # before the optimizer and the learner: both take the sharded parameters
-        model = shard_model(model, t.sharding, dist.get_world_size(), next(model.parameters()).device.type)
+        model = shard_model(model, sharding, dist.get_world_size(), next(model.parameters()).device.type)
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
     seal = checkpoint_key(security.secret, security.learner.token if security.learner else None) \
         if security is not None else None
