@@ -32,6 +32,7 @@ from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
 from diloco.client import sharded_checkpoints
+from diloco.client.collective_bound import floor_s
 from diloco.client.checkpoints import CheckpointWriter, checkpoint_key, read_checkpoint
 from diloco.client.learner_client import HomeLink, Learner, LinkShape
 from diloco.client.param_shards import shard_model
@@ -56,19 +57,13 @@ def finish_distributed() -> None:
         dist.destroy_process_group()
 
 
-COLLECTIVE_TIMEOUT_S = 600.0
-"""How long a rank waits at a collective of its learner before it ends with one line: a dead rank is
-noticed within it. Rank 0 tells the others every second while it waits on the syncer, so only one
-fragment's pull at join (or one step) must fit in it."""
-
-
 def init_distributed() -> bool:
     """Join the torchrun process group of this learner, when there is one."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return dist.is_initialized()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = float(os.environ.get("DILOCO_COLLECTIVE_TIMEOUT_S", COLLECTIVE_TIMEOUT_S))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    # The floor until steps are measured; then a bound derived from them (`collective_bound.py`).
+    dist.init_process_group(backend, timeout=timedelta(seconds=floor_s()))
     return True
 
 
