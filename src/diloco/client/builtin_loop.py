@@ -107,6 +107,8 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     sharded = sharding != "ddp" and dist.is_initialized()
     if sharded:  # before the optimizer and the learner: both take the sharded parameters
         model = shard_model(model, sharding, dist.get_world_size(), next(model.parameters()).device.type)
+    sharded_checkpoints.refuse_other_kind(_checkpoint_path(config, out, learner, True),
+                                          _checkpoint_path(config, out, learner), sharded)
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
     seal = checkpoint_key(security.secret, security.learner.token if security.learner else None) \
         if security is not None else None
