@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import resource
+import sys
 import time
 import zlib
 from datetime import timedelta
@@ -141,8 +142,11 @@ def main() -> None:
         torch.save(whole, args.out / f"params-{args.id}.pt")
     (args.out / f"learner-{args.id}-rank-{rank}.json").write_text(json.dumps(result))
     if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.barrier()  # every rank's files are written
+        # Not destroy_process_group: a Gloo group's teardown once hung a rank here for minutes after its peers
+        # had left; its results are on disk, so the process ends at once.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

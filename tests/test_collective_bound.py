@@ -36,7 +36,7 @@ def test_the_bound_grows_with_a_slower_step_and_a_relaxed_stretch_is_no_step(mon
     monkeypatch.setattr(collective_bound.clock, "monotonic", lambda: now[0])
     bound = CollectiveBound()
     bound.step()
-    assert bound.slowest_s is None and bound.applied_s == collective_bound.floor_s()
+    assert bound.slowest_s is None and bound.floor() == collective_bound.floor_s() == 600
     now[0] += 2.0
     bound.step()
     assert bound.slowest_s == 2.0 and bound.applied_s == FACTOR * 2.0
