@@ -44,6 +44,14 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def peak_rss_bytes() -> int:
+    """This process's own high-water mark (VmHWM): getrusage's ru_maxrss starts a child at its parent's
+    peak (Linux keeps it across fork and exec), so every rank would report at least this benchmark's
+    process, which holds the syncer's state."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def init_own_rows(model: torch.nn.Module) -> None:
     """A model built on the meta device and sharded: each rank fills only its own rows (one whole tensor at
     a time, seeded by name: every rank and every world size gets the same weights), so no rank ever holds
@@ -116,7 +124,7 @@ def main() -> None:
     rss["trained"] = rss_bytes()
     report = learner.close() if learner is not None else {}
     rss["closed"] = rss_bytes()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before this script gathers Θ to save it
+    peak = peak_rss_bytes()  # before this script gathers Θ to save it
     steps = len(step_times)
     core = learner.core if learner is not None else None
     ranks = learner.ranks if learner is not None else None
