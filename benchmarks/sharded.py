@@ -1,7 +1,10 @@
 """Sharded learners (FSDP2, HSDP) on this machine (CPU, Gloo): memory, speed, join time, whole-run
 equivalence with DDP learners, and a mixed run.
 
-    python benchmarks/sharded.py [--steps N] [--width W] [--layers L] [--out FILE]
+    python benchmarks/sharded.py [--steps N] [--width W] [--layers L] [--parts memory,equal,mixed]
+                                 [--meta-init] [--out FILE]
+
+(the 101M-parameter memory measurement: --parts memory --width 1024 --layers 8 --steps 8 --meta-init)
 
 Every learner rank is a benchmarks/sharded_worker.py process; each run's syncer is one shard served in
 this process. Parts, all in one invocation:
@@ -9,8 +12,10 @@ this process. Parts, all in one invocation:
           per rank, the sync boundary's staging peak (what rank 0 gathers of one fragment; answers are
           scattered into buffers of one rank's rows), the RSS growth after the first step (everything
           syncing holds on the host, the client link's encoded pushes and decoded answers included), and the
-          anchors (each rank's rows only). Target: staging ≤ 1.5 × the largest fragment in fp32; the
-          per-rank peak RSS falls as W grows.
+          anchors (each rank's rows only), the peak (VmHWM) of rank 0 and of the other ranks, and the
+          resident memory by stage. Target: staging ≤ 1.5 × the largest fragment in fp32; the per-rank
+          peak falls as W grows. --meta-init: each rank builds the model on the meta device and fills
+          its own rows only.
   speed   the same W = 2 FSDP loop with syncing and without it (no Learner at all): tokens/s ratio,
           target ≥ 0.95; and the join time (Θ loaded into every rank) of the synced one.
   equal   2 learners of 2 ranks each, FSDP against DDP, synchronous DiLoCo, Decoupled DiLoCo, and Decoupled
