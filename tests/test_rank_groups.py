@@ -28,6 +28,7 @@ MIXED = ["learners.speeds=[1, 1, 0.5]", "learners.ranks=[2, 2, 1]", 'learners.sh
     (["learners.count=2", "learners.ranks=[2, 2]", 'learners.sharding=["tp", "ddp"]'], "must be one of ddp"),
     (["learners.count=2", "learners.ranks=[2, 1]", 'learners.frameworks=["jax", "torch"]'],
      "must be 1 for a JAX learner"),
+    (["learners.count=2", "learners.ranks=[2, 1]", "cluster.learner_processes=4"], "set one of the two"),
 ])
 def test_bad_rank_groups_are_refused_in_one_line(sets, words):
     with pytest.raises(ConfigError) as refused:
