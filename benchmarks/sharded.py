@@ -1,7 +1,10 @@
 """Sharded learners (FSDP2, HSDP) on this machine (CPU, Gloo): memory, speed, join time, whole-run
 equivalence with DDP learners, and a mixed run.
 
-    python benchmarks/sharded.py [--steps N] [--width W] [--layers L] [--out FILE]
+    python benchmarks/sharded.py [--steps N] [--width W] [--layers L] [--parts memory,equal,mixed]
+                                 [--meta-init] [--out FILE]
+
+(the 101M-parameter memory measurement: --parts memory --width 1024 --layers 8 --steps 8 --meta-init)
 
 Every learner rank is a benchmarks/sharded_worker.py process; each run's syncer is one shard served in
 this process. Parts, all in one invocation:
@@ -9,12 +12,16 @@ this process. Parts, all in one invocation:
           per rank, the sync boundary's staging peak (what rank 0 gathers of one fragment; answers are
           scattered into buffers of one rank's rows), the RSS growth after the first step (everything
           syncing holds on the host, the client link's encoded pushes and decoded answers included), and the
-          anchors (each rank's rows only). Target: staging ≤ 1.5 × the largest fragment in fp32; the
-          per-rank peak RSS falls as W grows.
+          anchors (each rank's rows only), the peak (VmHWM) of rank 0 and of the other ranks, and the
+          resident memory by stage. Target: staging ≤ 1.5 × the largest fragment in fp32; the per-rank
+          peak falls as W grows. --meta-init: each rank builds the model on the meta device and fills
+          its own rows only.
   speed   the same W = 2 FSDP loop with syncing and without it (no Learner at all): tokens/s ratio,
           target ≥ 0.95; and the join time (Θ loaded into every rank) of the synced one.
-  equal   2 learners of 2 ranks each, FSDP against DDP, synchronous DiLoCo and Decoupled DiLoCo: the
-          final Θ's loss on held-out batches; target |relative difference| ≤ 1e-3.
+  equal   2 learners of 2 ranks each, FSDP against DDP, synchronous DiLoCo, Decoupled DiLoCo, and Decoupled
+          DiLoCo with quorum = all learners (round membership not left to timing): the final Θ's loss on
+          held-out batches; target |relative difference| ≤ 1e-3; and DDP against DDP again in the same
+          invocation, the run-to-run noise each configuration has without any sharding.
   mixed   a 2-rank FSDP learner, a 2-rank DDP learner and a 1-process learner against one shard:
           merged + stale + lost = trained for each (`core/accounting.learner_tokens`), with nothing lost or
           counted twice (every learner leaves cleanly).
@@ -57,9 +64,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_syncer(learners: int, strategy: str, fragments: int) -> tuple[Any, SyncerShard, str]:
+def start_syncer(learners: int, strategy: str, fragments: int, extra: tuple[str, ...] = ()
+                 ) -> tuple[Any, SyncerShard, str]:
     config = load_config(None, [f"learners.count={learners}", f"strategy={strategy}", f"outer.H={max(4, fragments)}",
-                                f"outer.fragments={fragments}", "train.tokens=1000000000", "learners.speeds=[]"])
+                                f"outer.fragments={fragments}", "train.tokens=1000000000", "learners.speeds=[]",
+                                *extra])
     shard = SyncerShard(config, ShardPlan(0, 1, ("",)))
     server, port = serve(shard, "127.0.0.1:0", workers=16)
     address = f"127.0.0.1:{port}"
@@ -68,7 +77,7 @@ def start_syncer(learners: int, strategy: str, fragments: int) -> tuple[Any, Syn
 
 
 def start_learner(procs: Processes, out: Path, learner: int, world: int, sharding: str, args: argparse.Namespace,
-                  syncer: str | None, width: int, layers: int) -> list[subprocess.Popen]:
+                  syncer: str | None, width: int, layers: int, meta_init: bool = False) -> list[subprocess.Popen]:
     port, started = free_port(), []
     for rank in range(world):
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
@@ -76,7 +85,8 @@ def start_learner(procs: Processes, out: Path, learner: int, world: int, shardin
                "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
         sync = ["--syncer", syncer] if syncer else ["--no-sync"]
         argv = [sys.executable, str(WORKER), *sync, "--id", str(learner), "--sharding", sharding, "--width", str(width),
-                "--layers", str(layers), "--steps", str(args.steps), "--out", str(out)]
+                "--layers", str(layers), "--steps", str(args.steps), "--out", str(out),
+                *(["--meta-init"] if meta_init else [])]
         started.append(procs.start(argv, out / f"learner-{learner}-rank-{rank}.log", env=env))
     return started
 
@@ -92,14 +102,14 @@ def wait_all(procs: Processes, started: list[subprocess.Popen], out: Path) -> No
 
 
 def run(learners: list[tuple[int, str]], strategy: str, fragments: int, args: argparse.Namespace, width: int,
-        layers: int, sync: bool = True) -> dict[str, Any]:
+        layers: int, sync: bool = True, extra: tuple[str, ...] = (), meta_init: bool = False) -> dict[str, Any]:
     """One run: learners as (ranks, sharding); returns every rank's report, the shard's, and Θ's loss."""
     out = Path(tempfile.mkdtemp(prefix="sharded-"))
     procs = Processes()
-    server, shard, address = start_syncer(len(learners), strategy, fragments) if sync else (None, None, None)
+    server, shard, address = start_syncer(len(learners), strategy, fragments, extra) if sync else (None, None, None)
     try:
         started = [p for m, (world, sharding) in enumerate(learners)
-                   for p in start_learner(procs, out, m, world, sharding, args, address, width, layers)]
+                   for p in start_learner(procs, out, m, world, sharding, args, address, width, layers, meta_init)]
         wait_all(procs, started, out)
         theta = dict(shard.core.theta) if shard is not None else None
         shard_report = shard.report() if shard is not None else None
@@ -125,8 +135,9 @@ def loss_of(theta: dict[str, torch.Tensor], width: int, layers: int, seq: int = 
 def memory_and_speed(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for world in (2, 4):
-        r = run([(world, "fsdp")], "decoupled", 8, args, args.width, args.layers)
+        r = run([(world, "fsdp")], "decoupled", 8, args, args.width, args.layers, meta_init=args.meta_init)
         reports = r["reports"]
+        others = [x for x in reports if x["rank"] != 0]
         fragment = reports[0]["largest_fragment_bytes"]
         rows[f"W{world}"] = {
             "world": world, "parameters": reports[0]["parameters"], "fragments": reports[0]["fragments"],
@@ -136,23 +147,42 @@ def memory_and_speed(args: argparse.Namespace) -> dict[str, Any]:
             "rss_growth_max_bytes": max(x["rss_growth_bytes"] for x in reports),
             "rss_growth_over_fragment": max(x["rss_growth_bytes"] for x in reports) / fragment,
             "peak_rss_max_bytes": max(x["peak_rss_bytes"] for x in reports),
+            "peak_rss_rank0_bytes": reports[0]["peak_rss_bytes"],
+            "peak_rss_other_ranks_bytes": max(x["peak_rss_bytes"] for x in others),
+            "rss_stages_rank0": reports[0].get("rss_bytes"), "rss_stages_rank1": others[0].get("rss_bytes"),
+            "meta_init": reports[0].get("meta_init", False),
             "anchor_bytes_per_rank": max(x["anchor_bytes"] for x in reports),
             "bytes_between_ranks_rank0": reports[0]["bytes_between_ranks"], "bytes_up": reports[0]["bytes_up"],
             "bytes_down": reports[0]["bytes_down"], "join_s": max(x["join_s"] for x in reports),
             "tokens_per_s_synced": reports[0]["tokens_per_s"], "merges": reports[0]["merges"]}
         if world == 2:
-            off = run([(2, "fsdp")], "decoupled", 8, args, args.width, args.layers, sync=False)["reports"]
+            off = run([(2, "fsdp")], "decoupled", 8, args, args.width, args.layers, sync=False,
+                      meta_init=args.meta_init)["reports"]
             rows["W2"]["tokens_per_s_unsynced"] = off[0]["tokens_per_s"]
             rows["W2"]["speed_ratio"] = rows["W2"]["tokens_per_s_synced"] / off[0]["tokens_per_s"]
     return rows
 
 
+EQUIVALENCE_RUNS = {
+    "diloco": ("diloco", ()),
+    "decoupled": ("decoupled", ()),
+    "decoupled_quorum_all": ("decoupled", ("outer.quorum=0", "outer.grace=0")),
+}
+"""Synchronous DiLoCo; Decoupled DiLoCo as configured by default (a round takes the pushes that have
+arrived: which round a push joins is timing); and Decoupled DiLoCo whose every round waits for every
+learner (quorum = all), so round membership no longer depends on timing (when an answer lands still does)."""
+
+
 def equivalence(args: argparse.Namespace) -> dict[str, Any]:
+    """Per configuration: 2 learners × 2 ranks under FSDP, then under DDP twice. FSDP vs DDP is the target;
+    DDP vs DDP, in the same invocation, is the run-to-run noise of the configuration itself."""
     rows = {}
-    for strategy in ("diloco", "decoupled"):
-        losses = {s: run([(2, s), (2, s)], strategy, 3, args, 64, 2)["loss"] for s in ("fsdp", "ddp")}
-        rows[strategy] = {"fsdp_loss": losses["fsdp"], "ddp_loss": losses["ddp"],
-                          "relative_difference": abs(losses["fsdp"] - losses["ddp"]) / losses["ddp"]}
+    for name, (strategy, extra) in EQUIVALENCE_RUNS.items():
+        losses = {s: run([(2, s.split("-")[0])] * 2, strategy, 3, args, 64, 2, extra=extra)["loss"]
+                  for s in ("fsdp", "ddp", "ddp-again")}
+        rows[name] = {"fsdp_loss": losses["fsdp"], "ddp_loss": losses["ddp"], "ddp_again_loss": losses["ddp-again"],
+                      "relative_difference": abs(losses["fsdp"] - losses["ddp"]) / losses["ddp"],
+                      "ddp_noise": abs(losses["ddp-again"] - losses["ddp"]) / losses["ddp"]}
     return rows
 
 
@@ -179,9 +209,12 @@ def main() -> None:
     p.add_argument("--width", type=int, default=576)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--parts", default="memory,equal,mixed")
+    p.add_argument("--meta-init", action="store_true",
+                   help="memory: build each rank's model on the meta device and fill its own rows only")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sharded.json")
     args = p.parse_args()
-    results: dict[str, Any] = {"steps": args.steps, "width": args.width, "layers": args.layers}
+    results: dict[str, Any] = {"steps": args.steps, "width": args.width, "layers": args.layers,
+                               "meta_init": args.meta_init}
     parts = args.parts.split(",")
     if "memory" in parts:
         results["memory_speed"] = memory_and_speed(args)
@@ -204,6 +237,9 @@ def show(results: dict[str, Any]) -> None:
         table.add_row(f"{key} staging peak / largest fragment", f"{row['staging_over_fragment']:.2f}", "≤ 1.5")
         table.add_row(f"{key} RSS growth / largest fragment", f"{row['rss_growth_over_fragment']:.2f}", "")
         table.add_row(f"{key} peak RSS per rank (MiB)", f"{row['peak_rss_max_bytes'] / mib:.0f}", "falls with W")
+        if "peak_rss_rank0_bytes" in row:
+            table.add_row(f"{key} peak RSS rank 0 / other ranks (MiB)", f"{row['peak_rss_rank0_bytes'] / mib:.0f} / "
+                          f"{row['peak_rss_other_ranks_bytes'] / mib:.0f}", "")
         table.add_row(f"{key} anchors per rank (MiB)", f"{row['anchor_bytes_per_rank'] / mib:.1f}", "")
         table.add_row(f"{key} join s", f"{row['join_s']:.2f}", "")
         if "speed_ratio" in row:
@@ -211,6 +247,9 @@ def show(results: dict[str, Any]) -> None:
     for strategy, row in results.get("equivalence", {}).items():
         table.add_row(f"{strategy}: FSDP vs DDP final loss", f"{row['fsdp_loss']:.6f} vs {row['ddp_loss']:.6f} "
                       f"({row['relative_difference']:.2e})", "≤ 1e-3")
+        if "ddp_noise" in row:
+            table.add_row(f"{strategy}: DDP vs DDP again (noise)", f"{row['ddp_again_loss']:.6f} "
+                          f"({row['ddp_noise']:.2e})", "")
     if "mixed" in results:
         for m, v in results["mixed"]["learners"].items():
             table.add_row(f"mixed run learner {m}: trained / merged / stale / lost",

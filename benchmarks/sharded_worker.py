@@ -12,7 +12,9 @@ import argparse
 import json
 import os
 import resource
+import sys
 import time
+import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.client.learner_client import Learner
-from diloco.client.param_shards import shard_model
+from diloco.client.param_shards import rows_per_shard, shard_model
 from diloco.models.gpt import GPT, GPTConfig
 
 VOCAB = 256
@@ -42,6 +44,30 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def peak_rss_bytes() -> int:
+    """This process's own high-water mark (VmHWM): getrusage's ru_maxrss starts a child at its parent's
+    peak (Linux keeps it across fork and exec), so every rank would report at least this benchmark's
+    process, which holds the syncer's state."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def init_own_rows(model: torch.nn.Module) -> None:
+    """A model built on the meta device and sharded: each rank fills only its own rows (one whole tensor at
+    a time, seeded by name: every rank and every world size gets the same weights), so no rank ever holds
+    the whole model. The GPT's init: normal(0, 0.02) matrices and embeddings, ones and zeros for norms and
+    biases (its scaled residual init aside: this is the memory benchmark's model)."""
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local()
+            full = torch.zeros(p.shape) if name.endswith("bias") else torch.ones(p.shape) if p.dim() == 1 else \
+                torch.empty(p.shape).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+            index = p.device_mesh.get_coordinate()[-1]
+            rows = rows_per_shard(p.shape[0], p.device_mesh.size(p.device_mesh.ndim - 1))
+            local.copy_(full[index * rows: index * rows + local.shape[0]])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--syncer")
@@ -54,6 +80,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--meta-init", action="store_true", help="sharded: build on the meta device, fill own rows only")
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -61,15 +88,22 @@ def main() -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, context=args.seq, layers=args.layers, width=args.width, heads=4,
-                          dropout=0.0))
+    rss = {"start": rss_bytes()}
+    meta = args.meta_init and distributed and args.sharding != "ddp"
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(GPTConfig(vocab_size=VOCAB, context=args.seq, layers=args.layers, width=args.width, heads=4,
+                              dropout=0.0))
     parameters = sum(t.numel() for t in model.parameters())
     model = shard_model(model, args.sharding, world) if distributed else model
+    if meta:
+        init_own_rows(model)
+    rss["model"] = rss_bytes()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     began = time.monotonic()
     learner = None if args.no_sync else Learner(model, optimizer, syncer=args.syncer, learner=args.id,
                                                 connect_timeout_s=60, tokens_per_step=args.batch * args.seq)
     join_s = time.monotonic() - began
+    rss["joined"] = rss_bytes()
     generator = torch.Generator().manual_seed(1000 * args.id + rank)
     rss_floor, step_times = 0, []
     started = time.monotonic()
@@ -87,7 +121,10 @@ def main() -> None:
         if step == 0:
             rss_floor = rss_bytes()  # model, optimizer state and anchors all exist: what grows now is syncing's
     train_s = time.monotonic() - started
+    rss["trained"] = rss_bytes()
     report = learner.close() if learner is not None else {}
+    rss["closed"] = rss_bytes()
+    peak = peak_rss_bytes()  # before this script gathers Θ to save it
     steps = len(step_times)
     core = learner.core if learner is not None else None
     ranks = learner.ranks if learner is not None else None
@@ -97,20 +134,27 @@ def main() -> None:
               "fragments": len(core.fragments) if core else 0, "largest_fragment_bytes": fragment,
               "steps": steps, "tokens": steps * args.batch * args.seq, "train_s": train_s,
               "tokens_per_s": steps * args.batch * args.seq * world / train_s if train_s else 0.0,
-              "join_s": join_s, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "join_s": join_s, "peak_rss_bytes": peak, "rss_bytes": rss, "meta_init": meta,
               "rss_growth_bytes": max(0, rss_bytes() - rss_floor) if rss_floor else 0,
               "peak_staging_bytes": getattr(ranks, "peak_staging_bytes", 0),
               "bytes_between_ranks": getattr(ranks, "bytes_between_ranks", 0), "anchor_bytes": anchors,
               "bytes_up": report.get("bytes_up", 0), "bytes_down": report.get("bytes_down", 0),
               "merges": report.get("merges", 0)}
     module = getattr(model, "module", model)
-    whole = {n: t.full_tensor() if hasattr(t, "full_tensor") else t.detach() for n, t in module.named_parameters()}
+    whole = {}
+    for n, t in module.named_parameters():  # one tensor whole at a time on the ranks that do not keep it
+        value = t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+        if rank == 0:
+            whole[n] = value
     if rank == 0:
         torch.save(whole, args.out / f"params-{args.id}.pt")
     (args.out / f"learner-{args.id}-rank-{rank}.json").write_text(json.dumps(result))
     if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.barrier()  # every rank's files are written
+        # Not destroy_process_group: a Gloo group's teardown once hung a rank here for minutes after its peers
+        # had left; its results are on disk, so the process ends at once.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

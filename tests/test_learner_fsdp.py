@@ -161,6 +161,20 @@ def test_a_sharded_checkpoint_resumes_exactly(sharding, world, tmp_path):
                           "model_equal": True, "optimizer_equal": True}
 
 
+@pytest.mark.parametrize("saved_by,loaded_by", [(2, 4), (2, 1), (4, 2)])
+def test_a_sharded_checkpoint_reshards_to_another_world_size(saved_by, loaded_by, tmp_path):
+    """DCP stores global shapes: written by W ranks, loaded by W' ranks (one included), the model and optimizer
+    hold exactly what was saved; the step count is kept and the data position dropped (it was a slice of
+    the learner's shard that the new world cuts differently)."""
+    codes, logs, _ = launch(saved_by, "reshard", "--phase", "save", out=tmp_path)
+    assert codes == [0] * saved_by, logs[0][-3000:]
+    codes, logs, _ = launch(loaded_by, "reshard", "--phase", "load", out=tmp_path)
+    assert codes == [0] * loaded_by, logs[0][-3000:]
+    result = json.loads((tmp_path / f"reshard-{loaded_by}.json").read_text())
+    assert result == {"steps": 3, "data": None, "written_by": saved_by, "model_equal": True,
+                      "optimizer_equal": True}
+
+
 def test_a_damaged_sharded_checkpoint_is_refused_by_every_rank(tmp_path):
     """A flipped byte in one rank's file: every rank refuses in one line, and nothing was loaded."""
     codes, logs, _ = launch(2, "checkpoint", "--damage", out=tmp_path)
@@ -205,3 +219,19 @@ def test_the_builtin_learner_trains_a_sharded_model(sharding, world, tmp_path):
     folder = tmp_path / "checkpoints" / "learner-0.dcp"
     assert (folder / ".metadata").is_file()
     assert sorted(f.name for f in folder.glob("rank-*.state")) == [f"rank-{r}.state" for r in range(world)]
+
+
+def test_a_sharded_checkpoint_is_refused_in_one_line_by_an_unsharded_learner(tmp_path):
+    """A learner restarted as one process finds its DCP checkpoint: refused before it trains or joins, in
+    one line that says what to do (its optimizer and data position cannot be honoured)."""
+    from diloco.client.builtin_loop import run_learner
+    from diloco.errors import DilocoError
+
+    folder = tmp_path / "checkpoints" / "learner-0.dcp"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"x")
+    (folder / "rank-0.state").write_bytes(b"x")
+    with pytest.raises(DilocoError) as refused:
+        run_learner(tiny_config(), syncer=None, learner=0, out=tmp_path)
+    assert "written by a sharded learner" in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "learners").exists()

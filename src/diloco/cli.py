@@ -33,6 +33,9 @@ def cmd_sim(args: argparse.Namespace, console: Console) -> int:
     if any(f != "torch" for f in config.learners.frameworks):
         print("diloco: warning: learners.frameworks is ignored by `diloco sim`: every simulated learner trains "
               "the torch model (a JAX learner trains the same one; `diloco run` starts them)", file=sys.stderr)
+    if any(n != 1 for n in config.learners.ranks) or config.learners.sharding:
+        print("diloco: warning: learners.ranks and learners.sharding are ignored by `diloco sim`: every simulated "
+              "learner is one process (`diloco run` starts rank groups)", file=sys.stderr)
     out = output_folder(Path(args.out) if args.out else
                         Path("runs") / f"sim-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     with writing(out / "metrics.jsonl"):

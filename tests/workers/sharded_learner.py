@@ -10,6 +10,8 @@ Modes:
   rank --die-rank exits abruptly at that step (a rank killed mid-sync).
 - `checkpoint`: DCP save, then a fresh model and optimizer resume from it (resume-R.json); with --damage
   a flipped byte in rank 1's file is refused by every rank (refused-R.json).
+- `reshard`: --phase save writes a DCP checkpoint at this world size (and the whole state, whole.pt);
+  --phase load, at another world size, checks that the loaded state is exactly that (reshard-W.json).
 - `refuse`: a model the learner cannot sync (--bad tp | mixed | disagree): every rank prints its
   one-line refusal (REFUSED: ...) and exits with 3.
 """
@@ -205,6 +207,40 @@ def checkpoint(args: argparse.Namespace, out: Path) -> None:
                                                          "model_equal": equal, "optimizer_equal": optimizer_equal}))
 
 
+def reshard(args: argparse.Namespace, out: Path) -> None:
+    """--phase save: train 3 steps, save (DCP), and rank 0 writes the whole parameters and optimizer state;
+    --phase load (any world size): a fresh model and optimizer loaded from the save hold exactly those,
+    resharded to this world; the data position is dropped (another world wrote it), the steps kept."""
+    from diloco.client.sharded_checkpoints import load_sharded, save_sharded
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard_model(tiny_gpt(), args.sharding, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    folder = out / "ckpt"
+    if args.phase == "save":
+        for step in range(3):
+            x = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(step))
+            model(x[:, :-1], x[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        save_sharded(folder, model, optimizer, steps=3, data={"learner": 0, "epoch": 0, "index": 3})
+    else:
+        side = load_sharded(folder, model, optimizer, max_steps=100)
+    whole = {"params": {n: _whole(p).detach() for n, p in model.named_parameters()},
+             "optimizer": {i: {k: _whole(v) for k, v in st.items()} for i, st in optimizer.state_dict()["state"].items()}}
+    if rank != 0:
+        return
+    if args.phase == "save":
+        torch.save(whole, out / "whole.pt")
+        return
+    saved = torch.load(out / "whole.pt", weights_only=True)
+    model_equal = all(torch.equal(saved["params"][n], t) for n, t in whole["params"].items())
+    optimizer_equal = saved["optimizer"].keys() == whole["optimizer"].keys() and all(
+        torch.equal(saved["optimizer"][i][k], v) for i, st in whole["optimizer"].items() for k, v in st.items())
+    (out / f"reshard-{world}.json").write_text(json.dumps({
+        "steps": side["steps"], "data": side["data"], "written_by": side["world"], "model_equal": model_equal,
+        "optimizer_equal": optimizer_equal}))
+
+
 def _whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -234,7 +270,8 @@ def refuse(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["exact", "train", "refuse", "checkpoint"])
+    parser.add_argument("mode", choices=["exact", "train", "refuse", "checkpoint", "reshard"])
+    parser.add_argument("--phase", choices=["save", "load"], default="save")
     parser.add_argument("--damage", action="store_true")
     parser.add_argument("--model", choices=["gpt", "hf"], default="gpt")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -262,6 +299,8 @@ def main() -> None:
             train(args, args.out)
         elif args.mode == "checkpoint":
             checkpoint(args, args.out)
+        elif args.mode == "reshard":
+            reshard(args, args.out)
         else:
             refuse(args)
     except DilocoError as exc:

@@ -32,6 +32,7 @@ from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
 from diloco.client import sharded_checkpoints
+from diloco.client.collective_bound import floor_s
 from diloco.client.checkpoints import CheckpointWriter, checkpoint_key, read_checkpoint
 from diloco.client.learner_client import HomeLink, Learner, LinkShape
 from diloco.client.param_shards import shard_model
@@ -56,19 +57,13 @@ def finish_distributed() -> None:
         dist.destroy_process_group()
 
 
-COLLECTIVE_TIMEOUT_S = 600.0
-"""How long a rank waits at a collective of its learner before it ends with one line: a dead rank is
-noticed within it. Rank 0 tells the others every second while it waits on the syncer, so only one
-fragment's pull at join (or one step) must fit in it."""
-
-
 def init_distributed() -> bool:
     """Join the torchrun process group of this learner, when there is one."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return dist.is_initialized()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = float(os.environ.get("DILOCO_COLLECTIVE_TIMEOUT_S", COLLECTIVE_TIMEOUT_S))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    # The floor until steps are measured; then a bound derived from them (`collective_bound.py`).
+    dist.init_process_group(backend, timeout=timedelta(seconds=floor_s()))
     return True
 
 
@@ -108,9 +103,12 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     t = config.train
     materials = prepare(config)
     model = materials.model.to(resolve_device(t.device))
-    sharded = t.sharding != "ddp" and dist.is_initialized()
+    sharding = config.learners.sharding_of(learner, t.sharding)
+    sharded = sharding != "ddp" and dist.is_initialized()
     if sharded:  # before the optimizer and the learner: both take the sharded parameters
-        model = shard_model(model, t.sharding, dist.get_world_size(), next(model.parameters()).device.type)
+        model = shard_model(model, sharding, dist.get_world_size(), next(model.parameters()).device.type)
+    sharded_checkpoints.refuse_other_kind(_checkpoint_path(config, out, learner, True),
+                                          _checkpoint_path(config, out, learner), sharded)
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
     seal = checkpoint_key(security.secret, security.learner.token if security.learner else None) \
         if security is not None else None

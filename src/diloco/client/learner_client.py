@@ -40,6 +40,7 @@ from diloco.client.link import (Arrival, ClientLink, HeartbeatOut, LeaveOut, Lin
                                 PushOut, ShardWays, UpEvent, bytes_by_home)
 from diloco.transport.wire_messages import spec_of
 from diloco.client.param_shards import is_sharded
+from diloco.client.collective_bound import BOUND
 from diloco.client.rank_sync import ReplicatedRanks, ShardedRanks, sharded_settings_problem
 from diloco.client.push_gate import PushGate
 from diloco.client.staging import DeviceStaging
@@ -312,6 +313,7 @@ class Learner:
             return self.report()
         self._closed = True
         self.wall_s = clock.monotonic() - self.started
+        BOUND.relax()  # leaving, the last evaluation and checkpoint may part the ranks for longer than a step
         self.push_gate.lift()  # the last pushes go at once; the last checkpoint follows them
         if self.ranks.leader:  # may merge answers that have arrived
             self._lead(lambda: self._carry_out(self._feed(Finished())))

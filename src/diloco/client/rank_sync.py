@@ -18,7 +18,10 @@ calls `follow` meanwhile. A failure on the leader is told to the followers, whic
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from diloco.client.collective_bound import BOUND
 from diloco.core.learner_core import LearnerCore
 from diloco.core.learner_events import LearnerAction, LearnerEvent, PushRefused, SendPush, UpdateArrived
 from diloco.errors import DilocoError
@@ -53,6 +57,10 @@ def sharded_settings_problem(settings: Any) -> str | None:
 
 # ------------------------------------------------------------ plain and DDP models
 
+FAULT_AT_GATHER = os.environ.get("DILOCO_FAULT_EXIT_AT_GATHER", "")
+"""Fault injection for tests: "RANK:N" makes that rank exit (code 9) as it joins its N-th push's gather;
+"RANK:N:hang" stops it there (SIGSTOP: alive, its sockets open, silent)."""
+
 END, TICK, FAILED = 0, 1, 2
 """What rank 0 tells the other ranks of a replicated learner at the end of a step, or while it waits."""
 
@@ -75,6 +83,7 @@ class ReplicatedRanks:
         return _summed(tokens, self.world)
 
     def open_step(self) -> None:
+        BOUND.step()
         self._before = list(self.core.anchor_versions) if self.leader else []
 
     def feed(self, event: LearnerEvent, now: float) -> list[LearnerAction]:
@@ -139,6 +148,8 @@ class ShardedRanks:
         """The most bytes of one fragment this rank's boundary held at once: a push gathered whole at rank 0,
         or its rows of an answer (what the client link holds of pushes and answers is not counted here)."""
         self._before: list[int] = []
+        self.gathers = 0
+        """Pushes gathered so far (each one fragment, one tensor at a time)."""
         self._check_agreement(layout_fingerprint(params, self.placement))
 
     def local(self) -> dict[str, torch.Tensor]:
@@ -166,6 +177,7 @@ class ShardedRanks:
         return _summed(tokens, self.world)
 
     def open_step(self) -> None:
+        BOUND.step()
         self._before = list(self.core.anchor_versions)
 
     def feed(self, event: LearnerEvent, now: float) -> list[LearnerAction]:
@@ -262,6 +274,10 @@ class ShardedRanks:
     def _gather_push(self, action: SendPush) -> SendPush:
         """Each rank's rows of the push's deltas, put together at rank 0 (a collective)."""
         push = action.push
+        self.gathers += 1
+        if FAULT_AT_GATHER.split(":")[:2] == [str(self.rank), str(self.gathers)]:  # a test's rank dies or hangs
+            print(f"fault injected at {time.monotonic()}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP) if FAULT_AT_GATHER.endswith(":hang") else os._exit(9)
         whole = self._gather(list(push.deltas), push.deltas)
         if not self.leader:
             return action

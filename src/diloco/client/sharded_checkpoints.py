@@ -13,6 +13,7 @@ then starts its data shard afresh (as a DDP learner with several ranks does toda
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from diloco.client.collective_bound import BOUND
 from diloco.client.checkpoints import ADVICE, check_checkpoint, write_checkpoint
 from diloco.errors import DilocoError
 from diloco.state_files import load_checked
+
+log = logging.getLogger("diloco.learner")
 
 try:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -148,7 +152,8 @@ class ShardedWriter:
         self.folder, self.key = folder, key
 
     def save(self, model: nn.Module, replica: Any, wait: bool = False) -> None:
-        save_sharded(self.folder, model, replica.optimizer, replica.steps, replica.sampler.state_dict(), self.key)
+        with BOUND.relaxed():  # a write may take longer than a step: the ranks wait at the floor
+            save_sharded(self.folder, model, replica.optimizer, replica.steps, replica.sampler.state_dict(), self.key)
 
     def wait(self) -> None:
         pass
@@ -159,7 +164,25 @@ def restore_sharded(folder: Path, replica: Any, max_steps: int, plan: Any, key: 
     from the syncer's current Θ, which is newer); its data position only when the world is the same."""
     side = load_sharded(folder, replica.model, replica.optimizer, max_steps, key, restore_model=False,
                         restore_optimizer=plan.optimizer)
+    if side["data"] is None and dist.get_rank() == 0:
+        log.warning("checkpoint %s was written by %s ranks, this learner has %d: its optimizer is resharded and "
+                    "its step count kept; each rank starts its new slice of the learner's data shard afresh",
+                    folder, side["world"], dist.get_world_size())
     if plan.data and side["data"] is not None:
         replica.sampler.load_state_dict(side["data"])
     if plan.steps:
         replica.steps = int(side["steps"])
+
+
+def refuse_other_kind(folder: Path | None, file: Path | None, sharded: bool) -> None:
+    """A learner whose own checkpoint is of the other kind (a DCP folder for a one-process or DDP learner,
+    a file for a sharded one) is refused in one line before it joins: that state cannot be honoured."""
+    if folder is None or file is None or (exists(folder) if sharded else file.is_file()):
+        return
+    if not sharded and exists(folder):
+        raise DilocoError(f"checkpoint {folder} was written by a sharded learner (DCP), and this learner is not "
+                          f"sharded (one process, or train.sharding = ddp): start it with its sharding and at least "
+                          f"2 ranks, or remove the folder to start from Θ")
+    if sharded and file.is_file():
+        raise DilocoError(f"checkpoint {file} was written by an unsharded learner, and this learner is sharded: "
+                          f"start it as it was (one process, or ddp), or remove the file to start from Θ")

@@ -9,6 +9,9 @@ from diloco.config.rules import MAX_LEARNERS, require, require_at_most
 
 DEFAULT_SPEEDS = (1.0, 1.0, 0.5, 0.25)
 FRAMEWORKS = ("torch", "jax")
+SHARDINGS = ("ddp", "fsdp", "hsdp")
+MAX_RANKS = 1024
+"""Processes of one learner on one machine: far beyond any node's devices."""
 
 
 @dataclass
@@ -33,6 +36,12 @@ class LearnersConfig:
     frameworks: list[str] = field(default_factory=list)
     """What each learner trains with in `diloco run`: "torch" or "jax" (`diloco[jax]`: the built-in GPT
     in Flax), one per learner; empty means all torch. The simulator trains every learner with torch."""
+    ranks: list[int] = field(default_factory=list)
+    """`diloco run`: processes per learner, one entry per learner; a learner of several is started as one
+    torch.distributed group (`launch/rank_group.py`). Empty means one process each."""
+    sharding: list[str] = field(default_factory=list)
+    """`diloco run`: how each learner's ranks hold the model ("ddp", "fsdp" or "hsdp"), one per learner;
+    empty means `train.sharding` for every learner."""
     min: int = 0
     """`diloco run --ray`: the fewest learners the run trains on (it waits for capacity below that);
     0 means `count`."""
@@ -43,6 +52,14 @@ class LearnersConfig:
     def framework_of(self, learner: int) -> str:
         """A learner's framework; one beyond the list (an elastic run's newcomer) trains with torch."""
         return self.frameworks[learner] if learner < len(self.frameworks) else "torch"
+
+    def ranks_of(self, learner: int) -> int:
+        """A learner's processes; one beyond the list (an elastic run's newcomer) is one process."""
+        return self.ranks[learner] if learner < len(self.ranks) else 1
+
+    def sharding_of(self, learner: int | None, default: str) -> str:
+        """A learner's sharding: its `sharding` entry, else `default` (`train.sharding`)."""
+        return self.sharding[learner] if learner is not None and learner < len(self.sharding) else default
 
     def bounds(self) -> tuple[int, int]:
         """(min, max) learners of an elastic run, their zeros resolved to `count`."""
@@ -69,6 +86,7 @@ def check_learners(lc: LearnersConfig) -> None:
                 f"must have one entry per learner (learners.count = {lc.count})", lc.frameworks)
         for i, f in enumerate(lc.frameworks):
             require(f in FRAMEWORKS, f"learners.frameworks[{i}]", f"must be one of {', '.join(FRAMEWORKS)}", f)
+    check_rank_groups(lc)
     require(0 <= lc.jitter < 1, "learners.jitter", "must be in [0, 1)", lc.jitter)
     require(0 <= lc.drift < 1, "learners.drift", "must be in [0, 1)", lc.drift)
     require(lc.drift_steps > 0, "learners.drift_steps", "must be positive", lc.drift_steps)
@@ -79,3 +97,23 @@ def check_learners(lc: LearnersConfig) -> None:
     require(lc.max == 0 or lc.max >= lc.count, "learners.max", f"must be at least learners.count ({lc.count})",
             lc.max)
     require_at_most(lc.max, MAX_LEARNERS, "learners.max", low=0, why="the syncer keeps a ledger per learner")
+
+
+def check_rank_groups(lc: LearnersConfig) -> None:
+    """`ranks` and `sharding`: one entry each per learner; a sharded learner has several ranks, a JAX
+    learner one (it has no torch.distributed group)."""
+    for key, values in (("learners.ranks", lc.ranks), ("learners.sharding", lc.sharding)):
+        if values:
+            require(len(values) == lc.count, key, f"must have one entry per learner (learners.count = {lc.count})",
+                    values)
+    for i, n in enumerate(lc.ranks):
+        require(isinstance(n, int) and not isinstance(n, bool) and n >= 1, f"learners.ranks[{i}]",
+                "must be a whole number of processes, at least 1", n)
+        require_at_most(n, MAX_RANKS, f"learners.ranks[{i}]", why="the processes of one learner on one machine")
+        require(n == 1 or lc.framework_of(i) == "torch", f"learners.ranks[{i}]",
+                "must be 1 for a JAX learner (learners.frameworks): only torch learners run as rank groups", n)
+    for i, s in enumerate(lc.sharding):
+        require(s in SHARDINGS, f"learners.sharding[{i}]", f"must be one of {', '.join(SHARDINGS)}", s)
+        require(s == "ddp" or lc.ranks_of(i) >= 2, f"learners.sharding[{i}]",
+                f"shards the model over ranks: give this learner at least 2 in learners.ranks "
+                f"(it has {lc.ranks_of(i)})", s)

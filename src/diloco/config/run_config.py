@@ -79,6 +79,10 @@ def validate(config: Config) -> None:
     check_train(config.train)
     check_learners(config.learners)
     check_cluster(config.cluster)
+    require(config.cluster.learner_processes == 1 or not any(n > 1 for n in config.learners.ranks),
+            "learners.ranks", "sets processes per learner for `diloco run`; `diloco run --ray` takes them from "
+            f"cluster.learner_processes (= {config.cluster.learner_processes}): set one of the two",
+            config.learners.ranks)
     check_outer(config.outer, config.strategy, config.learners.count)
     check_failures(config.failures, config.learners.count, [r.name for r in config.regions])
     check_link(config.link, "link")

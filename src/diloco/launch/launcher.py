@@ -31,6 +31,7 @@ from diloco.transport.ports import read_port_file, wait_for_port
 from diloco.launch.child_reports import learner_outcomes, merge_metrics, report_from_metrics
 from diloco.launch.outages import RegionOutages
 from diloco.launch.processes import Child, Children
+from diloco.launch.rank_group import group_command
 from diloco.transport.run_settings import check_shards
 from diloco.transport.wire_messages import settings_of
 from diloco.shard.ownership import placed_shard_count
@@ -231,10 +232,10 @@ class Launcher:
         env = {"OMP_NUM_THREADS": str(self.learner_threads), **(ONE_XLA_THREAD if self.learner_threads == 1 else {}),
                **self.env}
         emulate = ["--emulate-link"] if self.emulate_link else []
-        self.children.start(f"learner-{m}", self._python(
+        self.children.start(f"learner-{m}", group_command(self.config.learners.ranks_of(m), self._python(
             "learner", "--syncer", self.syncer_of(m), "--id", str(m), *emulate,
             "--framework", self.config.learners.framework_of(m),
-            "--out", str(self.shared), *self._endpoint_args(f"learner-{m}")), env=env)
+            "--out", str(self.shared), *self._endpoint_args(f"learner-{m}"))), env=env)
 
     def _endpoint_args(self, name: str, status: bool = False) -> list[str]:
         """A child's Prometheus endpoint (and status page) on any free port, reported in a port file."""
