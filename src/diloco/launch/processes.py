@@ -77,12 +77,14 @@ class Children:
         self.log_dir = log_dir
         self.children: dict[str, Child] = {}
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> Child:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
+              stdin: int = subprocess.DEVNULL) -> Child:
+        """`stdin`: nothing, or a pipe the launcher writes to (a spare learner waits on it)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log_file = open(log_path, "ab")  # a restarted child's log goes on after its previous life's
         full_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
-        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=stdin,
                                    env=full_env, start_new_session=True, cwd=cwd)
         child = Child(name, list(argv), dict(env or {}), log_path, process=process, log_file=log_file)
         self.children[name] = child
