@@ -9,7 +9,7 @@ import pytest
 
 from conftest import TINY, child_env, tiny_config, wait_for
 from diloco.launch.processes import Children
-from diloco.launch.spare import SpareLearners
+from diloco.launch.spare import Spares
 from diloco.metrics.records import learner_lives, records_of
 from diloco.shard.server import ShardPlan, SyncerShard, serve
 from diloco.state_files import load_checked
@@ -46,7 +46,7 @@ def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_chec
     address = f"127.0.0.1:{port}"
     shard.plan = ShardPlan(0, 1, (address,))
     children, env = Children(tmp_path / "logs"), child_env()
-    spares = SpareLearners(children, env, 1 if spare else 0)
+    spares = Spares(children, env, 1 if spare else 0)
     try:
         spares.fill()
         children.start("learner-0", _learner_argv(address, tmp_path, f"failures.resume={resume}"), env)

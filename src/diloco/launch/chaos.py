@@ -23,7 +23,7 @@ from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.metrics.records import learner_lives, records_of
 from diloco.outputs import write_output
 from diloco.launch.launcher import Launcher
-from diloco.launch.spare import SpareLearners
+from diloco.launch.spare import Spares
 from diloco.shard.ownership import placed_shard_count
 
 
@@ -41,9 +41,11 @@ class ChaosMonkey:
     kills: list[Kill]
     restart_after_s: float
     spare_count: int = 0
-    """Pre-started spare learners (`launch/spare.py`) the restarts take."""
+    """Pre-started spare learners (`launch/spare.py`) the restarts take (and, if any, a spare shard)."""
     done: threading.Event = field(default_factory=threading.Event)
-    spares: SpareLearners | None = None
+    spares: dict[str, Spares] | None = None
+    """Per role (`learner`, `syncer`), the spares its restarts take: `spare_count` for the learners, one
+    for the shards."""
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run, name="chaos", daemon=True)
@@ -56,9 +58,11 @@ class ChaosMonkey:
             if self.done.wait(0.1):
                 return
         if self.spare_count:  # started here: they live as long as this thread (PR_SET_PDEATHSIG)
-            self.spares = SpareLearners(launcher.children, launcher.children.children["learner-0"].env,
-                                        self.spare_count)
-            self.spares.fill()
+            children = launcher.children.children
+            self.spares = {"learner": Spares(launcher.children, children["learner-0"].env, self.spare_count),
+                           "syncer": Spares(launcher.children, children["syncer-0"].env, 1, "syncer")}
+            for pool in self.spares.values():
+                pool.fill()
         for kill in self.kills:
             if self.done.wait(max(0.0, launcher.training_started + kill.at_s - clock.monotonic())):
                 return
@@ -70,7 +74,8 @@ class ChaosMonkey:
             if self.done.wait(self.restart_after_s):
                 return
             extra = ("--resume",) if kill.victim.startswith("syncer") else ()
-            (self.spares or launcher.children).restart(kill.victim, extra)
+            pool = self.spares.get(kill.victim.split("-")[0]) if self.spares else None
+            (pool or launcher.children).restart(kill.victim, extra)
             kill.restarted_at_s = clock.monotonic() - launcher.training_started
             launcher.expected_down.discard(kill.victim)
         # The kernel ends a child when the *thread* that started it ends (PR_SET_PDEATHSIG): the

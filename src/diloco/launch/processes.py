@@ -100,8 +100,7 @@ class Children:
     def restart(self, name: str, extra_args: tuple[str, ...] = ()) -> Child:
         """Start a child again with the arguments it had, plus `extra_args`."""
         old = self.children[name]
-        argv = old.argv + [a for a in extra_args if a not in old.argv]
-        return self.start(name, argv, old.env)
+        return self.start(name, with_extra(old.argv, extra_args), old.env)
 
     def running(self, prefix: str = "") -> list[Child]:
         return [c for n, c in self.children.items() if n.startswith(prefix) and c.returncode is None]
@@ -126,6 +125,11 @@ class Children:
                 _signal(child, signal.SIGKILL)
                 child.process.wait()
             child.log_file.close()
+
+
+def with_extra(argv: list[str], extra_args: tuple[str, ...]) -> list[str]:
+    """A restarted child's command line: the one it had, plus those of `extra_args` it lacks."""
+    return argv + [a for a in extra_args if a not in argv]
 
 
 def _signal(child: Child, sig: int) -> None:

@@ -1,5 +1,5 @@
-"""Pre-started spare learners (`python -m diloco.spare_learner`): a learner restart that costs a join and a
-step, not a Python start.
+"""Pre-started spare processes (`python -m diloco.prestarted`): a learner restart that costs a join and a
+step, not a Python start; a syncer shard's, its state and journal.
 
 A fresh learner process spends most of its start importing (torch, and `torch._dynamo`, which every
 `torch.optim` optimizer imports the first time it is built): seconds, more on a loaded machine. A spare
@@ -9,6 +9,7 @@ it over. It then becomes that learner (`diloco learner ARGS`, as a fresh process
 output in the learner's log; the learner's `start` metrics count from the handover, not from the spare's
 own start. The launcher starts another spare at once, so the next restart finds one.
 
+A syncer shard's spare does the same with what a shard imports; it becomes the shard with `--resume`.
 A spare is used only where it is the same as a fresh start: the same interpreter, the same `diloco`
 command, the same environment (OMP_NUM_THREADS is read once, as torch is imported). Anything else is
 started afresh.
@@ -22,51 +23,52 @@ import sys
 from typing import Any
 
 from diloco.clock import SYSTEM_CLOCK as clock
-from diloco.launch.processes import Child, Children
+from diloco.launch.processes import Child, Children, with_extra
 
 DILOCO_MODULE = ["-m", "diloco"]
 
 
-class SpareLearners:
-    """`count` spare learner processes, started with the learners' environment; each restart takes one and
-    starts its replacement."""
+class Spares:
+    """`count` spare processes for the children of one `role` (`learner`, `syncer`), started with those
+    children's environment; each restart takes one and starts its replacement."""
 
-    def __init__(self, children: Children, env: dict[str, str], count: int) -> None:
-        self.children, self.env, self.count = children, dict(env), count
+    def __init__(self, children: Children, env: dict[str, str], count: int, role: str = "learner") -> None:
+        self.children, self.env, self.count, self.role = children, dict(env), count, role
+        self.prefix = f"spare-{role}-"
         self.started = 0
         self.handed_over: list[dict[str, Any]] = []
-        """Each handover: the learner, the spare, when (Unix time)."""
+        """Each handover: the child, the spare, when (Unix time)."""
 
     def fill(self) -> None:
         """Start spares until there are `count` (running, not yet handed over)."""
         while len(self.waiting()) < self.count:
-            name = f"spare-{self.started}"
+            name = f"{self.prefix}{self.started}"
             self.started += 1
-            self.children.start(name, [sys.executable, "-m", "diloco.spare_learner"], self.env,
+            self.children.start(name, [sys.executable, "-m", "diloco.prestarted", self.role], self.env,
                                 stdin=subprocess.PIPE)
 
     def waiting(self) -> list[Child]:
-        return self.children.running("spare-")
+        return self.children.running(self.prefix)
 
     def restart(self, name: str, extra_args: tuple[str, ...] = ()) -> Child:
-        """Child `name` started again: a learner by a spare taking its place where one fits, else (no spare
-        running, or the learner's command or environment is not the one a spare runs) as `Children.restart`
-        starts it."""
+        """Child `name` started again with the arguments it had plus `extra_args`: by a spare taking its place
+        where one fits, else (no spare running, or the child's command or environment is not the one a spare
+        runs) as `Children.restart` starts it."""
         old = self.children.children[name]
         spares = self.waiting()
-        if extra_args or not spares or old.argv[:3] != [sys.executable, *DILOCO_MODULE] or old.env != self.env:
+        if not spares or old.argv[:3] != [sys.executable, *DILOCO_MODULE] or old.env != self.env:
             return self.children.restart(name, extra_args)
-        spare = spares[0]
+        spare, argv = spares[0], with_extra(old.argv, extra_args)
         handed = clock.now()
-        message = {"argv": old.argv[3:], "log": str(old.log_path), "handed_over_unix": handed}
+        message = {"argv": argv[3:], "log": str(old.log_path), "handed_over_unix": handed}
         try:
             spare.process.stdin.write((json.dumps(message) + "\n").encode())
             spare.process.stdin.close()
         except OSError:  # it died before it was handed over: a fresh start instead
             return self.children.restart(name, extra_args)
-        child = Child(name, old.argv, old.env, old.log_path, process=spare.process, log_file=spare.log_file)
+        child = Child(name, argv, old.env, old.log_path, process=spare.process, log_file=spare.log_file)
         del self.children.children[spare.name]
         self.children.children[name] = child
-        self.handed_over.append({"learner": name, "spare": spare.name, "handed_over_unix": handed})
+        self.handed_over.append({"child": name, "spare": spare.name, "handed_over_unix": handed})
         self.fill()
         return child
