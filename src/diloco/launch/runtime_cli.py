@@ -202,7 +202,8 @@ def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=1, metavar="N", help="syncer shard processes (default 1)")
     p.add_argument("--spares", type=int, default=4, metavar="N",
                    help="pre-started spare learners, imported and waiting: a restarted learner is one of them, "
-                        "so its restart costs a join and a step, not a Python start (default 4; 0: fresh starts)")
+                        "so its restart costs a join and a step, not a Python start; with any, also a spare "
+                        "shard process for a killed shard (default 4; 0: fresh starts)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/chaos-TIME)")
     add_http_auth_argument(p)
 
