@@ -111,6 +111,7 @@ def main() -> int:
     p.add_argument("--partition-s", type=float, default=40.0)
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--spares", type=int, default=4, help="pre-started spare learners the restarts take (0: fresh)")
     p.add_argument("--out", default=None, help="run folder (default: a folder under /tmp)")
     p.add_argument("--json", default="benchmarks/results/soak.json")
     args = p.parse_args()
@@ -124,7 +125,7 @@ def main() -> int:
     launcher = Launcher(config, sets, out / "faulty", shards=args.shards)
     rng = random.Random(args.seed)
     kills = plan_churn(rng, config.learners.count, args.shards, args.minutes, args.learner_every, args.shard_every)
-    monkey = ChaosMonkey(launcher, kills, restart_after_s=2.0)
+    monkey = ChaosMonkey(launcher, kills, restart_after_s=2.0, spare_count=args.spares)
     partitions: list[dict[str, Any]] = []
     threads = [monkey.start()] + [threading.Thread(target=partition, daemon=True, args=(
         launcher, f"learner-{rng.randrange(config.learners.count)}", share * args.minutes * 60, args.partition_s,
@@ -144,7 +145,7 @@ def main() -> int:
     memory = shard_memory(out / "faulty" / "metrics")
     growths = [m["growth"] for m in memory if m["growth"] is not None]
     result = {
-        "minutes_planned": args.minutes, "faulty_wall_s": faulty_s, "tokens_budget": args.tokens,
+        "minutes_planned": args.minutes, "faulty_wall_s": faulty_s, "tokens_budget": args.tokens, "spares": args.spares,
         "kills": [vars(k) for k in kills], "partitions": partitions,
         "shard_memory": memory, "shard_rss_growth_max": max(growths) if growths else None,
         "tokens_trained": accounting["tokens_trained"], "tokens_lost": accounting["tokens_lost"],

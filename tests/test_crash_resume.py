@@ -3,14 +3,13 @@ restart puts its own unpushed progress back on top of Θ and pushes it, and noth
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
 from conftest import TINY, child_env, tiny_config, wait_for
+from diloco.launch.processes import Children
+from diloco.launch.spare import Spares
 from diloco.metrics.records import learner_lives, records_of
 from diloco.shard.server import ShardPlan, SyncerShard, serve
 from diloco.state_files import load_checked
@@ -23,15 +22,13 @@ TOKENS_PER_STEP = 4 * 16  # TINY's batch × sequence
 KILL_AT_STEP = 30
 
 
-def _learner(address: str, out, *extra: str) -> subprocess.Popen:
+def _learner_argv(address: str, out, *extra: str) -> list[str]:
     sets = [x for o in (*TINY, *SETTINGS, *extra) for x in ("--set", o)]
-    return subprocess.Popen([sys.executable, "-m", "diloco", "learner", "--syncer", address, "--id", "0",
-                             "--out", str(out), *sets], env=child_env(), stdout=subprocess.DEVNULL,
-                            stderr=open(out / "learner.log", "ab"), start_new_session=True)
+    return [sys.executable, "-m", "diloco", "learner", "--syncer", address, "--id", "0", "--out", str(out), *sets]
 
 
 def out_tail(out) -> str:
-    return "the kill step; the learner's log ends: " + (out / "learner.log").read_text()[-2000:]
+    return "the kill step; the learner's log ends: " + (out / "logs" / "learner-0.log").read_text()[-2000:]
 
 
 def _steps(out) -> int:
@@ -40,23 +37,30 @@ def _steps(out) -> int:
     return records[-1]["steps"] if records else 0
 
 
-@pytest.mark.parametrize("resume", ["own", "theta"])
-def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_checkpoint(tmp_path, resume):
+@pytest.mark.parametrize("resume,spare", [("own", False), ("theta", False), ("own", True)])
+def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_checkpoint(tmp_path, resume, spare):
+    """`spare`: the second life is a pre-started spare that takes the killed learner's place (`diloco chaos`'s
+    restarts): the same resume, in a process that had imported everything before the kill."""
     shard = SyncerShard(tiny_config(*SETTINGS), ShardPlan(0, 1, ("",)))
     server, port = serve(shard, "127.0.0.1:0")
     address = f"127.0.0.1:{port}"
     shard.plan = ShardPlan(0, 1, (address,))
+    children, env = Children(tmp_path / "logs"), child_env()
+    spares = Spares(children, env, 1 if spare else 0)
     try:
-        first = _learner(address, tmp_path, f"failures.resume={resume}")
+        spares.fill()
+        children.start("learner-0", _learner_argv(address, tmp_path, f"failures.resume={resume}"), env)
         wait_for(lambda: _steps(tmp_path) >= KILL_AT_STEP, 120, lambda: (out_tail(tmp_path)))
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
+        children.kill("learner-0")
         killed_at = _steps(tmp_path)
         checkpointed = load_checked(tmp_path / "checkpoints" / "learner-0.pt", "checkpoint", "")["steps"]
-        second = _learner(address, tmp_path, f"failures.resume={resume}")
-        assert second.wait(timeout=600) == 0
+        waiting = [c.process.pid for c in spares.waiting()]
+        second = spares.restart("learner-0")
+        assert (second.process.pid in waiting) == spare  # the spare became the learner, in the same process
+        assert second.process.wait(timeout=600) == 0, out_tail(tmp_path)
         wait_for(lambda: shard.finished, 30, "the run to end")
     finally:
+        children.close()
         shard.stop()
         server.stop(0)
     lives = learner_lives(tmp_path / "metrics")[0]
@@ -65,7 +69,7 @@ def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_chec
     entry = shard.core.ledger[0]
     assert entry.duplicates == 0
     (start,) = [r for r in records_of(tmp_path / "metrics" / "learner-0.jsonl", "start") if r["steps"] > 0]
-    assert start["steps"] == checkpointed
+    assert start["steps"] == checkpointed and start["spare"] == spare
     since_checkpoint = (killed_at - checkpointed) * TOKENS_PER_STEP
     for p in range(2):
         lost = trained - entry.merged[p] - entry.stale[p]

@@ -231,9 +231,10 @@ def test_every_trained_token_is_merged_late_or_lost(strategy):
 
 @pytest.mark.integration  # a whole training run in the simulator
 def test_a_crashed_learner_rejoins_from_the_current_global_model():
+    """With `failures.resume = "theta"`: Θ alone (its own progress on top: `test_own_progress.py`)."""
     crash = "failures.crashes=[{learner = 2, at_s = 3.0}]"
     sim = Simulation(tiny_config("strategy=decoupled", *HETERO, crash, "failures.recovery_s=2",
-                                 "link.bandwidth_mbit=1e6", "link.latency_ms=0"))
+                                 "link.bandwidth_mbit=1e6", "link.latency_ms=0", "failures.resume=theta"))
     rejoined = {}
     original = sim._on_state
 

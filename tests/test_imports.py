@@ -16,8 +16,9 @@ from conftest import TINY, child_env
 from diloco.cli import build_parser
 
 SOURCE = Path(__file__).parent.parent / "src"
-ENTRY_POINTS = {"diloco.__main__", "diloco.learner"}
-"""`python -m diloco` and `python -m diloco.learner`: the only modules that may import the command line."""
+ENTRY_POINTS = {"diloco.__main__", "diloco.learner", "diloco.prestarted"}
+"""`python -m diloco`, `python -m diloco.learner` and a pre-started spare (`python -m diloco.prestarted`,
+which becomes a `diloco learner` or `diloco syncer`): the only modules that may import the command line."""
 
 LOADED_GRPC = """
 import json, sys

@@ -4,9 +4,12 @@ progress is unusable."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from conftest import tiny_config
 from diloco.core.own_progress import export_progress, resume_progress, usable
+from diloco.sim.driver import Simulation
 from test_cores import learner, make_params, train
 
 
@@ -84,3 +87,46 @@ def test_the_push_in_flight_is_resumed_too_when_its_shard_never_took_it():
     assert resume_progress(fresh, saved, {0: 0, 1: pushes[0].seq - 1}, "own") == {0: None, 1: None}
     torch.testing.assert_close(params["b"], torch.full((2, 2), 7.0 + 1.5))  # the lost push's two steps and one
     assert fresh.tokens_since == [30, 30] and fresh.steps_since == [3, 3]
+
+
+SIM_CRASH = ("strategy=decoupled", "learners.speeds=[1, 1, 0.5, 0.25]", "outer.H=6", "outer.fragments=3",
+             "outer.tau=2", "train.tokens=20480", "failures.crashes=[{learner = 1, at_s = 4.0}]",
+             "failures.recovery_s=3", "failures.detect_s=1", "failures.checkpoint_every=4")
+TOKENS_PER_STEP = 4 * 16  # the tiny config's batch × sequence
+
+
+def _simulated_crash(resume: str):
+    """A simulated run in which learner 1 crashes at 4 s; with the tokens it trained since its last
+    checkpoint, at the crash."""
+    sim = Simulation(tiny_config(*SIM_CRASH, f"failures.resume={resume}"))
+    since = []
+    crash = sim._on_crash
+
+    def spy(event):
+        learner = sim.learners[event.learner]
+        since.append((learner.replica.steps - learner.checkpoint.steps) * TOKENS_PER_STEP)
+        crash(event)
+
+    sim._on_crash = spy
+    result = sim.run()
+    return sim, result, since[0]
+
+
+@pytest.mark.integration  # whole training runs in the simulator
+def test_a_simulated_crash_resumes_own_progress_as_the_real_learner_does():
+    """The simulator's restart takes the same decision (`usable`): with `own`, a crash loses only what was
+    trained since the checkpoint; with `theta`, every token no push had carried. Each token is merged once
+    or counted lost either way."""
+    lost = {}
+    for resume in ("own", "theta"):
+        sim, result, since = _simulated_crash(resume)
+        assert result.per_learner[1].crashes == 1
+        for m, report in enumerate(result.per_learner):
+            ledger = sim.token_ledger(m)
+            for p in range(len(sim.fragments)):
+                assert ledger["merged"][p] + ledger["stale"][p] + ledger["lost"][p] == report.tokens, (resume, m, p)
+            assert sim.syncer.ledger[m].duplicates == 0
+        lost[resume] = sim.token_ledger(1)["lost"]
+        if resume == "own":
+            assert all(0 <= lost_p <= since for lost_p in lost["own"]), (lost["own"], since)
+    assert sum(lost["own"]) < sum(lost["theta"])

@@ -47,6 +47,9 @@ log = logging.getLogger("diloco.learner")
 
 ORIGIN_ENV = "DILOCO_RUN_ORIGIN"
 """Unix time at which `diloco run` started, for every child's metrics to share one time axis."""
+HANDED_OVER_ENV = "DILOCO_HANDED_OVER_UNIX"
+"""Set in a pre-started spare (`launch/spare.py`) as it becomes a learner: the Unix time the launcher handed
+it over. This life's start metrics count from then: the process itself started long before."""
 
 
 def finish_distributed() -> None:
@@ -150,6 +153,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     training = _Training(replica, sync, meter, metrics, world, rank, speed, stop, writer,
                          config.failures.checkpoint_every)
     training.start = {"import_s": max(0.0, process_age_s() - (clock.monotonic() - entered)), "join_s": joined_s,
+                      "spare": HANDED_OVER_ENV in os.environ,
                       "steps": resumed_from, "resumed_fragments": sum(why is None for why in
                                                                        getattr(sync, "resumed", {}).values())}
     # With a shared budget every learner trains until the syncer says the budget is spent, so all stop
@@ -326,7 +330,10 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def process_age_s() -> float:
-    """Seconds since this process started (Linux: /proc; elsewhere since this module was imported)."""
+    """Seconds since this process started (Linux: /proc; elsewhere since this module was imported), or since
+    it was handed over, for a spare that became this learner."""
+    if HANDED_OVER_ENV in os.environ:
+        return max(0.0, clock.now() - float(os.environ[HANDED_OVER_ENV]))
     try:
         with open("/proc/self/stat") as f:
             started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])

@@ -23,6 +23,7 @@ from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.metrics.records import learner_lives, records_of
 from diloco.outputs import write_output
 from diloco.launch.launcher import Launcher
+from diloco.launch.spare import Spares
 from diloco.shard.ownership import placed_shard_count
 
 
@@ -39,7 +40,12 @@ class ChaosMonkey:
     launcher: Launcher
     kills: list[Kill]
     restart_after_s: float
+    spare_count: int = 0
+    """Pre-started spare learners (`launch/spare.py`) the restarts take (and, if any, a spare shard)."""
     done: threading.Event = field(default_factory=threading.Event)
+    spares: dict[str, Spares] | None = None
+    """Per role (`learner`, `syncer`), the spares its restarts take: `spare_count` for the learners, one
+    for the shards."""
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run, name="chaos", daemon=True)
@@ -51,6 +57,12 @@ class ChaosMonkey:
         while not hasattr(launcher, "training_started"):
             if self.done.wait(0.1):
                 return
+        if self.spare_count:  # started here: they live as long as this thread (PR_SET_PDEATHSIG)
+            children = launcher.children.children
+            self.spares = {"learner": Spares(launcher.children, children["learner-0"].env, self.spare_count),
+                           "syncer": Spares(launcher.children, children["syncer-0"].env, 1, "syncer")}
+            for pool in self.spares.values():
+                pool.fill()
         for kill in self.kills:
             if self.done.wait(max(0.0, launcher.training_started + kill.at_s - clock.monotonic())):
                 return
@@ -62,7 +74,8 @@ class ChaosMonkey:
             if self.done.wait(self.restart_after_s):
                 return
             extra = ("--resume",) if kill.victim.startswith("syncer") else ()
-            launcher.children.restart(kill.victim, extra)
+            pool = self.spares.get(kill.victim.split("-")[0]) if self.spares else None
+            (pool or launcher.children).restart(kill.victim, extra)
             kill.restarted_at_s = clock.monotonic() - launcher.training_started
             launcher.expected_down.discard(kill.victim)
         # The kernel ends a child when the *thread* that started it ends (PR_SET_PDEATHSIG): the
@@ -116,7 +129,8 @@ def restart_summary(starts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learners: int, kill_syncer: int,
-              seed: int, restart_after_s: float, shards: int = 1, **launcher_options) -> dict[str, Any]:
+              seed: int, restart_after_s: float, shards: int = 1, spares: int = 0, **launcher_options
+              ) -> dict[str, Any]:
     """The fault-free run, then the faulty one; their comparison (also written to OUT/chaos.json)."""
     args = [*config_args, "--set", "metrics.every_steps=1"]  # every step recorded: tokens are accounted exactly
     shards = placed_shard_count(config, shards)  # spread homes: a shard per home region, any of them a victim
@@ -124,7 +138,7 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
     faulty_launcher = Launcher(config, args, out / "faulty", shards=shards, **launcher_options)
     kills = plan_kills(random.Random(seed), config.learners.count, shards, kill_learners, kill_syncer,
                        clean["training_time_s"])
-    monkey = ChaosMonkey(faulty_launcher, kills, restart_after_s)
+    monkey = ChaosMonkey(faulty_launcher, kills, restart_after_s, spares)
     thread = monkey.start()
     try:
         faulty = faulty_launcher.run()
@@ -136,7 +150,7 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
     killed = {k.victim for k in kills if k.restarted_at_s is not None}
     survivors = [r for r in faulty["per_learner"] if f"learner-{r['learner']}" not in killed]
     result = {
-        "seed": seed, "kills": [vars(k) for k in kills],
+        "seed": seed, "kills": [vars(k) for k in kills], "spares": spares,
         "clean": {"final_eval_loss": clean["final_eval_loss"], "goodput": clean["goodput"],
                   "rounds": clean["rounds"], "training_time_s": clean["training_time_s"]},
         "faulty": {"final_eval_loss": faulty["final_eval_loss"], "rounds": faulty["rounds"],
@@ -149,7 +163,8 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
                                         sum(r["busy_s"] / r["busy_fraction"] for r in faulty["per_learner"])),
                    **accounting, **restart_summary(starts),
                    "learner_restarts": [{k: r.get(k) for k in ("learner", "time_s", "start_to_first_step_s", "import_s",
-                                                               "join_s", "first_step_s", "steps", "resumed_fragments")}
+                                                               "join_s", "first_step_s", "steps", "resumed_fragments",
+                                                               "spare")}
                                         for r in starts if r["restart"]]},
     }
     result["faulty"]["tokens_lost_share"] = accounting["tokens_lost"] / max(1, accounting["tokens_trained"])

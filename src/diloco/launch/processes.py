@@ -77,12 +77,14 @@ class Children:
         self.log_dir = log_dir
         self.children: dict[str, Child] = {}
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> Child:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
+              stdin: int = subprocess.DEVNULL) -> Child:
+        """`stdin`: nothing, or a pipe the launcher writes to (a spare learner waits on it)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log_file = open(log_path, "ab")  # a restarted child's log goes on after its previous life's
         full_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
-        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=stdin,
                                    env=full_env, start_new_session=True, cwd=cwd)
         child = Child(name, list(argv), dict(env or {}), log_path, process=process, log_file=log_file)
         self.children[name] = child
@@ -98,8 +100,7 @@ class Children:
     def restart(self, name: str, extra_args: tuple[str, ...] = ()) -> Child:
         """Start a child again with the arguments it had, plus `extra_args`."""
         old = self.children[name]
-        argv = old.argv + [a for a in extra_args if a not in old.argv]
-        return self.start(name, argv, old.env)
+        return self.start(name, with_extra(old.argv, extra_args), old.env)
 
     def running(self, prefix: str = "") -> list[Child]:
         return [c for n, c in self.children.items() if n.startswith(prefix) and c.returncode is None]
@@ -124,6 +125,11 @@ class Children:
                 _signal(child, signal.SIGKILL)
                 child.process.wait()
             child.log_file.close()
+
+
+def with_extra(argv: list[str], extra_args: tuple[str, ...]) -> list[str]:
+    """A restarted child's command line: the one it had, plus those of `extra_args` it lacks."""
+    return argv + [a for a in extra_args if a not in argv]
 
 
 def _signal(child: Child, sig: int) -> None:

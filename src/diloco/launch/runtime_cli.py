@@ -200,6 +200,10 @@ def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-after", type=float, default=2.0, metavar="S",
                    help="seconds from a kill to the restart (default 2)")
     p.add_argument("--shards", type=int, default=1, metavar="N", help="syncer shard processes (default 1)")
+    p.add_argument("--spares", type=int, default=4, metavar="N",
+                   help="pre-started spare learners, imported and waiting: a restarted learner is one of them, "
+                        "so its restart costs a join and a step, not a Python start; with any, also a spare "
+                        "shard process for a killed shard (default 4; 0: fresh starts)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/chaos-TIME)")
     add_http_auth_argument(p)
 
@@ -210,8 +214,8 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
     from diloco.launch.chaos import run_chaos
 
     config = runtime_config(args)
-    if min(args.kill_learners, args.kill_syncer) < 0 or args.restart_after < 0:
-        raise DilocoError("--kill-learners, --kill-syncer and --restart-after must be zero or positive")
+    if min(args.kill_learners, args.kill_syncer, args.spares) < 0 or args.restart_after < 0:
+        raise DilocoError("--kill-learners, --kill-syncer, --spares and --restart-after must be zero or positive")
     configured = security_from_args(args, role="both")
     check_http_auth(args, configured)
     out = output_folder(Path(args.out) if args.out else Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -221,7 +225,8 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
     with sigterm_as_interrupt():  # as Ctrl-C: the launcher running stops its children in order
         result = run_chaos(config, config_args(args), out, kill_learners=args.kill_learners,
                            kill_syncer=args.kill_syncer, seed=args.seed, restart_after_s=args.restart_after,
-                           shards=args.shards, security=security, env=secret_env, http_auth=args.http_auth)
+                           shards=args.shards, spares=args.spares, security=security, env=secret_env,
+                           http_auth=args.http_auth)
     clean, faulty = result["clean"], result["faulty"]
     table = Table(title=f"diloco chaos: {len(result['kills'])} kills, seed {args.seed}")
     for column in ("", "fault-free", "with kills", "target"):

@@ -1,5 +1,7 @@
 """Crashes and recovery in the simulator: a process dies with its step in progress and unpushed
-progress, comes back after its recovery time, and rejoins from Θ and its own checkpoint."""
+progress, comes back after its recovery time, and rejoins from Θ and its own checkpoint: its optimizer,
+data position and step (`core/recovery.py`) and its own unpushed progress (`core/own_progress.py`), as
+the real learner does."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import copy
 import torch
 
 from diloco.core.events import LearnerRejoined
+from diloco.core.own_progress import export_progress, resume_progress
 from diloco.core.recovery import restore_plan
 from diloco.sim.learners import Checkpoint, SimLearner
 from diloco.sim.sim_events import Crash, Recover, StateArrives
@@ -23,7 +26,8 @@ class CrashRecovery(SimState):
 
     def _save_checkpoint(self, learner: SimLearner) -> None:
         r = learner.replica
-        learner.checkpoint = Checkpoint(copy.deepcopy(r.optimizer.state_dict()), r.sampler.state_dict(), r.steps)
+        own = export_progress(learner.core) if learner.core is not None else None
+        learner.checkpoint = Checkpoint(copy.deepcopy(r.optimizer.state_dict()), r.sampler.state_dict(), r.steps, own)
 
     def _on_crash(self, event: Crash) -> None:
         """The process dies: its step in progress and its unpushed progress are gone. The syncer finds
@@ -122,6 +126,17 @@ class CrashRecovery(SimState):
         if plan.steps:
             r.steps = ckpt.steps
         learner.core = self._learner_core(learner, versions=versions, step=r.steps)
+        self._resume_own_progress(learner)
+
+    def _resume_own_progress(self, learner: SimLearner) -> None:
+        """Its checkpoint's unpushed progress back on top of Θ where `core/own_progress.usable` allows, as a
+        real learner does at its join; what it resumes was not lost. The shard has taken (or will: the link
+        delivers it) every push the learner sent, so a push in flight at the checkpoint is never carried again."""
+        own = learner.checkpoint.own if learner.checkpoint is not None else None
+        outcome = resume_progress(learner.core, own, learner.sent_seqs, self.config.failures.resume)
+        for p, why in outcome.items():
+            if why is None:
+                learner.lost_tokens[p] -= own["fragments"][p]["tokens"]
 
     def _mark_down_until_now(self, learner: SimLearner) -> None:
         if learner.down_since is not None:

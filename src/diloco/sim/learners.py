@@ -13,11 +13,13 @@ from diloco.virtual_run.step_timer import StepTimer, Waiting
 
 @dataclass
 class Checkpoint:
-    """What a learner saves of its own: inner-optimizer state, data position, step count."""
+    """What a learner saves of its own: inner-optimizer state, data position, step count, and the progress
+    no push has carried yet (`core/own_progress.export_progress`; None before its core exists)."""
 
     optimizer: dict[str, Any]
     data: dict[str, Any]
     steps: int
+    own: dict[str, Any] | None = None
 
 
 @dataclass
@@ -47,6 +49,8 @@ class SimLearner(Waiting):
     """The syncer said the shared budget is spent: the learner finishes at the end of this step."""
     crashes: int = 0
     last_seq: int = 0
+    sent_seqs: dict[int, int] = field(default_factory=dict)
+    """Per fragment, the last push it sent: a push on the link reaches the syncer even if its sender dies."""
     lost_tokens: list[int] = field(default_factory=list)
     checkpoint: Checkpoint | None = None
 
