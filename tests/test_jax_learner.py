@@ -9,16 +9,17 @@ the ledger and the learner's params exactly as a torch learner would.
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import serving_shard, tiny_config
 from diloco.client.learner_client import Learner
 from diloco.errors import DilocoError
 from diloco.models.gpt import GPT, GPTConfig
-from diloco.shard.server import ShardPlan, SyncerShard, serve
+from diloco.shard.server import SyncerShard
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
@@ -41,21 +42,9 @@ CFG = GPTConfig(vocab_size=VOCAB, context=SEQ, layers=1, width=32, heads=2)
 @pytest.fixture
 def syncer():
     """Start a syncer shard on a free port; yields start(*overrides) -> (shard, address); always stopped."""
-    started = []
-
-    def start(*overrides: str) -> tuple[SyncerShard, str]:
-        shard = SyncerShard(tiny_config("strategy=decoupled", "outer.H=5", "outer.fragments=3",
-                                        "train.tokens=100000000", *overrides), ShardPlan(0, 1, ("",)))
-        server, port = serve(shard, "127.0.0.1:0", workers=8)
-        address = f"127.0.0.1:{port}"
-        shard.plan = ShardPlan(0, 1, (address,))
-        started.append((server, shard))
-        return shard, address
-
-    yield start
-    for server, shard in started:
-        server.stop(0)
-        shard.stop()
+    with ExitStack() as stack:
+        yield lambda *overrides: stack.enter_context(serving_shard(
+            "strategy=decoupled", "outer.H=5", "outer.fragments=3", "train.tokens=100000000", *overrides, workers=8))
 
 
 def torch_gpt(cfg: GPTConfig = CFG, seed: int = 0) -> GPT:

@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import TINY as TINY_SETS, child_env, free_port_for_torchrun, tiny_config
-from diloco.shard.server import ShardPlan, SyncerShard, serve
+from conftest import TINY as TINY_SETS, child_env, free_port_for_torchrun, serving_shard, tiny_config
 
 WORKER = Path(__file__).parent / "workers" / "sharded_learner.py"
 STEPS, BATCH, SEQ, FRAGMENTS = 16, 4, 16, 3
@@ -64,17 +63,9 @@ def launch(world: int, *args: str, out: Path, timeout_s: float = TIMEOUT_S, comm
 @pytest.fixture
 def syncer():
     """A decoupled syncer for one learner, with a short period so that several merges happen."""
-    shard = SyncerShard(tiny_config("learners.count=1", "strategy=decoupled", "outer.H=4",
-                                    f"outer.fragments={FRAGMENTS}", "train.tokens=100000000"),
-                        ShardPlan(0, 1, ("",)))
-    server, port = serve(shard, "127.0.0.1:0", workers=8)
-    address = f"127.0.0.1:{port}"
-    shard.plan = ShardPlan(0, 1, (address,))
-    try:
-        yield shard, address
-    finally:
-        server.stop(0)
-        shard.stop()
+    with serving_shard("learners.count=1", "strategy=decoupled", "outer.H=4", f"outer.fragments={FRAGMENTS}",
+                       "train.tokens=100000000", workers=8) as started:
+        yield started
 
 
 @pytest.mark.parametrize("sharding,world,device", [
@@ -193,19 +184,11 @@ def test_the_builtin_learner_trains_a_sharded_model(sharding, world, tmp_path):
     """`python -m diloco.learner` under a process group with train.sharding: every rank trains its share,
     synchronous DiLoCo's rounds close with this learner, every token is merged once per fragment, and the
     checkpoint is DCP's (a folder, a sealed sidecar per rank)."""
-    config = tiny_config(*BUILTIN)
-    shard = SyncerShard(config, ShardPlan(0, 1, ("",)))
-    server, port = serve(shard, "127.0.0.1:0", workers=8)
-    address = f"127.0.0.1:{port}"
-    shard.plan = ShardPlan(0, 1, (address,))
     sets = [x for item in [*TINY_SETS, *BUILTIN, f"train.sharding={sharding}"] for x in ("--set", item)]
-    try:
+    with serving_shard(*BUILTIN, workers=8) as (shard, address):
         codes, logs, _ = launch(world, out=tmp_path, command=[
             sys.executable, "-m", "diloco.learner", "--syncer", address, "--id", "0", "--out", str(tmp_path),
             "-q", *sets])
-    finally:
-        server.stop(0)
-        shard.stop()
     assert codes == [0] * world, logs[0][-3000:]
     report = json.loads((tmp_path / "learners" / "learner-0.json").read_text())
     tokens = report["tokens"]
