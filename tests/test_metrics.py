@@ -104,3 +104,24 @@ def test_asking_for_a_sink_that_is_not_installed_fails_clearly(tmp_path, monkeyp
 def test_a_metric_kind_outside_the_catalog_is_refused():
     with pytest.raises(ValueError, match="unknown metric kind"):
         MetricsLog([]).record("learnr", 0.0, tokens=1)
+
+
+def test_learner_lives_split_at_each_start_even_a_life_of_one_step(tmp_path):
+    """A resumed life counts tokens from zero but steps on from its checkpoint: a life that trained one
+    step before it was killed shows no fall in either counter, and only its `start` record ends the life
+    before it (a torn last line is skipped, as a kill leaves it)."""
+    from diloco.metrics.records import learner_lives
+
+    def learner(tokens: int, steps: int) -> dict:
+        return {"kind": "learner", "learner": 3, "tokens": tokens, "steps": steps}
+
+    lines = [{"kind": "start", "learner": 3, "steps": 0}, learner(1024, 1), learner(2048, 2),
+             {"kind": "start", "learner": 3, "steps": 2}, learner(1024, 3),
+             {"kind": "start", "learner": 3, "steps": 3}, learner(1024, 4), learner(2048, 5)]
+    path = tmp_path / "learner-3.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"kind": "learn')
+    lives = learner_lives(tmp_path)
+    assert [(life["tokens"], life["steps"]) for life in lives[3]] == [(2048, 2), (1024, 3), (2048, 5)]
+    # Without start records (an older file), a fall in the counters still ends a life.
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines if line["kind"] == "learner"))
+    assert [(life["tokens"], life["steps"]) for life in learner_lives(tmp_path)[3]] == [(2048, 2), (2048, 5)]

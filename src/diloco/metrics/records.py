@@ -77,15 +77,27 @@ def records_of(path: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def learner_lives(metrics: Path) -> dict[int, list[dict[str, Any]]]:
-    """Per learner, the last record of each life (a restart starts its counters from zero)."""
+    """Per learner, the last `learner` record of each life. A life begins at its `start` record (written
+    with its first step) or, in files without them, where the counters fall (a restart counts its tokens
+    from zero; a resumed one keeps counting steps, so a life of one step shows no fall)."""
     lives: dict[int, list[dict[str, Any]]] = {}
     for path in sorted(metrics.glob("learner-*.jsonl")):
-        records = records_of(path, "learner")
-        ends = []
-        for i, record in enumerate(records):
-            nxt = records[i + 1] if i + 1 < len(records) else None
-            if nxt is None or nxt["tokens"] < record["tokens"] or nxt["steps"] < record["steps"]:
-                ends.append(record)
-        if records:
-            lives[records[0]["learner"]] = ends
+        ends: list[dict[str, Any]] = []
+        current: dict[str, Any] | None = None
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the line a kill cut short
+            kind = record.get("kind")
+            if kind == "start" and current is not None:
+                ends.append(current)
+                current = None
+            elif kind == "learner":
+                if current is not None and (record["tokens"] < current["tokens"] or record["steps"] < current["steps"]):
+                    ends.append(current)
+                current = record
+                lives.setdefault(record["learner"], ends)
+        if current is not None:
+            ends.append(current)
     return lives
