@@ -1,12 +1,11 @@
 """A JAX learner's own checkpoint: the torch learner's file, checks and writer, its optax state converted
 bit for bit. A learner killed mid-run and restarted resumes exactly what its checkpoint saved (optax state,
 step, data position; its unpushed progress on top of Θ) and nothing is counted twice; a damaged or
-foreign checkpoint is refused in one line and the learner takes Θ without its own state."""
+foreign checkpoint stops the learner in one line, as it stops a torch learner."""
 
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import torch
 from conftest import TINY, child_env, tiny_config, wait_for
 from diloco.client.builtin_loop import Standalone, _data_shard, _learner_state
 from diloco.client.checkpoints import read_checkpoint, snapshot, write_checkpoint
+from diloco.errors import DilocoError
 from diloco.materials import prepare
 from diloco.metrics.records import learner_lives, records_of
 from diloco.shard.server import ShardPlan, SyncerShard, serve
@@ -106,8 +106,9 @@ def saved_state() -> dict:
 
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
-def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line_and_theta_taken(tmp_path, caplog, damage,
-                                                                                 saved_state):
+def test_a_damaged_or_foreign_checkpoint_stops_the_learner_in_one_line_and_changes_nothing(tmp_path, damage,
+                                                                                           saved_state):
+    """As a torch learner does: the line names the file, why, and what to do (delete it to take Θ)."""
     config = tiny_config(*SETTINGS)
     path = tmp_path / "learner-0.pt"
     state = copy.deepcopy(saved_state)
@@ -119,10 +120,10 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line_and_theta_taken(
         flip_a_byte(path)
     restarting = replica(config)
     before = restarting.opt_state
-    with caplog.at_level(logging.WARNING, logger="diloco.learner"):
-        assert _checked(path, config, 0, True, restarting, None) is None
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "diloco.learner"]
-    assert "\n" not in line and expected in line and str(path) in line and "takes Θ" in line
+    with pytest.raises(DilocoError) as refused:
+        _checked(path, config, 0, True, restarting, None)
+    line = str(refused.value)
+    assert "\n" not in line and expected in line and str(path) in line and "delete it" in line
     assert restarting.opt_state is before and restarting.steps == 0
 
 

@@ -175,13 +175,9 @@ def train_jax_learner(life: JaxLife, *, out: Path | None = None, stop: threading
 
 def _checked(path: Path | None, config: Config, m: int | None, syncing: bool, replica: JaxReplica,
              seal: bytes | None) -> dict[str, Any] | None:
-    """Learner m's checkpoint, checked as the torch learner's is (`_saved_state`) and its optax state
-    leaf for leaf; one refused is said in one line, and the learner takes Θ without its own state."""
-    try:
-        saved = _saved_state(path, config, m, syncing, replica, seal)  # type: ignore[arg-type]
-        if saved is not None:
-            replica.optimizer.converted(saved["optimizer"], path)
-        return saved
-    except DilocoError as exc:
-        log.warning("%s; this learner takes Θ without its own state", exc)
-        return None
+    """Learner m's checkpoint, checked as the torch learner's is (`_saved_state`: a damaged or foreign
+    one stops the learner in one line, as it stops a torch learner) and its optax state leaf for leaf."""
+    saved = _saved_state(path, config, m, syncing, replica, seal)  # type: ignore[arg-type]
+    if saved is not None:
+        replica.optimizer.converted(saved["optimizer"], path)
+    return saved
