@@ -238,15 +238,22 @@ def test_every_links_bytes_are_its_learners_bytes():
 
 @pytest.mark.integration
 def test_a_regional_outage_crashes_its_learners_until_it_ends_and_spares_the_others():
-    config = tiny_config(inline(TWO_BY_TWO), "failures.outages=[{region = \"away\", at_s = 2, duration_s = 3}]",
-                         "failures.recovery_s=30")
-    result = simulate(config)
-    home, away = result.per_learner[:2], result.per_learner[2:]
-    assert [r.crashes for r in home] == [0, 0] and [r.down_s for r in home] == [0, 0]
-    for r in away:
-        # Down for the outage (not recovery_s), then Θ's download over the WAN; back and finished.
-        assert r.crashes == 1 and 3 <= r.down_s < 4 and r.tokens_lost > 0
-    assert result.tokens_merged + result.tokens_stale + result.tokens_lost == pytest.approx(result.tokens)
+    """Taking Θ alone, the away region's learners lose what they had not pushed; resuming their own
+    progress (the default), they lose no more than that."""
+    lost = {}
+    for resume in ("theta", "own"):
+        config = tiny_config(inline(TWO_BY_TWO), "failures.outages=[{region = \"away\", at_s = 2, duration_s = 3}]",
+                             "failures.recovery_s=30", f"failures.resume={resume}")
+        result = simulate(config)
+        home, away = result.per_learner[:2], result.per_learner[2:]
+        assert [r.crashes for r in home] == [0, 0] and [r.down_s for r in home] == [0, 0]
+        for r in away:
+            # Down for the outage (not recovery_s), then Θ's download over the WAN; back and finished.
+            assert r.crashes == 1 and 3 <= r.down_s < 4
+        lost[resume] = [r.tokens_lost for r in away]
+        assert result.tokens_merged + result.tokens_stale + result.tokens_lost == pytest.approx(result.tokens)
+    assert all(t > 0 for t in lost["theta"])
+    assert all(own <= theta for own, theta in zip(lost["own"], lost["theta"])), lost
 
 
 @pytest.mark.integration
