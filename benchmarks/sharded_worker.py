@@ -137,6 +137,7 @@ def main() -> None:
               "join_s": join_s, "peak_rss_bytes": peak, "rss_bytes": rss, "meta_init": meta,
               "rss_growth_bytes": max(0, rss_bytes() - rss_floor) if rss_floor else 0,
               "peak_staging_bytes": getattr(ranks, "peak_staging_bytes", 0),
+              "peak_gathered_bytes": getattr(ranks, "peak_gathered_bytes", {}),
               "bytes_between_ranks": getattr(ranks, "bytes_between_ranks", 0), "anchor_bytes": anchors,
               "bytes_up": report.get("bytes_up", 0), "bytes_down": report.get("bytes_down", 0),
               "merges": report.get("merges", 0)}

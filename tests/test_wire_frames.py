@@ -110,3 +110,31 @@ def test_a_snapshot_of_theta_is_sent_from_its_own_memory_and_reads_back_exactly(
         {n: bytes(e.payload) for n, e in encode_fp32(theta).items()}  # the same bytes as the copying encoder
     for name, value in theta.items():
         assert torch.equal(decode(encoded[name]), value.detach().to(torch.float32))
+
+
+def test_seeding_sends_state_frames_bytes_taking_one_value_at_a_time():
+    """Init's frames are made lazily (the header from shapes, each value taken as its data is due) and are
+    the very bytes the eager encoder sends: `diloco.v1` is unchanged."""
+    from diloco.transport.wire_messages import seed_frames, state_frames
+
+    theta = {"a": torch.randn(300, 1000), "b": torch.randn(7, dtype=torch.bfloat16), "c": torch.randn(2, 3, 4)}
+    layout = [pb.FragmentLayout(index=0, tensors=[pb.TensorSpec(name=n, shape=list(t.shape)) for n, t in theta.items()])]
+    taken: list[str] = []
+
+    class Lazy:
+        def __init__(self, name: str) -> None:
+            self.name, self.shape = name, theta[name].shape
+
+        def detach(self) -> torch.Tensor:
+            taken.append(self.name)
+            return theta[self.name]
+
+    frames = seed_frames({n: Lazy(n) for n in theta}, layout)
+    first = next(frames)
+    assert taken == [] and [t.name for t in first.state.tensors] == list(theta)  # the header takes no value
+    ours = [first.SerializeToString()]
+    for frame in frames:
+        ours.append(frame.SerializeToString())
+        assert len(taken) <= 1 + len(ours)  # values are taken as their frames are made, not before
+    assert taken == list(theta)
+    assert ours == [f.SerializeToString() for f in state_frames(theta, layout)]
