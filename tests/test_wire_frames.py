@@ -118,7 +118,8 @@ def test_seeding_sends_state_frames_bytes_taking_one_value_at_a_time():
     from diloco.transport.wire_messages import seed_frames, state_frames
 
     theta = {"a": torch.randn(300, 1000), "b": torch.randn(7, dtype=torch.bfloat16), "c": torch.randn(2, 3, 4)}
-    layout = [pb.FragmentLayout(index=0, tensors=[pb.TensorSpec(name=n, shape=list(t.shape)) for n, t in theta.items()])]
+    layout = [pb.FragmentLayout(index=0, tensors=[pb.TensorSpec(name=n, shape=list(t.shape))
+                                                  for n, t in theta.items()])]
     taken: list[str] = []
 
     class Lazy:

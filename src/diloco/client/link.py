@@ -264,9 +264,10 @@ class ClientLink:
     def _encode_loop(self) -> None:
         """Encode pushes in order and put every event on its way (a push on its shard's, others on all)."""
         while (event := self._outbox.get()) is not None:
-            due, item = self._encoded(event)
+            item = self._encoded(event)
             del event  # a push's tensors are let go once encoded, before it is queued (see `drain`)
-            self._wire.put(due, item)
+            self._wire.put(*item)
+            del item  # and its bytes once delivered, not when the next event comes
         self._wire.close()
 
     def _encoded(self, event: UpEvent) -> tuple[float, tuple[UpEvent, Any]]:
