@@ -150,6 +150,7 @@ def memory_and_speed(args: argparse.Namespace) -> dict[str, Any]:
             "rss_growth_over_fragment": max(x["rss_growth_bytes"] for x in reports) / fragment,
             "peak_rss_max_bytes": max(x["peak_rss_bytes"] for x in reports),
             "peak_rss_rank0_bytes": reports[0]["peak_rss_bytes"],
+            "peak_rss_joined_rank0_bytes": reports[0].get("peak_rss_joined_bytes"),
             "peak_rss_other_ranks_bytes": max(x["peak_rss_bytes"] for x in others),
             "rss_stages_rank0": reports[0].get("rss_bytes"), "rss_stages_rank1": others[0].get("rss_bytes"),
             "meta_init": reports[0].get("meta_init", False),
@@ -247,6 +248,9 @@ def show(results: dict[str, Any]) -> None:
         if "peak_rss_rank0_bytes" in row:
             table.add_row(f"{key} peak RSS rank 0 / other ranks (MiB)", f"{row['peak_rss_rank0_bytes'] / mib:.0f} / "
                           f"{row['peak_rss_other_ranks_bytes'] / mib:.0f}", "")
+        if row.get("peak_rss_joined_rank0_bytes"):
+            table.add_row(f"{key} peak RSS rank 0 through joining (MiB)",
+                          f"{row['peak_rss_joined_rank0_bytes'] / mib:.0f}", "")
         table.add_row(f"{key} anchors per rank (MiB)", f"{row['anchor_bytes_per_rank'] / mib:.1f}", "")
         table.add_row(f"{key} join s", f"{row['join_s']:.2f}", "")
         if "speed_ratio" in row:
