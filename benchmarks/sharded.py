@@ -2,15 +2,16 @@
 equivalence with DDP learners, and a mixed run.
 
     python benchmarks/sharded.py [--steps N] [--width W] [--layers L] [--parts memory,equal,mixed]
-                                 [--meta-init] [--out FILE]
+                                 [--worlds 2,4] [--meta-init] [--out FILE]
 
 (the 101M-parameter memory measurement: --parts memory --width 1024 --layers 8 --steps 8 --meta-init)
 
 Every learner rank is a benchmarks/sharded_worker.py process; each run's syncer is one shard served in
 this process. Parts, all in one invocation:
   memory  one FSDP learner of W = 2 and W = 4 ranks, a GPT of ≥ 20M parameters in 8 fragments (decoupled):
-          per rank, the sync boundary's staging peak (what rank 0 gathers of one fragment; answers are
-          scattered into buffers of one rank's rows), the RSS growth after the first step (everything
+          per rank, the sync boundary's staging peak (the gathered tensors alive at once at rank 0, per
+          phase: seeding the shard, training, leaving; answers are scattered into buffers of one rank's
+          rows), the RSS growth after the first step (everything
           syncing holds on the host, the client link's encoded pushes and decoded answers included), and the
           anchors (each rank's rows only), the peak (VmHWM) of rank 0 and of the other ranks, and the
           resident memory by stage. Target: staging ≤ 1.5 × the largest fragment in fp32; the per-rank
@@ -134,7 +135,7 @@ def loss_of(theta: dict[str, torch.Tensor], width: int, layers: int, seq: int = 
 
 def memory_and_speed(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, Any] = {}
-    for world in (2, 4):
+    for world in args.worlds:
         r = run([(world, "fsdp")], "decoupled", 8, args, args.width, args.layers, meta_init=args.meta_init)
         reports = r["reports"]
         others = [x for x in reports if x["rank"] != 0]
@@ -144,10 +145,12 @@ def memory_and_speed(args: argparse.Namespace) -> dict[str, Any]:
             "largest_fragment_bytes": fragment,
             "staging_peak_bytes": max(x["peak_staging_bytes"] for x in reports),
             "staging_over_fragment": max(x["peak_staging_bytes"] for x in reports) / fragment,
+            "gathered_peak_rank0_bytes": reports[0].get("peak_gathered_bytes", {}),
             "rss_growth_max_bytes": max(x["rss_growth_bytes"] for x in reports),
             "rss_growth_over_fragment": max(x["rss_growth_bytes"] for x in reports) / fragment,
             "peak_rss_max_bytes": max(x["peak_rss_bytes"] for x in reports),
             "peak_rss_rank0_bytes": reports[0]["peak_rss_bytes"],
+            "peak_rss_joined_rank0_bytes": reports[0].get("peak_rss_joined_bytes"),
             "peak_rss_other_ranks_bytes": max(x["peak_rss_bytes"] for x in others),
             "rss_stages_rank0": reports[0].get("rss_bytes"), "rss_stages_rank1": others[0].get("rss_bytes"),
             "meta_init": reports[0].get("meta_init", False),
@@ -209,6 +212,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=576)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--parts", default="memory,equal,mixed")
+    p.add_argument("--worlds", default="2,4", type=lambda text: [int(w) for w in text.split(",")],
+                   help="memory: the learner sizes measured")
     p.add_argument("--meta-init", action="store_true",
                    help="memory: build each rank's model on the meta device and fill its own rows only")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sharded.json")
@@ -235,11 +240,17 @@ def show(results: dict[str, Any]) -> None:
         mib = 2 ** 20
         table.add_row(f"{key} params / fragments", f"{row['parameters'] / 1e6:.1f}M / {row['fragments']}", "≥20M / ≥8")
         table.add_row(f"{key} staging peak / largest fragment", f"{row['staging_over_fragment']:.2f}", "≤ 1.5")
+        for phase, held in row.get("gathered_peak_rank0_bytes", {}).items():
+            table.add_row(f"{key} rank 0 gathered at once, {phase} / largest fragment",
+                          f"{held / row['largest_fragment_bytes']:.2f}", "≤ 1")
         table.add_row(f"{key} RSS growth / largest fragment", f"{row['rss_growth_over_fragment']:.2f}", "")
         table.add_row(f"{key} peak RSS per rank (MiB)", f"{row['peak_rss_max_bytes'] / mib:.0f}", "falls with W")
         if "peak_rss_rank0_bytes" in row:
             table.add_row(f"{key} peak RSS rank 0 / other ranks (MiB)", f"{row['peak_rss_rank0_bytes'] / mib:.0f} / "
                           f"{row['peak_rss_other_ranks_bytes'] / mib:.0f}", "")
+        if row.get("peak_rss_joined_rank0_bytes"):
+            table.add_row(f"{key} peak RSS rank 0 through joining (MiB)",
+                          f"{row['peak_rss_joined_rank0_bytes'] / mib:.0f}", "")
         table.add_row(f"{key} anchors per rank (MiB)", f"{row['anchor_bytes_per_rank'] / mib:.1f}", "")
         table.add_row(f"{key} join s", f"{row['join_s']:.2f}", "")
         if "speed_ratio" in row:

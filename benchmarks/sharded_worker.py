@@ -104,6 +104,7 @@ def main() -> None:
                                                 connect_timeout_s=60, tokens_per_step=args.batch * args.seq)
     join_s = time.monotonic() - began
     rss["joined"] = rss_bytes()
+    joined_peak = peak_rss_bytes()  # the high-water mark through joining (seeding the shard included)
     generator = torch.Generator().manual_seed(1000 * args.id + rank)
     rss_floor, step_times = 0, []
     started = time.monotonic()
@@ -134,9 +135,11 @@ def main() -> None:
               "fragments": len(core.fragments) if core else 0, "largest_fragment_bytes": fragment,
               "steps": steps, "tokens": steps * args.batch * args.seq, "train_s": train_s,
               "tokens_per_s": steps * args.batch * args.seq * world / train_s if train_s else 0.0,
-              "join_s": join_s, "peak_rss_bytes": peak, "rss_bytes": rss, "meta_init": meta,
+              "join_s": join_s, "peak_rss_bytes": peak, "peak_rss_joined_bytes": joined_peak, "rss_bytes": rss,
+              "meta_init": meta,
               "rss_growth_bytes": max(0, rss_bytes() - rss_floor) if rss_floor else 0,
               "peak_staging_bytes": getattr(ranks, "peak_staging_bytes", 0),
+              "peak_gathered_bytes": getattr(ranks, "peak_gathered_bytes", {}),
               "bytes_between_ranks": getattr(ranks, "bytes_between_ranks", 0), "anchor_bytes": anchors,
               "bytes_up": report.get("bytes_up", 0), "bytes_down": report.get("bytes_down", 0),
               "merges": report.get("merges", 0)}

@@ -214,3 +214,20 @@ def test_heartbeats_reach_the_shards_in_the_queue_or_beside_it(monkeypatch, orde
     finally:
         link.close()
     assert shard.reports[0] == (5, 1, ())
+
+
+def test_a_push_is_let_go_once_encoded_and_drain_waits_until_it_is_delivered():
+    """The link keeps a push's bytes, not its tensors, until it is delivered; `drain` returns once every
+    push sent is delivered (a sharded learner leaving gathers its next push only then)."""
+    import weakref
+
+    shard = FakeShard(unavailable=2)  # delivered on the third try
+    link, _ = open_link(shard)
+    sent = push(1)
+    freed = []
+    weakref.finalize(sent.deltas["w"].untyped_storage(), freed.append, True)
+    link.send(PushOut(sent))
+    del sent
+    assert link.drain(10.0) and shard.pushes == [1]
+    assert freed == [True]
+    link.close()

@@ -110,6 +110,11 @@ def test_sharded_learner_trains_against_a_syncer(syncer, sharding, world, model,
     assert set(shard.core.theta) == set(params)
     if sharding != "ddp":
         assert reports[0]["bytes_between_ranks"] > 0
+        # Seeding the shard (this learner is the run's first) and leaving (every fragment's last push) gather
+        # one tensor, or one fragment, at a time at rank 0: never more than the largest fragment alive at once.
+        peaks, fragment = reports[0]["peak_gathered_bytes"], reports[0]["largest_fragment_bytes"]
+        assert set(peaks) >= {"join", "finish"} and 0 < peaks["join"] <= fragment and 0 < peaks["finish"] <= fragment, \
+            (peaks, fragment)
 
 
 @pytest.mark.parametrize("bad,words", [("tp", "Shard(dim=1)"), ("mixed", "mixed meshes"),

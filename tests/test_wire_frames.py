@@ -110,3 +110,79 @@ def test_a_snapshot_of_theta_is_sent_from_its_own_memory_and_reads_back_exactly(
         {n: bytes(e.payload) for n, e in encode_fp32(theta).items()}  # the same bytes as the copying encoder
     for name, value in theta.items():
         assert torch.equal(decode(encoded[name]), value.detach().to(torch.float32))
+
+
+def _layout(theta: dict) -> list:
+    return [pb.FragmentLayout(index=0, tensors=[pb.TensorSpec(name=n, shape=list(t.shape)) for n, t in theta.items()])]
+
+
+def test_seeding_sends_state_frames_bytes_taking_one_value_at_a_time():
+    """Init's frames are made lazily (the header from shapes, each value taken as its data is due) and are
+    the very bytes the eager encoder sends: `diloco.v1` is unchanged."""
+    from diloco.transport.wire_messages import seed_frames, state_frames
+
+    theta = {"a": torch.randn(300, 1000), "b": torch.randn(7, dtype=torch.bfloat16), "c": torch.randn(2, 3, 4)}
+    layout = _layout(theta)
+    taken: list[str] = []
+
+    class Lazy:
+        def __init__(self, name: str) -> None:
+            self.name, self.shape = name, theta[name].shape
+
+        def detach(self) -> torch.Tensor:
+            taken.append(self.name)
+            return theta[self.name]
+
+    frames = seed_frames({n: Lazy(n) for n in theta}, layout)
+    first = next(frames)
+    assert taken == [] and [t.name for t in first.state.tensors] == list(theta)  # the header takes no value
+    ours = [first.SerializeToString()]
+    for frame in frames:
+        ours.append(frame.SerializeToString())
+        assert len(taken) <= 1 + len(ours)  # values are taken as their frames are made, not before
+    assert taken == list(theta)
+    assert ours == [f.SerializeToString() for f in state_frames(theta, layout)]
+
+
+class _Seeded(pb_grpc.SyncerServicer):
+    def __init__(self) -> None:
+        self.tensors: dict = {}
+
+    def Init(self, request_iterator, context):  # noqa: N802
+        _, tensors = read_message(iter(request_iterator), "state", limit=1 << 30)
+        self.tensors = {n: bytes(e.payload) for n, e in tensors.items()}
+        return pb.InitReply(accepted=True)
+
+
+def test_init_seeds_lazily_and_a_failure_taking_a_value_is_raised_as_itself():
+    """`ShardClient.init` takes each value as its frames are made on gRPC's request thread (a sharded
+    learner's rank 0 gathers it there); a value that cannot be taken ends the call with its own error,
+    not gRPC's word for a cancelled call."""
+    from diloco.errors import DilocoError
+    from diloco.transport.calls import ShardClient
+
+    theta = {"a": torch.randn(4, 3), "b": torch.randn(5)}
+    layout = _layout(theta)
+
+    class Failing:
+        shape = theta["b"].shape
+
+        def detach(self) -> torch.Tensor:
+            raise DilocoError("a rank of this learner stopped answering during sync (gone)")
+
+    servicer = _Seeded()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    add_syncer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    client = ShardClient.__new__(ShardClient)
+    client.address, client.stub = f"127.0.0.1:{port}", syncer_stub(channel)
+    try:
+        assert client.init(layout, theta)
+        assert servicer.tensors == {n: bytes(e.payload) for n, e in encode_fp32(theta).items()}
+        with pytest.raises(DilocoError, match="stopped answering during sync"):
+            client.init(layout, {"a": theta["a"], "b": Failing()})
+    finally:
+        channel.close()
+        server.stop(None)

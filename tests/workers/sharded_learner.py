@@ -154,6 +154,8 @@ def train(args: argparse.Namespace, out: Path) -> None:
         done += 1
     report = learner.close()
     report["local_steps"] = done
+    report["largest_fragment_bytes"] = max(sum(learner.params[n].numel() for n in f.names) * 4
+                                           for f in learner.fragments)
     module = getattr(model, "module", model)  # under DDP
     whole = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in module.named_parameters()}
     if rank == 0:

@@ -105,9 +105,11 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
             _check_layout(list(shard_reply.layout), [fragments[p] for p in owned], params, client.address)
         else:
             layout = [fragment_layout(fragments[p], params) for p in owned]
-            values = {n: params[n].detach() for p in owned for n in fragments[p].names}
-            # A shard that dies mid-Init restarts unseeded: seeding it again (or finding it seeded by
-            # another learner meanwhile, which the pull's layout check covers) is always safe.
+            # Taken (`.detach()`: a sharded learner's rank 0 gathers it) one tensor at a time as Init's
+            # frames are made, never all at once. A shard that dies mid-Init restarts unseeded: seeding it
+            # again (or finding it seeded by another learner meanwhile, which the pull's layout check
+            # covers) is always safe.
+            values = {n: params[n] for p in owned for n in fragments[p].names}
             with_retries(lambda c=client, v=values, lay=layout: c.init(lay, v), what="init")
         last_seq = max(last_seq, shard_reply.last_seq)
         last_seqs.update({p: shard_reply.last_seq for p in owned})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +36,8 @@ from diloco.core.own_progress import ResumePolicy, export_progress, resume_progr
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment, embedding_names, partition
 from diloco.client.joining import Joined, ShardLink, join_run
-from diloco.client.link import (Arrival, ClientLink, HeartbeatOut, LeaveOut, LinkHandlers, LinkShape, ProgressOut,
-                                PushOut, ShardWays, UpEvent, bytes_by_home)
+from diloco.client.link import (CLOSE_BOUND_S, Arrival, ClientLink, HeartbeatOut, LeaveOut, LinkHandlers, LinkShape,
+                                ProgressOut, PushOut, ShardWays, UpEvent, bytes_by_home)
 from diloco.transport.wire_messages import spec_of
 from diloco.client.param_shards import is_sharded
 from diloco.client.collective_bound import BOUND
@@ -263,17 +263,21 @@ class Learner:
         if error is not None:
             raise DilocoError(f"learner {self.id}: syncing failed: {error}") from error
 
-    def _feed(self, event: LearnerEvent) -> list[LearnerAction]:
+    def _feed(self, event: LearnerEvent) -> Iterable[LearnerAction]:
         return self.ranks.feed(event, clock.now())
 
-    def _carry_out(self, actions: list[LearnerAction]) -> bool:
-        """Send what the core says to send, in order; True if it says to wait before the next step."""
+    def _carry_out(self, actions: Iterable[LearnerAction]) -> bool:
+        """Send what the core says to send, in order; True if it says to wait before the next step. Taken in
+        one pass: a sharded learner gathers each push only as it is reached (`ShardedRanks.feed`)."""
+        wait = False
         for action in actions:
             if isinstance(action, SendPush):
                 self._send(action.push)
             elif isinstance(action, SendProgress):  # behind this step's pushes, on the same link
                 self.link.send(ProgressOut(action.progress))
-        return any(isinstance(action, WaitFor) for action in actions)
+            wait = wait or isinstance(action, WaitFor)
+            del action  # a gathered push is let go here, before the next is gathered
+        return wait
 
     def _hand_over(self) -> None:
         """What came back since the last step: refused pushes, then answers the link has delivered."""
@@ -296,7 +300,7 @@ class Learner:
                 self._carry_out(self._feed(Tick()))  # an answer overdue past its bound is given up
             self._raise_if_failed()
 
-    def _take(self, arrival: Arrival) -> list[LearnerAction]:
+    def _take(self, arrival: Arrival) -> Iterable[LearnerAction]:
         self.staging.wait_in_training(arrival.ready)
         return self._feed(UpdateArrived(arrival.update))
 
@@ -315,6 +319,8 @@ class Learner:
         self.wall_s = clock.monotonic() - self.started
         BOUND.relax()  # leaving, the last evaluation and checkpoint may part the ranks for longer than a step
         self.push_gate.lift()  # the last pushes go at once; the last checkpoint follows them
+        if isinstance(self.ranks, ShardedRanks):  # one fragment gathered at rank 0 at a time, each sent first
+            self.ranks.leaving(self._settle if self.link is not None else None)
         if self.ranks.leader:  # may merge answers that have arrived
             self._lead(lambda: self._carry_out(self._feed(Finished())))
         else:
@@ -323,6 +329,11 @@ class Learner:
             self.link.send(LeaveOut(finished))
             self.link.close()
         return self.report()
+
+    def _settle(self) -> None:
+        """Leaving: the last push sent has left (for at most what the other ranks wait at a gather)."""
+        if not self.link.drain(min(CLOSE_BOUND_S, BOUND.floor() / 2)):
+            log.warning("learner %d: a last push is still on its way; gathering the next one anyway", self.id)
 
     def report(self) -> dict[str, Any]:
         wall = getattr(self, "wall_s", clock.monotonic() - self.started)
@@ -338,4 +349,5 @@ class Learner:
                 "peak_message_bytes_up": self.up.peak_message_bytes, "join_s": getattr(self, "join_s", None),
                 **by_home,
                 "bytes_between_ranks": getattr(self.ranks, "bytes_between_ranks", 0),
-                "peak_staging_bytes": getattr(self.ranks, "peak_staging_bytes", 0)}
+                "peak_staging_bytes": getattr(self.ranks, "peak_staging_bytes", 0),
+                "peak_gathered_bytes": getattr(self.ranks, "peak_gathered_bytes", {})}

@@ -24,7 +24,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
 
 import torch
@@ -199,6 +199,9 @@ class ClientLink:
         self._give_up = threading.Event()
         self._threads: list[threading.Thread] = []
         self._senders: list[threading.Thread] = []
+        self._unsent = 0
+        """Events sent and not yet delivered (`drain`)."""
+        self._delivered = threading.Condition()
 
     def start(self, handlers: LinkHandlers, name: str) -> None:
         """Start the threads, named after `name` ("learner", "uplink")."""
@@ -216,7 +219,15 @@ class ClientLink:
 
     def send(self, event: UpEvent) -> None:
         """Carry `event` up, after every event sent before it."""
+        with self._delivered:
+            self._unsent += 1
         self._outbox.put(event)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every event sent so far is delivered (a push's tensors and bytes let go), for at
+        most `timeout_s`; False if it did not happen (the syncer away, or the link broken)."""
+        with self._delivered:
+            return self._delivered.wait_for(lambda: self._unsent == 0 or self.error is not None, timeout_s)
 
     def close(self) -> None:
         """Deliver what is queued (for at most `CLOSE_BOUND_S` while the syncer does not answer), then stop."""
@@ -245,44 +256,58 @@ class ClientLink:
                     log.exception("%s: %s failed", self.who, threading.current_thread().name)
                     self.error = exc
                     self._wire.close()  # a broken link goes silent
+                    with self._delivered:
+                        self._delivered.notify_all()
                     self.handlers.failed(exc)
         return run
 
     def _encode_loop(self) -> None:
         """Encode pushes in order and put every event on its way (a push on its shard's, others on all)."""
         while (event := self._outbox.get()) is not None:
-            if isinstance(event, PushOut):
-                push = event.push
-                self.handlers.release(push.seq)
-                with self.landing.side(event.ready):  # encoded on the device, then copied to the host
-                    encoded = self.handlers.encode(push.deltas)
-                header = push_header(self.sender, push, encoded)
-                way = self.up.to(self.shard_of[push.fragment].index)
-                self._wire.put(way.send(message_bytes(encoded)), (event, (header, encoded)))
-            elif isinstance(event, ProgressOut):
-                self._wire.put(self.up.send_to_all(event.progress.wire_bytes()), (event, None))
-            elif isinstance(event, LeaveOut):
-                self._wire.put(self.up.send_to_all(MESSAGE_HEADER_BYTES), (event, None))
-            else:  # a heartbeat in order: behind the reports sent before it
-                self._wire.put(self.up.send_to_all(0), (event, None))
+            item = self._encoded(event)
+            del event  # a push's tensors are let go once encoded, before it is queued (see `drain`)
+            self._wire.put(*item)
+            del item  # and its bytes once delivered, not when the next event comes
         self._wire.close()
+
+    def _encoded(self, event: UpEvent) -> tuple[float, tuple[UpEvent, Any]]:
+        """When `event` arrives over its way, and what is delivered then: a push encoded, without its tensors."""
+        if isinstance(event, PushOut):
+            push = event.push
+            self.handlers.release(push.seq)
+            with self.landing.side(event.ready):  # encoded on the device, then copied to the host
+                encoded = self.handlers.encode(push.deltas)
+            header = push_header(self.sender, push, encoded)
+            way = self.up.to(self.shard_of[push.fragment].index)
+            return way.send(message_bytes(encoded)), (PushOut(replace(push, deltas={})), (header, encoded))
+        if isinstance(event, ProgressOut):
+            return self.up.send_to_all(event.progress.wire_bytes()), (event, None)
+        if isinstance(event, LeaveOut):
+            return self.up.send_to_all(MESSAGE_HEADER_BYTES), (event, None)
+        return self.up.send_to_all(0), (event, None)  # a heartbeat in order: behind the reports sent before it
 
     def _deliver_loop(self) -> None:
         while (item := self._wire.get()) is not None:
-            event, payload = item
-            if isinstance(event, PushOut):
-                self._deliver_push(event.push, *payload)
-            elif isinstance(event, ProgressOut):
-                p = event.progress
-                self._tell(p.tokens, p.step, p.step_time_s, p.due_in_s)
-            elif isinstance(event, HeartbeatOut):
-                self._tell(event.tokens, event.step)
-            else:
-                for shard in self.shards:
-                    try:
-                        with_retries(lambda: shard.client.leave(self.sender, finished=event.finished), what="leave")
-                    except SyncerUnavailable as exc:
-                        log.warning("%s: could not announce leaving: %s", self.who, exc)
+            self._deliver(*item)
+            del item  # let go before `drain` hears of it
+            with self._delivered:
+                self._unsent -= 1
+                self._delivered.notify_all()
+
+    def _deliver(self, event: UpEvent, payload: Any) -> None:
+        if isinstance(event, PushOut):
+            self._deliver_push(event.push, *payload)
+        elif isinstance(event, ProgressOut):
+            p = event.progress
+            self._tell(p.tokens, p.step, p.step_time_s, p.due_in_s)
+        elif isinstance(event, HeartbeatOut):
+            self._tell(event.tokens, event.step)
+        else:
+            for shard in self.shards:
+                try:
+                    with_retries(lambda: shard.client.leave(self.sender, finished=event.finished), what="leave")
+                except SyncerUnavailable as exc:
+                    log.warning("%s: could not announce leaving: %s", self.who, exc)
 
     def _deliver_push(self, push: Push, header: Any, encoded: dict[str, Encoded]) -> None:
         """A shard that restarts comes back with everything it acknowledged: keep trying (the client goes on

@@ -10,7 +10,10 @@ goes over the learner's own process group.
   every rank takes it in the same order at the same `now`, so all cores decide alike; each push's
   slices are gathered at rank 0, one tensor at a time, into the one fragment rank 0 sends. Pushing
   from rank 0 keeps `diloco.v1` unchanged and one learner per island on the syncer's side; the cost
-  is one fragment at rank 0 while it is on its way (docs/runtime.md has the measurement).
+  is one fragment at rank 0 while it is on its way (docs/runtime.md has the measurement). Pushes are
+  gathered only as the driver reaches them (`feed` returns them lazily), and when the learner leaves
+  each waits for the one before to have left (`settle`): its last pushes, one per fragment, never
+  stand whole at rank 0 together. Seeding a shard gathers each tensor as its frames are due.
 
 The leader (rank 0) calls `feed` for each event and `close_step` at the end of a step; every other rank
 calls `follow` meanwhile. A failure on the leader is told to the followers, which raise the same line.
@@ -18,11 +21,13 @@ calls `follow` meanwhile. A failure on the leader is told to the followers, whic
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,14 +39,8 @@ from diloco.core.learner_core import LearnerCore
 from diloco.core.learner_events import LearnerAction, LearnerEvent, PushRefused, SendPush, UpdateArrived
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
-from diloco.client.param_shards import (layout_fingerprint, padded_rows, placement_of, row_pieces,
-                                        rows_per_shard)
-
-
-def collective_error(exc: BaseException) -> DilocoError:
-    """A collective of the learner's own process group failed (a rank died, or did not come in time)."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return DilocoError(f"a rank of this learner stopped answering during sync ({first[:200]})")
+from diloco.client.param_shards import layout_fingerprint, placement_of
+from diloco.client.row_moves import RowMoves, collective_error
 
 
 def sharded_settings_problem(settings: Any) -> str | None:
@@ -142,15 +141,34 @@ class ShardedRanks:
         self.rank, self.world, self.leader = rank, world, rank == 0
         self.core: LearnerCore | None = None
         self.fragments: list[Fragment] = []
-        self.bytes_between_ranks = 0
-        """Bytes of Θ, pushes and answers this rank sent or received over the learner's group."""
-        self.peak_staging_bytes = 0
-        """The most bytes of one fragment this rank's boundary held at once: a push gathered whole at rank 0,
-        or its rows of an answer (what the client link holds of pushes and answers is not counted here)."""
+        self.rows = RowMoves(params, self.placement, self.leader)
         self._before: list[int] = []
         self.gathers = 0
         """Pushes gathered so far (each one fragment, one tensor at a time)."""
+        self.settle: Callable[[], None] | None = None
+        """Rank 0, while leaving: returns once the push before has left (the next is gathered only then)."""
+        self._seeding = threading.Lock()
+        """Seeding gathers run on gRPC's request thread: a retried Init's must not interleave with the
+        call before it, nor with the main thread's messages."""
+        self._joining = False
         self._check_agreement(layout_fingerprint(params, self.placement))
+
+    @property
+    def bytes_between_ranks(self) -> int:
+        """Bytes of Θ, pushes and answers this rank sent or received over the learner's group."""
+        return self.rows.bytes_between_ranks
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        """The most bytes of gathered tensors rank 0 held at once (`row_moves.HeldBytes`: wherever they
+        were, the client link's queue included), or of one fragment's rows a rank received at once."""
+        return max(self.rows.held.peak, self.rows.scatter_peak)
+
+    @property
+    def peak_gathered_bytes(self) -> dict[str, int]:
+        """Per phase ("join": seeding, "train", "finish": the last pushes), the most gathered bytes rank 0
+        held at once."""
+        return dict(self.rows.held.peaks)
 
     def local(self) -> dict[str, torch.Tensor]:
         """This rank's rows of each parameter: views of the live storage, so merges land in the model."""
@@ -180,8 +198,9 @@ class ShardedRanks:
         BOUND.step()
         self._before = list(self.core.anchor_versions)
 
-    def feed(self, event: LearnerEvent, now: float) -> list[LearnerAction]:
-        """Rank 0: hand `event` to every rank's core; its pushes come back whole."""
+    def feed(self, event: LearnerEvent, now: float) -> Iterator[LearnerAction]:
+        """Rank 0: hand `event` to every rank's core; its actions come back in order, each push gathered
+        whole only as the caller reaches it (it must take them all: the other ranks gather with it)."""
         if isinstance(event, UpdateArrived):
             update = event.update
             self._tell(("event", UpdateArrived(replace(update, values={})), now))
@@ -191,7 +210,16 @@ class ShardedRanks:
             self._tell(("event", PushRefused(replace(event.push, deltas={})), now))
         else:
             self._tell(("event", event, now))
-        return [self._gather_push(a) if isinstance(a, SendPush) else a for a in self.core.handle(event, now)]
+        return self._gathered(self.core.handle(event, now))
+
+    def _gathered(self, actions: Iterable[LearnerAction]) -> Iterator[LearnerAction]:
+        """Each push gathered as it is reached, after the one before has left when leaving (`settle`)."""
+        for action in actions:
+            if isinstance(action, SendPush):
+                if self.settle is not None:
+                    self.settle()
+                action = self._gather_push(action)
+            yield action
 
     def close_step(self, stop: bool, error: str | None = None) -> tuple[bool, int]:
         self._tell(("end", stop, error))
@@ -203,6 +231,11 @@ class ShardedRanks:
 
     def _merged(self) -> int:
         return sum(int(a != b) for a, b in zip(self._before, self.core.anchor_versions))
+
+    def leaving(self, settle: Callable[[], None] | None) -> None:
+        """The learner is leaving: its core pushes every fragment at once, and rank 0 gathers each only once
+        `settle` returns (the push before has left), so they never stand whole at rank 0 together."""
+        self.settle, self.rows.held.phase = settle, "finish"
 
     # ------------------------------------------------------------ the followers' side
 
@@ -229,14 +262,21 @@ class ShardedRanks:
     def lead_join(self, join: Callable[[Mapping[str, Any], Callable[[int, dict[str, torch.Tensor]], None]], Any]
                   ) -> Any:
         """Rank 0: run `join(params, take)`: Θ reaches every rank fragment by fragment (`take`), and a
-        shard that must be seeded gets its values gathered at rank 0 (the first learner of a run only)."""
+        shard that must be seeded gets its values gathered at rank 0 one tensor at a time, as its Init
+        frames are made (the first learner of a run only)."""
+        self._joining, self.rows.held.phase = True, "join"
         try:
             joined = join(_GatheringView(self), self._take)
         except BaseException as exc:
-            self._tell(("end", False, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            self._end_join(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             raise
-        self._tell(("end", False, None))
+        self._end_join(None)
         return joined
+
+    def _end_join(self, error: str | None) -> None:
+        with self._seeding:  # after this, a late seeding gather (a failed Init's iterator) refuses
+            self._joining, self.rows.held.phase = False, "train"
+            self._tell(("end", False, error))
 
     def follow_join(self) -> None:
         while True:
@@ -256,8 +296,9 @@ class ShardedRanks:
 
     def _take(self, p: int, values: dict[str, torch.Tensor]) -> None:
         names = list(values)
-        self._tell(("take", names))
-        self._take_into(self._scatter(values, names))
+        with self._seeding:
+            self._tell(("take", names))
+            self._take_into(self._scatter(values, names))
 
     @torch.no_grad()
     def _take_into(self, local: dict[str, torch.Tensor]) -> None:
@@ -265,9 +306,14 @@ class ShardedRanks:
             self.global_params[name].to_local().copy_(value)
 
     def gather_whole(self, name: str) -> torch.Tensor:
-        """Rank 0: one parameter whole (seeding a shard)."""
-        self._tell(("gather", [name]))
-        return self._gather([name])[name]
+        """Rank 0: one parameter whole (seeding a shard), on gRPC's request thread as Init's frames are
+        made; it is let go once encoded."""
+        device = self.global_params[name].device
+        with self._seeding, (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+            if not self._joining:
+                raise DilocoError("seeding after the join ended (an Init call given up)")
+            self._tell(("gather", [name]))
+            return self._gather([name])[name]
 
     # ------------------------------------------------------------ moving rows
 
@@ -285,51 +331,10 @@ class ShardedRanks:
         return SendPush(replace(push, deltas=whole, payload_bytes=nbytes))
 
     def _gather(self, names: list[str], local: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Rank 0 gets each tensor whole, one at a time; the other ranks send their rows."""
-        group, shards, whole = self.placement.shard_group, self.placement.shards, {}
-        if not self.placement.in_first_replica:
-            return whole
-        held = 0
-        for name in names:
-            mine = (local[name] if local is not None else self.global_params[name].to_local()).detach()
-            shape = tuple(self.global_params[name].shape)
-            rows = rows_per_shard(shape[0], shards)
-            padded = padded_rows(mine, rows)
-            out = torch.empty((rows * shards, *shape[1:]), dtype=padded.dtype, device=padded.device) \
-                if self.leader else None
-            try:
-                dist.gather(padded, list(out.split(rows)) if out is not None else None, group=group, group_dst=0)
-            except (RuntimeError, dist.DistBackendError) as exc:
-                raise collective_error(exc) from exc
-            self.bytes_between_ranks += padded.numel() * padded.element_size() * ((shards - 1) if self.leader else 1)
-            if out is not None:
-                whole[name] = out[:shape[0]]
-                held += out.numel() * out.element_size()
-        self.peak_staging_bytes = max(self.peak_staging_bytes, held)
-        return whole
+        return self.rows.gather(names, local)
 
     def _scatter(self, values: Mapping[str, torch.Tensor] | None, names: list[str]) -> dict[str, torch.Tensor]:
-        """Each rank gets its own rows of rank 0's `values` (HSDP: over the first replica's shard group,
-        then from there to the other replicas)."""
-        placement, local, held = self.placement, {}, 0
-        group, shards = placement.shard_group, placement.shards
-        for name in names:
-            param = self.global_params[name]
-            rows = rows_per_shard(param.shape[0], shards)
-            buffer = torch.empty((rows, *param.shape[1:]), dtype=torch.float32, device=param.to_local().device)
-            try:
-                if placement.in_first_replica:
-                    pieces = row_pieces(values[name].to(torch.float32), rows, shards) if self.leader else None
-                    dist.scatter(buffer, pieces, group=group, group_src=0)
-                if placement.hsdp:
-                    dist.broadcast(buffer, group=placement.mesh.get_group(0), group_src=0)
-            except (RuntimeError, dist.DistBackendError) as exc:
-                raise collective_error(exc) from exc
-            self.bytes_between_ranks += buffer.numel() * 4 * ((shards - 1) if self.leader else 1)
-            local[name] = buffer[:param.to_local().shape[0]]
-            held += buffer.numel() * 4
-        self.peak_staging_bytes = max(self.peak_staging_bytes, held)
-        return local
+        return self.rows.scatter(values, names)
 
 
 def _summed(tokens: int, world: int) -> int:

@@ -4,7 +4,8 @@ one-line errors naming the shard."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import grpc
 import torch
@@ -15,7 +16,7 @@ from diloco.errors import DilocoError
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
 from diloco.transport.frames import decode, message_frames, read_message
 from diloco.transport.stream_calls import syncer_stub
-from diloco.transport.wire_messages import fragment_versions, heartbeat_request, state_frames, versions_of
+from diloco.transport.wire_messages import fragment_versions, heartbeat_request, seed_frames, versions_of
 from diloco.v1 import diloco_pb2 as pb
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
@@ -99,8 +100,24 @@ class ShardClient:
         self.act_as(reply.learner)
         return reply
 
-    def init(self, layout: list[pb.FragmentLayout], values: dict[str, torch.Tensor]) -> bool:
-        return self._call("init", self.stub.Init, state_frames(values, layout), timeout=300).accepted
+    def init(self, layout: list[pb.FragmentLayout], values: Mapping[str, Any]) -> bool:
+        """Seed Θ: each value (anything with `.shape` and `.detach()`) is taken and encoded only as its frames
+        are due, on gRPC's request thread (`seed_frames`); a failure there is raised here as it was."""
+        failed: list[Exception] = []
+
+        def frames() -> Iterator:
+            try:
+                yield from seed_frames(values, layout)
+            except Exception as exc:
+                failed.append(exc)
+                raise
+
+        try:
+            return self._call("init", self.stub.Init, frames(), timeout=300).accepted
+        except DilocoError:
+            if failed:
+                raise failed[0] from None
+            raise
 
     def pull(self, learner: int, *, observer: bool = False, after_seq: int = 0, fragments: list[int] = ()
              ) -> tuple[dict[str, torch.Tensor], dict[int, int], list[pb.FragmentLayout]]:

@@ -9,22 +9,23 @@ strategy's spec and takes its core.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterator, Mapping
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from diloco.clock import SYSTEM_CLOCK as clock
-from diloco.codecs import Encoded
+from diloco.codecs import Encoded, get_codec
 from diloco.config import Config
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.core.refusals import ProtocolError
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.strategies import StrategySpec, Wiring, build_strategy
-from diloco.transport.frames import (Frame, FrameError, decode, encode_fp32, encode_snapshot, message_frames,
-                                     tensor_header)
+from diloco.transport.frames import (Frame, FrameError, data_frames, decode, encode_fp32, encode_snapshot,
+                                     message_frames, tensor_header)
 from diloco.v1 import diloco_pb2 as pb
 
 FRAME_LENGTH = struct.Struct("<I")
@@ -178,6 +179,26 @@ def state_frames(values: dict[str, torch.Tensor], layout: list[pb.FragmentLayout
     header = pb.StateHeader(versions=fragment_versions(versions or {}), layout=layout,
                             tensors=[tensor_header(n, e) for n, e in encoded.items()])
     return message_frames(pb.Frame(state=header), encoded)
+
+
+def seed_frames(values: Mapping[str, Any], layout: list[pb.FragmentLayout]) -> Iterator[Frame]:
+    """The first learner's Θ seeding a shard, as `state_frames` sends it (the same bytes), made lazily:
+    the header from the shapes alone (fp32's bytes follow from a shape), then each value taken
+    (`.detach()`), encoded and framed only as its data is due. So a sharded learner's rank 0 gathers
+    one tensor at a time, on the caller's request thread, and lets it go once encoded."""
+    codec = get_codec("fp32")
+    headers = [pb.TensorHeader(name=n, codec="fp32", shape=list(v.shape), payload_bytes=codec.payload_bytes(
+        math.prod(v.shape))) for n, v in values.items()]
+    yield pb.Frame(state=pb.StateHeader(layout=layout, tensors=headers))
+
+    def encoded() -> Iterator[Encoded]:
+        for header, (name, value) in zip(headers, values.items()):
+            out = encode_fp32({name: value})[name]
+            if len(out.payload) != header.payload_bytes or tuple(out.shape) != tuple(header.shape):
+                raise DilocoError(f"tensor {name!r} changed shape while it was sent")
+            yield out
+
+    yield from data_frames(encoded())
 
 
 # ------------------------------------------------------------ the run's settings
