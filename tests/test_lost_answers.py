@@ -145,6 +145,8 @@ def test_answers_lost_when_streams_break_come_again_and_anchors_stay_exact(tmp_p
             assert learner.core.anchor_versions == [shard.core.held_versions[learner.id][p]
                                                     for p in range(len(learner.fragments))]
         assert anchors_checked(shard, learners) >= 1  # ...bit for bit where the shard still has it
+        for learner in learners:  # while the shard still answers: a learner leaving a dead one waits out its bound
+            learner.close()
         shard.stop()
         server.stop(0)
         resumed = SyncerShard(config, ShardPlan(0, 1, (address,)), state_dir=tmp_path, resume=True)
