@@ -13,7 +13,7 @@ Modes:
 - `reshard`: --phase save writes a DCP checkpoint at this world size (and the whole state, whole.pt);
   --phase load, at another world size, checks that the loaded state is exactly that (reshard-W.json).
 - `refuse`: a model the learner cannot sync (--bad tp | mixed | disagree): every rank prints its
-  one-line refusal (REFUSED: ...) and exits with 3.
+  one-line refusal (REFUSED: ...), leaves the process group with the others and exits with 3.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def _whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def refuse(args: argparse.Namespace) -> None:
+def refuse(args: argparse.Namespace) -> int:
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.bad == "disagree":
@@ -266,8 +266,9 @@ def refuse(args: argparse.Namespace) -> None:
         Learner(model, syncer=args.syncer, connect_timeout_s=5)
     except DilocoError as exc:
         print(f"REFUSED: {exc}", flush=True)
-        sys.exit(3)
+        return 3
     print("ACCEPTED", flush=True)
+    return 0
 
 
 def main() -> None:
@@ -294,6 +295,7 @@ def main() -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     args.out.mkdir(parents=True, exist_ok=True)
+    code = 0
     try:
         if args.mode == "exact":
             exact(args, args.out)
@@ -304,12 +306,15 @@ def main() -> None:
         elif args.mode == "reshard":
             reshard(args, args.out)
         else:
-            refuse(args)
+            code = refuse(args)
     except DilocoError as exc:
         print(f"diloco: {exc}", flush=True)
         sys.exit(1)
+    # Every rank leaves the group together, a refusal too: a rank that exits while its peer still holds
+    # the gloo group open can be aborted (SIGABRT) by the group's teardown at interpreter exit.
     dist.barrier()
     dist.destroy_process_group()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
