@@ -8,8 +8,10 @@ Measured in one run, on one device:
   a     a plain loop: the built-in GPT at GPT-2-small size (12 layers, width 768, 12 heads, context
         1024, GPT-2's vocabulary; its embeddings are not tied, so 163M parameters, 124M without the
         output layer), batch 32, bf16 autocast, fused AdamW, torch.compile.
-  b     the same loop as a `diloco.Learner` of a syncer shard in this process (CPU, loopback), with as
-        many fragments as H so that one fragment is pushed and one merged every step.
+  b     the same loop as a `diloco.Learner` of a `diloco syncer` process on the same host (CPU, loopback), with
+        as many fragments as H so that one fragment is pushed and one merged every step
+        (`--shard-in-process` serves the shard from the benchmark's own process instead: its merges then
+        hold the same interpreter as the loop, which no deployment does).
 Step time is the mean over the timed steps (CUDA events around them, one synchronisation at the end);
 MFU = 6 · parameters · tokens per step / step time / the matmul rate (attention's own FLOPs left out,
 as in the usual approximation). Targets: (b)/(a) step time ≤ 1.03; MFU of (a) ≥ 50% of the rate.
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +33,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+SRC = Path(__file__).resolve().parent.parent / "src"
+sys.path.insert(0, str(SRC))
 
 from diloco.config import load_config  # noqa: E402
 from diloco.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -91,12 +97,16 @@ def measure(args, device: torch.device, sync: bool) -> dict:
     shard = server = learner = None
     if sync:
         fragments = args.fragments
-        config = load_config(None, ["learners.count=1", f"outer.fragments={fragments}", f"outer.H={fragments}",
-                                    "outer.tau=1", f"train.batch_size={args.batch}", f"train.seq_len={args.context}",
-                                    f"train.tokens={args.batch * args.context * 10**6}"])
-        shard = SyncerShard(config, ShardPlan(0, 1, ("",)))
-        server, port = serve(shard, "127.0.0.1:0")
-        shard.plan = ShardPlan(0, 1, (f"127.0.0.1:{port}",))
+        sync_settings = ["learners.count=1", f"outer.fragments={fragments}", f"outer.H={fragments}",
+                         "outer.tau=1", f"train.batch_size={args.batch}", f"train.seq_len={args.context}",
+                         f"train.tokens={args.batch * args.context * 10**6}", *args.set]
+        config = load_config(None, sync_settings)
+        if args.shard_in_process:
+            shard = SyncerShard(config, ShardPlan(0, 1, ("",)))
+            server, port = serve(shard, "127.0.0.1:0")
+            shard.plan = ShardPlan(0, 1, (f"127.0.0.1:{port}",))
+        else:
+            server, port = syncer_process(sync_settings)
         learner = Learner(model, syncer=f"127.0.0.1:{port}", learner=0)
         tokens = args.batch * args.context
 
@@ -112,10 +122,31 @@ def measure(args, device: torch.device, sync: bool) -> dict:
     result = {"step_time_s": seconds, "parameters": sum(p.numel() for p in model.parameters())}
     if sync:
         report = learner.close()
-        result.update(merges=report["merges"], pushes=report["pushes"], bytes_up=report["bytes_up"])
-        shard.stop()
-        server.stop(0)
+        result.update(merges=report["merges"], pushes=report["pushes"], bytes_up=report["bytes_up"],
+                      waiting_s=report["waiting_s"], busy_s=report["busy_s"])
+        if shard is not None:
+            shard.stop()
+            server.stop(0)
+        else:
+            server.terminate()
+            server.wait(timeout=60)
     return result
+
+
+def syncer_process(settings: list[str]) -> tuple[subprocess.Popen, int]:
+    """A `diloco syncer` of its own, as in a deployment: its merges share no interpreter with the loop."""
+    folder = Path(tempfile.mkdtemp(prefix="gpu-bench-"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    overrides = [x for setting in settings for x in ("--set", setting)]
+    process = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "--bind", "127.0.0.1:0", "--port-file",
+                                str(folder / "port"), "--out", str(folder / "out"), *overrides], env=env)
+    deadline = time.monotonic() + 120
+    while not (folder / "port").exists() or not (folder / "port").read_text().strip():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            sys.exit(f"the syncer process did not start (exit code {process.returncode})")
+        time.sleep(0.1)
+    return process, int((folder / "port").read_text())
 
 
 def main() -> None:
@@ -126,6 +157,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--fragments", type=int, default=12, help="fragments = H: one pushed per step")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--shard-in-process", action="store_true",
+                        help="serve the syncer shard from this process (its merges then contend with the loop)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the syncing run (e.g. outer.tau=11, codec.up=int4)")
     parser.add_argument("--smoke", action="store_true", help="a tiny run on whatever device there is")
     parser.add_argument("--out", default="benchmarks/results/gpu.json")
     args = parser.parse_args()
@@ -158,6 +193,7 @@ def main() -> None:
     table.add_row("(b) diloco learner", f"{synced['step_time_s'] * 1e3:.1f} ms", f"{synced['tokens_per_s']:,.0f}",
                   f"{synced['tflops']:.1f}", f"{synced['mfu_of_matmul_rate']:.1%}", "")
     table.add_row("(b) / (a) step time", f"{ratio:.3f}", "", "", "", "≤ 1.03")
+    table.add_row("(b) waiting at τ", f"{synced['waiting_s']:.2f} s", f"of {synced['busy_s']:.2f} s busy", "", "", "")
     console.print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
