@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from diloco.cli import main
-from diloco.client.builtin_loop import HANDED_OVER_ENV
+from diloco.process_times import HANDED_OVER_ENV
 from diloco.launch.processes import die_with_parent
 
 

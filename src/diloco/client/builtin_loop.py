@@ -42,15 +42,9 @@ from diloco.status.endpoint import LOOPBACK, HttpExposure
 from diloco.training import Replica, evaluate, resolve_device
 from diloco.transport.security import TransportSecurity
 from diloco.network.shaping import ShapedDirection
+from diloco.process_times import HANDED_OVER_ENV, process_age_s, run_origin
 
 log = logging.getLogger("diloco.learner")
-
-ORIGIN_ENV = "DILOCO_RUN_ORIGIN"
-"""Unix time at which `diloco run` started, for every child's metrics to share one time axis."""
-HANDED_OVER_ENV = "DILOCO_HANDED_OVER_UNIX"
-"""Set in a pre-started spare (`launch/spare.py`) as it becomes a learner: the Unix time the launcher handed
-it over. This life's start metrics count from then: the process itself started long before."""
-
 
 def finish_distributed() -> None:
     """Leave the torchrun process group before exiting: a group still alive when the interpreter ends
@@ -238,6 +232,9 @@ class _Training:
 
     def run(self, last_step: int) -> None:
         replica, sync = self.replica, self.sync
+        learner = syncing_learner(sync)
+        if isinstance(self.writer, CheckpointWriter) and learner is not None and self.rank == 0:
+            learner.before_waiting = lambda: self.writer.save_now(replica.steps, self._state)  # type: ignore[union-attr]
         while replica.steps < last_step and not sync.should_stop:
             self.started = clock.monotonic()
             tokens = replica.train_step()
@@ -255,14 +252,15 @@ class _Training:
                     self.metrics.record("start", learner=self.sync.id, **self.start)
                 self.record(final=False)
                 if isinstance(self.writer, CheckpointWriter):
-                    learner = syncing_learner(sync)
                     waiting = learner is not None and learner.core is not None and \
                         learner.push_gate.pending(learner.core.seq)
-                    self.writer.maybe_save(replica.steps, clock.monotonic() - self.started,
-                                           lambda: _learner_state(_unwrap(replica.model), replica, sync), waiting)
+                    self.writer.maybe_save(replica.steps, clock.monotonic() - self.started, self._state, waiting)
             if isinstance(self.writer, sharded_checkpoints.ShardedWriter) and self.sharded_every and \
                     replica.steps % self.sharded_every == 0:
                 self.writer.save(_unwrap(replica.model), replica)
+
+    def _state(self) -> dict[str, Any]:
+        return _learner_state(_unwrap(self.replica.model), self.replica, self.sync)
 
     def complete(self, report: dict[str, Any], planned_steps: int, resumed_from: int) -> None:
         """The loop's own figures, added to the learner's report at the end."""
@@ -327,29 +325,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
     """The plain module under DDP and torch.compile wrappers."""
     model = getattr(model, "_orig_mod", model)
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (Linux: /proc; elsewhere since this module was imported), or since
-    it was handed over, for a spare that became this learner."""
-    if HANDED_OVER_ENV in os.environ:
-        return max(0.0, clock.now() - float(os.environ[HANDED_OVER_ENV]))
-    try:
-        with open("/proc/self/stat") as f:
-            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return clock.monotonic() - _IMPORTED
-
-
-_IMPORTED = clock.monotonic()
-
-
-def run_origin() -> float:
-    """Time 0 of the run's metrics: the launcher's start when there is one, else now."""
-    return float(os.environ.get(ORIGIN_ENV, clock.now()))
 
 
 def restore_checkpoint(state: dict[str, Any], replica: Replica, world: int, policy: RestorePolicy) -> None:

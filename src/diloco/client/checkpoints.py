@@ -150,6 +150,11 @@ class CheckpointWriter:
         self.saved_step = step
         return True
 
+    def save_now(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
+        """Save at once, after the write in progress: a push waits for this checkpoint and the step for it."""
+        self.save(state)
+        self.saved_step = step
+
     def save(self, state: Callable[[], dict[str, Any]], wait: bool = False) -> None:
         self.wait()  # one write at a time, in order
         began = clock.monotonic()

@@ -88,6 +88,10 @@ class Learner:
         self.own_progress, self.resume_policy = own_progress, resume
         self.push_gate = PushGate()
         """Holds pushes until a checkpoint records them, once the training loop keeps checkpoints."""
+        self.before_waiting: Callable[[], None] | None = None
+        """The loop's checkpoint, taken when a step is to wait for an answer (a synchronous strategy) while
+        the push that answer needs waits for a checkpoint: else the two would wait on each other until
+        the gate's bound let the push go, every round."""
         self.resumed: dict[int, str | None] = {}
         """Per fragment: None where the saved progress was resumed, else why Θ was taken."""
         self.optimizer = optimizer
@@ -239,6 +243,8 @@ class Learner:
         self._carry_out(self._feed(StepDone(tokens, step_time)))
         self._hand_over()
         if self._carry_out(self._feed(Advance(last=self._stop_requested))):
+            if self.before_waiting is not None and self.push_gate.pending(self.core.seq):
+                self.before_waiting()
             self._wait()
 
     def _lead(self, sequence: Callable[[], None]) -> None:
@@ -347,6 +353,7 @@ class Learner:
                 "bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent,
                 "messages_up": self.up.messages, "messages_down": self.down.messages,
                 "peak_message_bytes_up": self.up.peak_message_bytes, "join_s": getattr(self, "join_s", None),
+                "pushes_let_go_by_gate_bound": self.push_gate.let_go,
                 **by_home,
                 "bytes_between_ranks": getattr(self.ranks, "bytes_between_ranks", 0),
                 "peak_staging_bytes": getattr(self.ranks, "peak_staging_bytes", 0),

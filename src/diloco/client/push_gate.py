@@ -23,6 +23,8 @@ class PushGate:
         self._changed = threading.Condition()
         self._written: int | None = None
         """The push number the last written checkpoint records; None: the gate is open (no checkpoints)."""
+        self.let_go = 0
+        """Pushes that left when `GATE_BOUND_S` ran out, not when their checkpoint was written."""
 
     def hold(self) -> None:
         """From now on, pushes wait for their checkpoint."""
@@ -49,4 +51,5 @@ class PushGate:
     def wait(self, seq: int) -> None:
         """Called on the encode thread before push `seq` goes."""
         with self._changed:
-            self._changed.wait_for(lambda: self._written is None or self._written >= seq, timeout=GATE_BOUND_S)
+            if not self._changed.wait_for(lambda: self._written is None or self._written >= seq, timeout=GATE_BOUND_S):
+                self.let_go += 1

@@ -26,7 +26,7 @@ from diloco.materials import prepare
 from diloco.metrics import open_metrics
 from diloco.metrics.records import learner_lives
 from diloco.outputs import write_output, writing
-from diloco.client.builtin_loop import ORIGIN_ENV
+from diloco.process_times import ORIGIN_ENV
 from diloco.transport.ports import read_port_file, wait_for_port
 from diloco.launch.child_reports import learner_outcomes, merge_metrics, report_from_metrics
 from diloco.launch.outages import RegionOutages

@@ -59,7 +59,7 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
-    from diloco.client.builtin_loop import run_origin
+    from diloco.process_times import run_origin
     from diloco.launch.processes import die_with_parent
     from diloco.transport.run_settings import check_shards
     from diloco.shard.regional_shard import RegionTier
