@@ -19,8 +19,9 @@ All in one invocation, on this machine's CPU, fp32:
               params are ready on the device. Also per run: tensors whose device → host copy the staging
               thread made (pushes) and those copied on the training step (merges read them); the training
               thread's time in learner.step per step (wall and its own CPU) and the process's CPU per step,
-              which the other jobs on a shared host do not change as they change tokens/s; and the ratio
-              that time alone gives (step / (step + learner.step)).
+              which other jobs on a shared host move far less than they move tokens/s; and the ratio that
+              time alone gives, step / (step + learner.step), which leaves out what the link's threads
+              and the in-process shard take from the step's cores.
 
 Prints a table per part and writes JSON (default benchmarks/results/frameworks.json).
 """
@@ -189,7 +190,7 @@ def show(console: Console, result: dict[str, Any]) -> None:
     if "throughput" in result:
         table = Table(title=f"JAX learner tokens/s, {result['throughput']['steps']} steps")
         for col in ("without sync", "with sync", "ratio", "merges", "tensors staged / copied on the step",
-                    "learner.step ms (CPU ms) per step", "process CPU ms per step without / with"):
+                    "learner.step ms (CPU) per step", "process CPU ms/step off / on"):
             table.add_column(col)
         for r in result["throughput"]["repeats"]:
             table.add_row(f"{r['tokens_per_s_without_sync']:,.0f}", f"{r['tokens_per_s_with_sync']:,.0f}",
