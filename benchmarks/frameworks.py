@@ -17,7 +17,11 @@ All in one invocation, on this machine's CPU, fp32:
               default H and fragments), and the same compiled loop without syncing, alternated --repeats
               times; tokens/s of each, median ratio (target ≥ 0.95). The clock stops once the last step's
               params are ready on the device. Also per run: tensors whose device → host copy the staging
-              thread made (pushes) and those copied on the training step (merges read them).
+              thread made (pushes) and those copied on the training step (merges read them); the training
+              thread's time in learner.step per step (wall and its own CPU) and the process's CPU per step,
+              which other jobs on a shared host move far less than they move tokens/s; and the ratio that
+              time alone gives, step / (step + learner.step), which leaves out what the link's threads
+              and the in-process shard take from the step's cores.
 
 Prints a table per part and writes JSON (default benchmarks/results/frameworks.json).
 """
@@ -112,20 +116,28 @@ def throughput_part(config: Any, sets: list[str], steps: int, repeats: int) -> d
                                       batch_size=t.batch_size, seed=config.seed), planned_steps=steps)
     replica.compile()
 
-    def loop(learner: JaxLearner | None) -> float:
+    def loop(learner: JaxLearner | None) -> tuple[float, dict[str, float]]:
+        """tokens/s, and what the contention on this host does not change: the training thread's time in
+        `learner.step` (wall and its own CPU) and the whole process's CPU, per step."""
         replica.params, replica.opt_state, replica.steps = (learner.params if learner else initial), \
             replica.jitted.optimizer.init(initial), 0
         for _ in range(3):  # warm: the first steps' allocations
             replica.train_step()
-        began = time.perf_counter()
+        in_step = in_step_cpu = 0.0
+        began, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             tokens = replica.train_step()
             if learner is not None:
+                wall, own = time.perf_counter(), time.thread_time()
                 replica.params = learner.step(replica.params, tokens)
+                in_step, in_step_cpu = in_step + time.perf_counter() - wall, in_step_cpu + time.thread_time() - own
         jax.block_until_ready(replica.params)
-        return steps * t.batch_size * t.seq_len / (time.perf_counter() - began)
+        elapsed = time.perf_counter() - began
+        per_step = {"process_cpu_ms_per_step": 1e3 * (time.process_time() - cpu) / steps,
+                    "sync_ms_per_step": 1e3 * in_step / steps, "sync_cpu_ms_per_step": 1e3 * in_step_cpu / steps}
+        return steps * t.batch_size * t.seq_len / elapsed, per_step
 
-    def synced() -> tuple[float, dict[str, int]]:
+    def synced() -> tuple[float, dict[str, float]]:
         shard_config = load_config(None, [*sets, "strategy=decoupled", "learners.count=1", f"train.tokens={10 ** 12}"])
         shard = SyncerShard(shard_config, ShardPlan(0, 1, ("",)))
         server, port = serve(shard, "127.0.0.1:0", workers=8)
@@ -133,23 +145,27 @@ def throughput_part(config: Any, sets: list[str], steps: int, repeats: int) -> d
         try:
             learner = JaxLearner(initial, syncer=f"127.0.0.1:{port}", order=list(theta),
                                  embeddings=sorted(embedding_names(materials.model)))
-            rate = loop(learner)
+            rate, per_step = loop(learner)
             report = learner.close()
             mirror = learner.mirror
             return rate, {"merges": report["merges"], "pushes": report["pushes"], "staged_to_host": mirror.staged,
-                          "copied_to_host_on_step": mirror.copied_on_step}
+                          "copied_to_host_on_step": mirror.copied_on_step, **per_step}
         finally:
             server.stop(0)
             shard.stop()
 
     rows = []
     for _ in range(repeats):
-        alone = loop(None)
+        alone, alone_cpu = loop(None)
         rate, counts = synced()
         rows.append({"tokens_per_s_without_sync": alone, "tokens_per_s_with_sync": rate, "ratio": rate / alone,
-                     **counts})
+                     "process_cpu_ms_per_step_without_sync": alone_cpu["process_cpu_ms_per_step"], **counts})
     ratio = statistics.median(r["ratio"] for r in rows)
+    sync_ms = statistics.median(r["sync_ms_per_step"] for r in rows)
+    step_ms = statistics.median(1e3 * t.batch_size * t.seq_len / r["tokens_per_s_without_sync"] for r in rows)
     return {"steps": steps, "repeats": rows, "median_ratio": ratio, "ok": ratio >= THROUGHPUT_TARGET,
+            "median_sync_ms_per_step": sync_ms, "median_step_ms_without_sync": step_ms,
+            "ratio_from_training_thread": step_ms / (step_ms + sync_ms),
             "tokens_per_step": t.batch_size * t.seq_len, "H": config.outer.H, "fragments": config.outer.fragments}
 
 
@@ -173,14 +189,20 @@ def show(console: Console, result: dict[str, Any]) -> None:
         console.print(table)
     if "throughput" in result:
         table = Table(title=f"JAX learner tokens/s, {result['throughput']['steps']} steps")
-        for col in ("without sync", "with sync", "ratio", "merges", "tensors staged / copied on the step"):
+        for col in ("without sync", "with sync", "ratio", "merges", "tensors staged / copied on the step",
+                    "learner.step ms (CPU) per step", "process CPU ms/step off / on"):
             table.add_column(col)
         for r in result["throughput"]["repeats"]:
             table.add_row(f"{r['tokens_per_s_without_sync']:,.0f}", f"{r['tokens_per_s_with_sync']:,.0f}",
                           f"{r['ratio']:.3f}", str(r["merges"]),
-                          f"{r['staged_to_host']} / {r['copied_to_host_on_step']}")
+                          f"{r['staged_to_host']} / {r['copied_to_host_on_step']}",
+                          f"{r['sync_ms_per_step']:.2f} ({r['sync_cpu_ms_per_step']:.2f})",
+                          f"{r['process_cpu_ms_per_step_without_sync']:.1f} / {r['process_cpu_ms_per_step']:.1f}")
         console.print(table)
-        console.print(f"median ratio {result['throughput']['median_ratio']:.3f} (target ≥ {THROUGHPUT_TARGET})")
+        tp = result["throughput"]
+        console.print(f"median ratio {tp['median_ratio']:.3f} (target ≥ {THROUGHPUT_TARGET}); from the training "
+                      f"thread's time in learner.step alone ({tp['median_sync_ms_per_step']:.2f} ms on a "
+                      f"{tp['median_step_ms_without_sync']:.1f} ms step): {tp['ratio_from_training_thread']:.3f}")
 
 
 def main() -> None:

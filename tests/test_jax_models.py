@@ -134,6 +134,31 @@ def test_the_host_mirror_copies_only_what_is_read_and_writes_back_only_what_was_
     assert mirror["norm.bias"] is untouched and float(untouched.detach().min()) == 1.0  # read later: copied then
 
 
+def test_the_host_mirror_reads_the_latest_step_and_uploads_merges_as_copies_where_the_leaves_were():
+    """Steps that read nothing leave no trace: a read after several gives the latest step's value, one
+    copy. A merge's upload is a copy (the host tensor written later does not change it) on the trained
+    leaf's device; a pytree of another structure is refused."""
+    order, embeddings = gpt_layout(CFG)
+    params = init_gpt(CFG, seed=0)
+    mirror = HostMirror(params, GPT_NAMES, order, embeddings)
+    for shift in (1.0, 2.0, 3.0):
+        latest = jax.tree_util.tree_map(lambda p, s=shift: p + s, params)
+        mirror.trained(latest)
+    assert float(mirror["norm.bias"].detach().min()) == 3.0 and mirror.copied_to_host == 1
+    qkv = mirror["blocks.0.attn.qkv.weight"]
+    with torch.no_grad():
+        qkv.fill_(7.0)
+    merged = mirror.merged_into(latest, ["blocks.0.attn.qkv.weight"])
+    with torch.no_grad():
+        qkv.fill_(9.0)  # the host tensor moves on (a later merge, a staged push)
+    leaf = merged["blocks"]["0"]["attn"]["qkv"]["weight"]
+    assert bool(jnp.all(leaf == 7.0))
+    assert leaf.sharding == latest["blocks"]["0"]["attn"]["qkv"]["weight"].sharding
+    assert mirror["blocks.0.attn.qkv.weight"] is qkv and mirror.copied_to_host == 2  # current: not read back
+    with pytest.raises(DilocoError, match="changed its structure"):
+        mirror.merged_into({"other": latest}, ["blocks.0.attn.qkv.weight"])
+
+
 def test_learners_frameworks_is_checked_one_per_learner_torch_or_jax():
     config = load_config(None, ['learners.frameworks=["torch","torch","jax","jax"]'])
     assert [config.learners.framework_of(m) for m in range(5)] == ["torch", "torch", "jax", "jax", "torch"]

@@ -2,8 +2,10 @@
 
 `HostMirror` is a mapping Θ name → CPU torch tensor. After each jitted step the device arrays are newer
 than the host copies; a tensor is copied to the host only when the learner's core reads it (to push a
-fragment, or to merge into it), so a step without a push or merge moves nothing. What a merge wrote is
-copied back to the device between steps (`merged_into`). `MirrorModule` shows the mirror to the shared
+fragment, or to merge into it), so a step without a push or merge moves nothing and costs O(1) on the
+training thread: `trained` keeps the new pytree and bumps a generation count, and its leaves are taken
+only when a read needs one. What a merge wrote is copied back to the device between steps (`merged_into`:
+one `device_put` of the merged leaves, the pytree rebuilt around them). `MirrorModule` shows the mirror to the shared
 code as the nn.Module it partitions into fragments: embeddings declared, in Θ's tensor order.
 
 A push's copy is staged off the training step (`stage_pushes`), as the torch learner's is on a GPU: when
@@ -24,12 +26,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import nn
 
-from diloco.jax.name_map import NameMap, path_name
+from diloco.errors import DilocoError
+from diloco.jax.name_map import NameMap
 
 if TYPE_CHECKING:
     from diloco.core.learner_core import LearnerCore
@@ -70,8 +72,16 @@ class HostMirror(Mapping[str, torch.Tensor]):
         self.module = MirrorModule(self.tensors, embeddings)
         # The module wraps each tensor in a Parameter sharing its storage: hand out those.
         self.tensors = dict(self.module.named_parameters())
-        self._device: dict[str, jax.Array] = {}
-        """Names whose device array is newer than the host copy, with that array."""
+        self._tree = jax.tree_util.tree_structure(params)
+        self._slot = {name: i for i, name in enumerate(leaves)}
+        """Θ name → its leaf's index in the flattened pytree."""
+        self._params, self._leaves = params, list(leaves.values())
+        """The latest params and, once a read needed them, their leaves."""
+        self._generation = 0
+        """Steps trained: a host tensor is current while its entry in `_current` equals it."""
+        self._current = dict.fromkeys(self.tensors, 0)
+        self._fetched: dict[int, int] = {}
+        """Fragment → the generation whose device → host copies were started for a read on the step."""
         self.copied_on_step = 0
         """Tensors copied device → host on the training thread (a merge's, a checkpoint's)."""
         self.staged = 0
@@ -97,7 +107,7 @@ class HostMirror(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         self._wait(name)
-        newer = self._device.pop(name, None)
+        newer = self._take(name)
         tensor = self.tensors[name]
         if self._staging is not None and self.stepping and self._fragment_of[name] not in self.core.in_flight:
             self._reads.append((name, newer))  # a push's read
@@ -105,9 +115,32 @@ class HostMirror(Mapping[str, torch.Tensor]):
                 newer.copy_to_host_async()
                 return self._zeros.setdefault(name, torch.zeros_like(tensor, requires_grad=False))
         elif newer is not None:
+            if self._fragment_of:  # the rest of its fragment is read next (a merge)
+                self._fetch(self._fragment_of[name])
             np.copyto(tensor.detach().numpy(), self.names.to_theta(name, newer))
             self.copied_on_step += 1
         return tensor
+
+    def _take(self, name: str) -> jax.Array | None:
+        """`name`'s device array if it is newer than the host copy, which is current from now on."""
+        if self._current[name] == self._generation:
+            return None
+        self._current[name] = self._generation
+        return self._leaves_now()[self._slot[name]]
+
+    def _fetch(self, p: int) -> None:
+        """Start the device → host copies of fragment p's newer tensors at once, not one per read."""
+        if self._fetched.get(p) == self._generation:
+            return
+        self._fetched[p] = self._generation
+        for name in self.core.fragments[p].names:
+            if self._current[name] != self._generation:
+                self._leaves_now()[self._slot[name]].copy_to_host_async()
+
+    def _leaves_now(self) -> list[jax.Array]:
+        if self._leaves is None:
+            self._leaves = self._tree.flatten_up_to(self._params)
+        return self._leaves
 
     @property
     def copied_to_host(self) -> int:
@@ -181,21 +214,31 @@ class HostMirror(Mapping[str, torch.Tensor]):
 
     def trained(self, params: Any) -> None:
         """The training step made `params`: every host copy is now older (copied when next read)."""
-        self._device = self.names.leaves(params)
+        self._params, self._leaves = params, None
+        self._generation += 1
 
     def merged_into(self, params: Any, names: Iterable[str]) -> Any:
-        """`params` with the host values of `names` (what merges wrote) copied onto the device."""
-        wanted = set(names)
+        """`params` with the host values of `names` (what merges wrote) copied onto the device, where
+        their leaves were: one `device_put` for all of them."""
+        wanted = list(names)
         if not wanted:
             return params
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        if tree != self._tree:
+            raise DilocoError(f"the params pytree changed its structure since the learner joined: {tree}")
         for name in wanted:
             self._wait(name)
-        flat, tree = jax.tree_util.tree_flatten_with_path(params)
-        values = []
-        for path, leaf in flat:
-            name = self.names.theta_name(path_name(path))
-            if name in wanted:
-                self._device.pop(name, None)
-                leaf = jnp.array(self.names.from_theta(name, self.tensors[name]), dtype=leaf.dtype, copy=True)
-            values.append(leaf)
-        return jax.tree_util.tree_unflatten(tree, values)
+            self._current[name] = self._generation
+        slots = [self._slot[name] for name in wanted]
+        hosts = [np.array(self.names.from_theta(name, self.tensors[name]), dtype=leaves[i].dtype)  # a copy
+                 for name, i in zip(wanted, slots)]
+        for i, value in zip(slots, jax.device_put(hosts, [self._placement(leaves[i]) for i in slots])):
+            leaves[i] = value
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    @staticmethod
+    def _placement(leaf: Any) -> jax.sharding.Sharding:
+        """Where a merged leaf goes: where the trained one was (a host array's: the default device)."""
+        if isinstance(leaf, jax.Array):
+            return leaf.sharding
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])

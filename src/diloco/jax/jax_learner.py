@@ -87,8 +87,10 @@ class JaxLearner:
 
     def _with_merges(self, params: Any, act: Any) -> Any:
         core = self.learner.core
-        before = list(core.anchor_versions)
+        before, merges = list(core.anchor_versions), self.learner.merges
         act()
+        if self.learner.merges == merges:  # most steps: nothing to copy back
+            return params
         merged = [n for p, (old, new) in enumerate(zip(before, core.anchor_versions)) if old != new
                   for n in core.fragments[p].names]
         return self.mirror.merged_into(params, merged)
