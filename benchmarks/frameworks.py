@@ -13,7 +13,7 @@ All in one invocation, on this machine's CPU, fp32:
               torch, torch, jax, jax: final loss of Θ (mixed within 1% of all-torch is the target) and every
               token accounted (merged + stale + lost = trained, the learners' own counts summing to it).
   throughput  one JAX learner's jitted loop (the default config's model and batch) for --steps steps with
-              a JaxLearner syncing to an in-process syncer shard (strategy decoupled, one learner, the
+              a JaxLearner syncing to a `diloco syncer` process of its own (strategy decoupled, one learner, the
               default H and fragments), and the same compiled loop without syncing, alternated --repeats
               times; tokens/s of each, median ratio (target ≥ 0.95). The clock stops once the last step's
               params are ready on the device. Also per run: tensors whose device → host copy the staging
@@ -21,7 +21,7 @@ All in one invocation, on this machine's CPU, fp32:
               thread's time in learner.step per step (wall and its own CPU) and the process's CPU per step,
               which other jobs on a shared host move far less than they move tokens/s; and the ratio that
               time alone gives, step / (step + learner.step), which leaves out what the link's threads
-              and the in-process shard take from the step's cores.
+              and the syncer process take from the step's cores.
 
 Prints a table per part and writes JSON (default benchmarks/results/frameworks.json).
 """
@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from children import Processes, diloco, tail  # benchmarks/children.py
+from syncer_process import syncer_process  # benchmarks/syncer_process.py
 
 LOSS_TARGET, DELTA_TARGET, RUN_TARGET, THROUGHPUT_TARGET = 1e-5, 1e-3, 0.01, 0.95
 MIXED = ["torch", "torch", "jax", "jax"]
@@ -96,14 +97,12 @@ def throughput_part(config: Any, sets: list[str], steps: int, repeats: int) -> d
     import jax
     import numpy as np
 
-    from diloco.config import load_config
     from diloco.data import ShardSampler
     from diloco.jax.equivalence import flax_params_for
     from diloco.jax.flax_gpt import FlaxGPT
     from diloco.jax.jax_learner import JaxLearner
     from diloco.jax.jax_training import JaxReplica
     from diloco.materials import prepare
-    from diloco.shard.server import ShardPlan, SyncerShard, serve
     from diloco.fragments import embedding_names
 
     t = config.train
@@ -138,11 +137,7 @@ def throughput_part(config: Any, sets: list[str], steps: int, repeats: int) -> d
         return steps * t.batch_size * t.seq_len / elapsed, per_step
 
     def synced() -> tuple[float, dict[str, float]]:
-        shard_config = load_config(None, [*sets, "strategy=decoupled", "learners.count=1", f"train.tokens={10 ** 12}"])
-        shard = SyncerShard(shard_config, ShardPlan(0, 1, ("",)))
-        server, port = serve(shard, "127.0.0.1:0", workers=8)
-        shard.plan = ShardPlan(0, 1, (f"127.0.0.1:{port}",))
-        try:
+        with syncer_process([*sets, "strategy=decoupled", "learners.count=1", f"train.tokens={10 ** 12}"]) as port:
             learner = JaxLearner(initial, syncer=f"127.0.0.1:{port}", order=list(theta),
                                  embeddings=sorted(embedding_names(materials.model)))
             rate, per_step = loop(learner)
@@ -150,9 +145,6 @@ def throughput_part(config: Any, sets: list[str], steps: int, repeats: int) -> d
             mirror = learner.mirror
             return rate, {"merges": report["merges"], "pushes": report["pushes"], "staged_to_host": mirror.staged,
                           "copied_to_host_on_step": mirror.copied_on_step, **per_step}
-        finally:
-            server.stop(0)
-            shard.stop()
 
     rows = []
     for _ in range(repeats):

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,14 +30,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-SRC = Path(__file__).resolve().parent.parent / "src"
-sys.path.insert(0, str(SRC))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from diloco.config import load_config  # noqa: E402
 from diloco.models.gpt import GPT, GPTConfig  # noqa: E402
 from diloco.client.learner_client import Learner  # noqa: E402
 from diloco.shard.server import ShardPlan, SyncerShard, serve  # noqa: E402
 from diloco.training import make_optimizer  # noqa: E402
+from syncer_process import syncer_process  # noqa: E402 - benchmarks/syncer_process.py
 
 GPT2_VOCAB = 50257
 
@@ -106,7 +103,8 @@ def measure(args, device: torch.device, sync: bool) -> dict:
             server, port = serve(shard, "127.0.0.1:0")
             shard.plan = ShardPlan(0, 1, (f"127.0.0.1:{port}",))
         else:
-            server, port = syncer_process(sync_settings)
+            server = syncer_process(sync_settings)
+            port = server.__enter__()
         learner = Learner(model, syncer=f"127.0.0.1:{port}", learner=0)
         tokens = args.batch * args.context
 
@@ -128,25 +126,8 @@ def measure(args, device: torch.device, sync: bool) -> dict:
             shard.stop()
             server.stop(0)
         else:
-            server.terminate()
-            server.wait(timeout=60)
+            server.__exit__(None, None, None)
     return result
-
-
-def syncer_process(settings: list[str]) -> tuple[subprocess.Popen, int]:
-    """A `diloco syncer` of its own, as in a deployment: its merges share no interpreter with the loop."""
-    folder = Path(tempfile.mkdtemp(prefix="gpu-bench-"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    overrides = [x for setting in settings for x in ("--set", setting)]
-    process = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "--bind", "127.0.0.1:0", "--port-file",
-                                str(folder / "port"), "--out", str(folder / "out"), *overrides], env=env)
-    deadline = time.monotonic() + 120
-    while not (folder / "port").exists() or not (folder / "port").read_text().strip():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            sys.exit(f"the syncer process did not start (exit code {process.returncode})")
-        time.sleep(0.1)
-    return process, int((folder / "port").read_text())
 
 
 def main() -> None:
