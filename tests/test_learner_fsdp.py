@@ -127,10 +127,12 @@ def test_sharded_learner_trains_against_a_syncer(syncer, sharding, world, model,
     assert set(shard.core.theta) == set(params)
     if sharding != "ddp":
         assert reports[0]["bytes_between_ranks"] > 0
-        # Seeding the shard (this learner is the run's first) and leaving (every fragment's last push) gather
-        # one tensor, or one fragment, at a time at rank 0: never more than the largest fragment alive at once.
+        # Joining (seeding the shard: this learner is the run's first; then pulling Θ, each fragment decoded
+        # whole at rank 0 before it is scattered) and leaving (every fragment's last push) hold one tensor,
+        # or one fragment, at a time at rank 0: never more than the largest fragment alive at once. The pull
+        # holds the largest fragment whole once (all of it, and nothing beside it).
         peaks, fragment = reports[0]["peak_gathered_bytes"], reports[0]["largest_fragment_bytes"]
-        assert set(peaks) >= {"join", "finish"} and 0 < peaks["join"] <= fragment and 0 < peaks["finish"] <= fragment, \
+        assert set(peaks) >= {"join", "finish"} and peaks["join"] == fragment and 0 < peaks["finish"] <= fragment, \
             (peaks, fragment)
 
 
