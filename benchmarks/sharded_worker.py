@@ -14,7 +14,6 @@ import os
 import resource
 import sys
 import time
-import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from diloco.client.learner_client import Learner
-from diloco.client.param_shards import rows_per_shard, shard_model
+from diloco.client.param_shards import shard_model
+from diloco.client.sharded_build import build_sharded
 from diloco.models.gpt import GPT, GPTConfig
 
 VOCAB = 256
@@ -52,22 +52,6 @@ def peak_rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def init_own_rows(model: torch.nn.Module) -> None:
-    """A model built on the meta device and sharded: each rank fills only its own rows (one whole tensor at
-    a time, seeded by name: every rank and every world size gets the same weights), so no rank ever holds
-    the whole model. The GPT's init: normal(0, 0.02) matrices and embeddings, ones and zeros for norms and
-    biases (its scaled residual init aside: this is the memory benchmark's model)."""
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            local = p.to_local()
-            full = torch.zeros(p.shape) if name.endswith("bias") else torch.ones(p.shape) if p.dim() == 1 else \
-                torch.empty(p.shape).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
-            index = p.device_mesh.get_coordinate()[-1]
-            rows = rows_per_shard(p.shape[0], p.device_mesh.size(p.device_mesh.ndim - 1))
-            local.copy_(full[index * rows: index * rows + local.shape[0]])
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--syncer")
@@ -80,23 +64,26 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--meta-init", action="store_true", help="sharded: build on the meta device, fill own rows only")
+    p.add_argument("--meta-init", action="store_true",
+                   help="sharded: build on the meta device, fill own rows only (client/sharded_build.py)")
     args = p.parse_args()
     torch.set_num_threads(1)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    torch.manual_seed(0)
     rss = {"start": rss_bytes()}
     meta = args.meta_init and distributed and args.sharding != "ddp"
-    with torch.device("meta" if meta else "cpu"):
-        model = GPT(GPTConfig(vocab_size=VOCAB, context=args.seq, layers=args.layers, width=args.width, heads=4,
-                              dropout=0.0))
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=VOCAB, context=args.seq, layers=args.layers, width=args.width, heads=4,
+                             dropout=0.0))
+
+    # --meta-init: built as the built-in learner builds a sharded model, each rank filling only its rows.
+    model = build_sharded(build, args.sharding, world) if meta else build()
     parameters = sum(t.numel() for t in model.parameters())
-    model = shard_model(model, args.sharding, world) if distributed else model
-    if meta:
-        init_own_rows(model)
+    model = shard_model(model, args.sharding, world) if distributed and not meta else model
     rss["model"] = rss_bytes()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     began = time.monotonic()

@@ -84,6 +84,23 @@ def test_sharded_push_and_merge_equal_unsharded_bit_for_bit(sharding, world, dev
     assert result["anchor_elements_rank0"] <= result["model_elements"] / shards * 1.1, result
 
 
+@pytest.mark.parametrize("sharding,world,model", [("fsdp", 2, "gpt"), ("hsdp", 4, "gpt"), ("fsdp", 2, "hf"),
+                                                 ("fsdp", 2, "masked")])
+def test_a_model_built_sharded_equals_the_whole_model_bit_for_bit(sharding, world, model, tmp_path):
+    """The built-in learner's sharded model, built on the meta device with each rank filling only its rows,
+    gathered, is the model one process builds whole for the same seed (a Hugging Face causal LM too): a
+    sharded learner that seeds Θ seeds the same Θ. A build that cannot be replayed is built whole."""
+    if model == "hf":
+        pytest.importorskip("transformers")
+    codes, logs, _ = launch(world, "build", "--sharding", sharding, "--model", model, out=tmp_path)
+    assert codes == [0] * world, logs[0][-3000:]
+    result = json.loads((tmp_path / "build.json").read_text())
+    assert result["equal"] and result["held"] == ["DTensor"], result
+    assert bool(result["built_whole"]) == (model == "masked"), result
+    if model == "masked":
+        assert "mask is computed by aten.tril" in result["built_whole"][0], result
+
+
 @pytest.mark.parametrize("sharding,world,model", [("fsdp", 2, "gpt"), ("hsdp", 4, "gpt"), ("ddp", 2, "gpt"),
                                                  ("fsdp", 2, "hf")])
 def test_sharded_learner_trains_against_a_syncer(syncer, sharding, world, model, tmp_path):
@@ -110,10 +127,12 @@ def test_sharded_learner_trains_against_a_syncer(syncer, sharding, world, model,
     assert set(shard.core.theta) == set(params)
     if sharding != "ddp":
         assert reports[0]["bytes_between_ranks"] > 0
-        # Seeding the shard (this learner is the run's first) and leaving (every fragment's last push) gather
-        # one tensor, or one fragment, at a time at rank 0: never more than the largest fragment alive at once.
+        # Joining (seeding the shard: this learner is the run's first; then pulling Θ, each fragment decoded
+        # whole at rank 0 before it is scattered) and leaving (every fragment's last push) hold one tensor,
+        # or one fragment, at a time at rank 0: never more than the largest fragment alive at once. The pull
+        # holds the largest fragment whole once (all of it, and nothing beside it).
         peaks, fragment = reports[0]["peak_gathered_bytes"], reports[0]["largest_fragment_bytes"]
-        assert set(peaks) >= {"join", "finish"} and 0 < peaks["join"] <= fragment and 0 < peaks["finish"] <= fragment, \
+        assert set(peaks) >= {"join", "finish"} and peaks["join"] == fragment and 0 < peaks["finish"] <= fragment, \
             (peaks, fragment)
 
 

@@ -12,6 +12,9 @@ Modes:
   a flipped byte in rank 1's file is refused by every rank (refused-R.json).
 - `reshard`: --phase save writes a DCP checkpoint at this world size (and the whole state, whole.pt);
   --phase load, at another world size, checks that the loaded state is exactly that (reshard-W.json).
+- `build`: every rank builds --model as the built-in learner does (`sharded_build.build_sharded`: on the
+  meta device, each rank filling its own rows); rank 0 writes whether the gathered model equals the
+  whole one built on the CPU bit for bit, and whether it was built whole instead (build.json).
 - `refuse`: a model the learner cannot sync (--bad tp | mixed | disagree): every rank prints its
   one-line refusal (REFUSED: ...), leaves the process group with the others and exits with 3.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -127,6 +131,30 @@ def hf_causal_lm() -> torch.nn.Module:
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(config)
+
+
+def masked_gpt() -> torch.nn.Module:
+    """A model whose build cannot be replayed (a buffer computed from another tensor): built whole."""
+    model = tiny_gpt()
+    model.register_buffer("mask", torch.tril(torch.ones(4, 4)))
+    return model
+
+
+def build(args: argparse.Namespace, out: Path) -> None:
+    from diloco.client.sharded_build import build_sharded
+    builder = {"gpt": tiny_gpt, "hf": hf_causal_lm, "masked": masked_gpt}[args.model]
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("diloco.learner").addHandler(handler)
+    model = build_sharded(builder, args.sharding, dist.get_world_size())
+    held = {n: type(t).__name__ for n, t in model.named_parameters()}
+    values = {n: _whole(t) for n, t in model.state_dict().items()}  # full_tensor: a collective, every rank
+    if dist.get_rank() == 0:
+        reference = builder().state_dict()
+        (out / "build.json").write_text(json.dumps({
+            "equal": values.keys() == reference.keys() and all(torch.equal(values[n], reference[n]) for n in values),
+            "built_whole": [m for m in said if "whole" in m], "held": sorted(set(held.values()))}))
 
 
 def loss_of(model: torch.nn.Module, x: torch.Tensor, hf: bool) -> torch.Tensor:
@@ -273,10 +301,10 @@ def refuse(args: argparse.Namespace) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["exact", "train", "refuse", "checkpoint", "reshard"])
+    parser.add_argument("mode", choices=["exact", "train", "refuse", "checkpoint", "reshard", "build"])
     parser.add_argument("--phase", choices=["save", "load"], default="save")
     parser.add_argument("--damage", action="store_true")
-    parser.add_argument("--model", choices=["gpt", "hf"], default="gpt")
+    parser.add_argument("--model", choices=["gpt", "hf", "masked"], default="gpt")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--sharding", default="fsdp")
     parser.add_argument("--syncer", default="127.0.0.1:1")
@@ -305,6 +333,8 @@ def main() -> None:
             checkpoint(args, args.out)
         elif args.mode == "reshard":
             reshard(args, args.out)
+        elif args.mode == "build":
+            build(args, args.out)
         else:
             code = refuse(args)
     except DilocoError as exc:

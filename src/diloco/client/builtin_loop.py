@@ -36,6 +36,8 @@ from diloco.client.collective_bound import floor_s
 from diloco.client.checkpoints import CheckpointWriter, checkpoint_key, read_checkpoint
 from diloco.client.learner_client import HomeLink, Learner, LinkShape
 from diloco.client.param_shards import shard_model
+from diloco.client.sharded_build import build_sharded
+from diloco.models.factory import build_model
 from diloco.transport.ports import report_port
 from diloco.shard.ownership import fragment_owners
 from diloco.status.endpoint import LOOPBACK, HttpExposure
@@ -98,12 +100,11 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     `syncer`, train the same way without syncing (`learner` is then required)."""
     entered = clock.monotonic()
     t = config.train
-    materials = prepare(config)
-    model = materials.model.to(resolve_device(t.device))
     sharding = config.learners.sharding_of(learner, t.sharding)
     sharded = sharding != "ddp" and dist.is_initialized()
-    if sharded:  # before the optimizer and the learner: both take the sharded parameters
-        model = shard_model(model, sharding, dist.get_world_size(), next(model.parameters()).device.type)
+    materials = prepare(config, model=not sharded)  # sharded before the optimizer and learner take it, never whole
+    model = build_sharded(lambda: build_model(config, materials.corpus.vocab_size), sharding, dist.get_world_size(),
+                          resolve_device(t.device)) if sharded else materials.model.to(resolve_device(t.device))
     sharded_checkpoints.refuse_other_kind(_checkpoint_path(config, out, learner, True),
                                           _checkpoint_path(config, out, learner), sharded)
     replica = Replica(model, t, sampler=None, planned_steps=1)  # its shard and plan follow from the id
@@ -304,7 +305,6 @@ def sync_options(config: Config, learner: int | None, emulate_link: bool) -> dic
                                          for home in Topology(config).homes(len(owners))]
     return {"link": link, "tokens_per_step": config.train.batch_size * config.train.seq_len, "homes": homes,
             "owners": owners}
-
 
 
 def _link_shape(config: Config, learner: int | None, home: str | None) -> LinkShape:

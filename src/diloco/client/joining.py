@@ -6,6 +6,7 @@ every shard it joined."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,24 +48,57 @@ class Joined:
 
 
 PULL_STREAMS = 8
-"""Fragments pulled at once, over all shards: enough streams to fill the wire, each one fragment's memory."""
+"""Fragments pulled at once, over all shards: enough streams to fill the wire, each one fragment's memory.
+A learner that takes Θ fragment by fragment (`take`: a sharded learner, which scatters each to its ranks)
+pulls at most the largest fragment's bytes at once instead (`PullBudget`): its rank 0 must not hold what
+8 fragments decode to while it scatters one. That costs it the streams' overlap (measured in
+docs/runtime.md, "Learners larger than one device"); an unsharded learner holds the whole model anyway."""
 Take = Callable[[int, dict[str, torch.Tensor]], None]
+
+
+class PullBudget:
+    """Bytes of Θ pulled and not yet taken, bounded: a pull waits until those in flight leave room for it
+    (one pull may always go). `close` lets every waiting pull go, telling it not to pull."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.used, self.closed = limit, 0, False
+        self._changed = threading.Condition()
+
+    def acquire(self, nbytes: int) -> bool:
+        with self._changed:
+            while not self.closed and self.limit is not None and self.used and self.used + nbytes > self.limit:
+                self._changed.wait()
+            self.used += nbytes
+            return not self.closed
+
+    def release(self, nbytes: int) -> None:
+        with self._changed:
+            self.used -= nbytes
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            self.closed = True
+            self._changed.notify_all()
 
 
 def join_run(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
              partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
-             tokens_per_step: int = 0, owners: Sequence[int] | None = None, take: Take | None = None) -> Joined:
+             tokens_per_step: int = 0, owners: Sequence[int] | None = None, take: Take | None = None,
+             track: Callable[[torch.Tensor], None] | None = None) -> Joined:
     """Join every shard as `learner` (None: the syncer picks, or the one the learner's own credential
     names), declaring `tokens_per_step` (0: not known). Every call after the first join carries the
     joined learner's own credential: the shards bind learner calls to it. `owners`: per fragment, the
     shard this learner's config says owns it (`shard_plan.fragment_owners`); every shard's map must say
     the same (None: the first shard's map, which every other shard's must match). `take`: each fragment's
     Θ is handed to take(fragment, values) on this thread as it arrives (in any order), instead of being
-    collected in `Joined.theta` (a sharded learner spreads it over its ranks: no rank holds Θ whole)."""
+    collected in `Joined.theta` (a sharded learner spreads it over its ranks: no rank holds Θ whole), and
+    at most the largest fragment's bytes are pulled at once; `track` is shown each pulled tensor (a sharded
+    learner counts what rank 0 holds, `row_moves.HeldBytes`)."""
     joined: list[tuple[ShardClient, int]] = []
     try:
         return _join_all(address, learner, timeout_s, host, params, partition, security, joined, tokens_per_step,
-                         owners, take)
+                         owners, take, track)
     except DilocoError:
         for client, me in joined:  # a refused learner must not stay counted as alive
             try:
@@ -78,7 +112,7 @@ def join_run(address: str, learner: int | None, timeout_s: float, host: str, par
 def _join_all(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
               partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
               joined: list[tuple[ShardClient, int]], tokens_per_step: int, owners: Sequence[int] | None,
-              take: Take | None) -> Joined:
+              take: Take | None, track: Callable[[torch.Tensor], None] | None) -> Joined:
     first = ShardClient(address, security)
     first.wait_ready(timeout_s)
     reply = with_retries(lambda: first.join(learner, host, tokens_per_step), what="join")
@@ -117,31 +151,41 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
     theta: dict[str, torch.Tensor] = {}
     versions: dict[int, int] = {}
     started = time.monotonic()
-    for p, values, fragment_versions in pull_theta(shards, me, last_seq, fragments, params):
+    budget = PullBudget(max(f.numel for f in fragments) * 4 if take is not None else None)
+    for p, values, fragment_versions in pull_theta(shards, me, last_seq, fragments, params, budget, track):
         versions.update(fragment_versions)
         if take is not None:
             take(p, values)
         else:
             theta.update(values)
+        del values  # let go before the next fragment's pull: the budget is released as the loop asks for it
     return Joined(me, settings, shards, fragments, theta, versions, last_seq, last_seqs,
                   pull_s=time.monotonic() - started)
 
 
 def pull_theta(shards: list[ShardLink], me: int, last_seq: int, fragments: list[Fragment],
-               params: dict[str, torch.Tensor]):
+               params: dict[str, torch.Tensor], budget: PullBudget | None = None,
+               track: Callable[[torch.Tensor], None] | None = None):
     """(fragment, values, versions) of every fragment of every shard, as each arrives: pull threads feed a
     queue, the caller's thread takes from it. Each fragment is its own pull (a broken transfer resumes
-    with the fragments still missing), with retries; the first failure ends the join."""
+    with the fragments still missing), with retries; the first failure ends the join. A fragment's bytes
+    count against `budget` from before its pull until the caller asks for the next one."""
     arrived: queue.Queue = queue.Queue()
+    budget = budget or PullBudget(None)
 
     def pull(shard: ShardLink, p: int) -> None:
+        if not budget.acquire(fragments[p].numel * 4):
+            return  # the join ended while this pull waited for room
         try:
             values, fragment_versions, layout = with_retries(
                 lambda: shard.client.pull(me, after_seq=last_seq, fragments=[p]), what="pull")
+            for value in values.values() if track is not None else ():
+                track(value)
             # Checked again: another learner may have seeded Θ between our join and our pull.
             _check_layout(layout, [fragments[p]], params, shard.client.address)
             arrived.put((p, values, fragment_versions))
         except BaseException as exc:  # noqa: BLE001 — raised again on the caller's thread
+            budget.release(fragments[p].numel * 4)
             arrived.put(exc)
 
     work = [(shard, p) for shard in shards for p in shard.fragments]
@@ -153,8 +197,12 @@ def pull_theta(shards: list[ShardLink], me: int, last_seq: int, fragments: list[
             item = arrived.get()
             if isinstance(item, BaseException):
                 raise item
+            p = item[0]
             yield item
+            item = None  # the caller is done with this fragment: nothing here holds it while the next arrives
+            budget.release(fragments[p].numel * 4)
     finally:
+        budget.close()
         pool.shutdown(wait=True, cancel_futures=True)
 
 

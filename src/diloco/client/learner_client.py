@@ -176,7 +176,8 @@ class Learner:
                  take: Callable[[int, dict[str, torch.Tensor]], None] | None) -> Joined:
         """Join every shard, seed or check Θ's layout, take Θ, and open this learner's link."""
         joined = join_run(address, learner, timeout_s, host, params, self._partition, self.security,
-                          self.declared_tokens_per_step, self.owners, take=take)
+                          self.declared_tokens_per_step, self.owners, take=take,
+                          track=self.ranks.rows.held.track if isinstance(self.ranks, ShardedRanks) else None)
         self.id, self.settings, self.shards = joined.learner, joined.settings, joined.shards
         self.join_s = joined.pull_s
         if take is not None:
