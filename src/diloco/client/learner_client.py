@@ -42,6 +42,7 @@ from diloco.transport.wire_messages import spec_of
 from diloco.client.param_shards import is_sharded
 from diloco.client.collective_bound import BOUND
 from diloco.client.rank_sync import ReplicatedRanks, ShardedRanks, sharded_settings_problem
+from diloco.client.sharded_progress import agree_over_ranks
 from diloco.client.push_gate import PushGate
 from diloco.client.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
@@ -83,7 +84,9 @@ class Learner:
         the shard the learner's config says owns it; a run whose shards say otherwise is refused (None:
         the shards' own map). `host_params`: the tensors to read and merge into instead of the module's
         own (the JAX learner's host mirror, which copies a tensor from its device when it is read).
-        `own_progress`: what this learner's checkpoint saved of its unpushed progress (`export_progress`), resumed on top of Θ where `resume` and `core/own_progress.usable` allow."""
+        `own_progress`: what this learner's checkpoint saved of its unpushed progress (`export_progress`;
+        a sharded learner: each rank its rows), resumed on top of Θ where `resume` and
+        `core/own_progress.usable` allow."""
         self.model = model
         self.own_progress, self.resume_policy = own_progress, resume
         self.push_gate = PushGate()
@@ -161,12 +164,15 @@ class Learner:
         if self.rank == 0:
             joined = ranks.lead_join(lambda params, take: self._connect(syncer, learner, timeout_s, host, params,
                                                                         take))
-            info = (joined.learner, joined.settings.SerializeToString(), joined.versions, joined.last_seq)
+            info = (joined.learner, joined.settings.SerializeToString(), joined.versions, joined.last_seq,
+                    joined.last_seqs)
         else:
             ranks.follow_join()
-        self.id, settings, versions, last_seq = ranks.end_join(info)
+        self.id, settings, versions, last_seq, last_seqs = ranks.end_join(info)
         self.settings = pb.Settings.FromString(settings)
         self._build(self.settings, self._partition(self.settings.fragments), versions, last_seq, ranks.local())
+        self.resumed = resume_progress(self.core, self.own_progress, last_seqs, self.resume_policy,
+                                       agree=agree_over_ranks)  # each rank its rows, the same fragments
 
     def _connect(self, address: str, learner: int | None, timeout_s: float, host: str, params: Mapping[str, Any],
                  take: Callable[[int, dict[str, torch.Tensor]], None] | None) -> Joined:
@@ -210,7 +216,8 @@ class Learner:
             self.core.resume_at(step)
 
     def own_progress_state(self) -> dict[str, Any] | None:
-        """What a checkpoint keeps to resume this learner's unpushed progress (rank 0; None elsewhere)."""
+        """What a checkpoint keeps to resume this learner's unpushed progress (None on a rank without a core:
+        a replicated learner's other ranks; a sharded learner's ranks each give their rows)."""
         return export_progress(self.core) if self.core is not None else None
 
     def request_stop(self) -> None:
