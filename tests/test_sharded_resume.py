@@ -14,9 +14,13 @@ import pytest
 import torch.distributed as dist
 
 import rank_procs
+from conftest import TINY, serving_shard, wait_for
+from diloco.metrics.records import learner_lives, records_of
+from diloco.state_files import load_checked
 
 PROGRESS = Path(__file__).parent / "workers" / "sharded_progress.py"
 TIMEOUT_S = 120
+TOKENS_PER_RANK_STEP = 4 * 16  # TINY's batch × sequence
 
 pytestmark = [pytest.mark.integration,  # one process per rank
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -60,3 +64,55 @@ def test_a_damaged_progress_checkpoint_is_refused_by_every_rank_with_nothing_cha
         lines = [line for line in log.splitlines() if line.startswith("REFUSED: ")]
         assert len(lines) == 1 and words in lines[0], log[-2000:]
         assert json.loads((tmp_path / f"refused-{rank}.json").read_text()) == {"unchanged": True}
+
+
+SETTINGS = ("learners.count=1", "strategy=decoupled", "outer.H=8", "outer.fragments=2", "train.tokens=3072",
+            "metrics.every_steps=1")
+KILL_AT_STEP = 20
+"""Of the learner's 48 (3072 tokens at 64 per rank and step)."""
+
+
+def _steps(out: Path) -> int:
+    path = out / "metrics" / "learner-0.jsonl"
+    records = records_of(path, "learner") if path.is_file() else []
+    return records[-1]["steps"] if records else 0
+
+
+@pytest.mark.parametrize("sharding,world,resume", [("fsdp", 2, "own"), ("hsdp", 4, "own"), ("fsdp", 2, "theta")])
+def test_a_sharded_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_checkpoint(
+        sharding, world, resume, tmp_path):
+    """Every rank of the built-in learner SIGKILLed at once, mid-run: its restart resumes its DCP checkpoint and,
+    with `own`, every fragment's unpushed progress on top of Θ, which its first pushes carry. The shard's
+    accounting holds per fragment (merged + stale + lost = trained, none twice), and with `own` what is lost
+    is at most what was trained since that checkpoint."""
+    sets = [x for item in [*TINY, *SETTINGS, f"train.sharding={sharding}", f"failures.resume={resume}"]
+            for x in ("--set", item)]
+    argv = [sys.executable, "-m", "diloco.learner", "--syncer", "", "--id", "0", "--out", str(tmp_path), "-q", *sets]
+    with serving_shard(*SETTINGS, workers=8) as (shard, address):
+        argv[argv.index("--syncer") + 1] = address
+        first = rank_procs.start_ranks(world, argv, tmp_path, "first")
+        try:
+            wait_for(lambda: _steps(tmp_path) >= KILL_AT_STEP or any(p.poll() is not None for p in first), 180,
+                     lambda: (tmp_path / "first-0.log").read_text()[-2000:])
+        finally:
+            rank_procs.kill_ranks(first)
+        killed_at = _steps(tmp_path)
+        assert KILL_AT_STEP <= killed_at < 48, (tmp_path / "first-0.log").read_text()[-2000:]
+        checkpointed = load_checked(tmp_path / "checkpoints" / "learner-0.dcp" / "latest", "checkpoint", "")["steps"]
+        codes, logs, _ = rank_procs.launch(world, argv, tmp_path, TIMEOUT_S * 2, "second")
+        assert codes == [0] * world, logs[0][-3000:]
+        wait_for(lambda: shard.finished, 30, "the run to end")
+        entry = shard.report()["ledger"][0]
+    lives = learner_lives(tmp_path / "metrics")[0]
+    assert len(lives) == 2 and lives[0]["steps"] == killed_at
+    trained = sum(life["tokens"] for life in lives)
+    (start,) = [r for r in records_of(tmp_path / "metrics" / "learner-0.jsonl", "start") if r["steps"] > 0]
+    assert start["steps"] == checkpointed <= killed_at
+    assert start["resumed_fragments"] == (2 if resume == "own" else 0)
+    assert entry["duplicates"] == 0
+    since_checkpoint = (killed_at - checkpointed) * world * TOKENS_PER_RANK_STEP
+    for p in range(2):
+        lost = trained - entry["merged"].get(p, 0) - entry["stale"].get(p, 0)
+        assert lost >= 0, (p, lost, entry)  # never more merged than trained
+        if resume == "own":
+            assert lost <= since_checkpoint, (p, lost, since_checkpoint, entry)

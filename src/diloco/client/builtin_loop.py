@@ -135,7 +135,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
                  [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
     resumed_from = replica.steps
     writer = _writer_for(checkpoint, seal, config, sync, sharded)
-    if writer is not None and isinstance(sync, Learner) and rank == 0:
+    if writer is not None and isinstance(sync, Learner) and rank == 0 and not sync.core.wait_for_updates:
         sync.push_gate.hold()  # a push leaves once a checkpoint records it: its progress is never resumed twice
     if world > 1 and not sharded:
         replica.model = shard_model(model, "ddp", world)

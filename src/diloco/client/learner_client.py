@@ -110,6 +110,9 @@ class Learner:
         self.tokens = self.steps = self.merges = 0
         self.busy_s = self.waiting_s = 0.0
         self._stop_requested = False
+        self._stop_shared = False
+        """The stop request every rank ended the last step with (rank 0's link may set `_stop_requested` at
+        any time, on its own thread: a rank that read it mid-step would stop a step before the others)."""
         self._closed = False
         self.core: LearnerCore | None = None
         self.link: ClientLink | None = None
@@ -207,7 +210,7 @@ class Learner:
     @property
     def should_stop(self) -> bool:
         """The run's shared token budget is spent (as the syncer counts it)."""
-        return self._stop_requested
+        return self._stop_shared if self.world > 1 else self._stop_requested
 
     def resume(self, step: int) -> None:
         """The user's loop restored its own checkpoint taken at inner step `step`: the fragment schedule
@@ -258,12 +261,13 @@ class Learner:
             self.ranks.close_step(self._stop_requested, str(exc))
             raise
         stop, merges = self.ranks.close_step(self._stop_requested)
-        self._stop_requested, self.merges = stop, self.merges + merges
+        self._stop_shared, self.merges = stop, self.merges + merges
 
     def _follow(self) -> None:
         self.ranks.open_step()
         stop, merges = self.ranks.follow()
-        self._stop_requested, self.merges = stop, self.merges + merges
+        self._stop_requested = self._stop_shared = stop
+        self.merges += merges
 
     def _raise_if_failed(self) -> None:
         error = self.link.error if self.link is not None else None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +41,7 @@ from diloco.errors import DilocoError
 from diloco.state_files import load_checked
 
 log = logging.getLogger("diloco.learner")
+warnings.filterwarnings("ignore", message="Detected an existing checkpoint", category=UserWarning)  # a slot, reused
 
 try:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -72,11 +74,12 @@ def _start(folder: Path, slot: str, model: nn.Module, optimizer: torch.optim.Opt
     counters = None
     if progress is not None:
         state["progress"], counters = split_progress(progress, dict(model.named_parameters()))
+    writer = dcp.FileSystemWriter(place, overwrite=True)  # a slot is rewritten every other checkpoint
     if group is None:
-        dcp.save(state, checkpoint_id=str(place))
+        dcp.save(state, storage_writer=writer)
         written = None
     else:
-        written = dcp.async_save(state, checkpoint_id=str(place), process_group=group)
+        written = dcp.async_save(state, storage_writer=writer, process_group=group)
 
     def finish() -> None:
         if written is not None:

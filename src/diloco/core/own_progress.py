@@ -5,7 +5,9 @@ checkpoint now also holds, per fragment, the progress no push has carried yet (a
 push in flight carries), its tokens and steps, the anchor version and the error-feedback residuals. A
 restarted learner takes the syncer's current Θ and, for each fragment whose saved progress is usable,
 puts that progress back on top of Θ (θ = Θ − unpushed, the same rebasing as `outer.keep_progress`); its
-next push of the fragment carries it with its tokens. The one decision, per fragment, is `usable`.
+next push of the fragment carries it with its tokens. The one decision, per fragment, is `usable`. A
+sharded learner's ranks each take it on their own rows of that progress (`client/sharded_progress.py`)
+and agree (`agreed`): a fragment is resumed only where every rank can resume it.
 
 The push in flight when the checkpoint was taken is carried again only if its shard never took it (the
 shard's last push from this learner is numbered below it). A push sent after the checkpoint that the
