@@ -66,10 +66,13 @@ def test_a_damaged_progress_checkpoint_is_refused_by_every_rank_with_nothing_cha
         assert json.loads((tmp_path / f"refused-{rank}.json").read_text()) == {"unchanged": True}
 
 
-SETTINGS = ("learners.count=1", "strategy=decoupled", "outer.H=8", "outer.fragments=2", "train.tokens=3072",
-            "metrics.every_steps=1")
+SETTINGS = ("learners.count=1", "strategy=decoupled", "outer.H=8", "outer.fragments=2", "metrics.every_steps=1")
 KILL_AT_STEP = 20
-"""Of the learner's 48 (3072 tokens at 64 per rank and step)."""
+"""Of the 48 steps the run's budget gives the learner (`_budget`)."""
+
+
+def _budget(world: int) -> str:
+    return f"train.tokens={48 * world * TOKENS_PER_RANK_STEP}"
 
 
 def _steps(out: Path) -> int:
@@ -85,10 +88,11 @@ def test_a_sharded_learner_killed_at_a_known_step_loses_at_most_the_steps_since_
     with `own`, every fragment's unpushed progress on top of Θ, which its first pushes carry. The shard's
     accounting holds per fragment (merged + stale + lost = trained, none twice), and with `own` what is lost
     is at most what was trained since that checkpoint."""
-    sets = [x for item in [*TINY, *SETTINGS, f"train.sharding={sharding}", f"failures.resume={resume}"]
+    settings = (*SETTINGS, _budget(world))
+    sets = [x for item in [*TINY, *settings, f"train.sharding={sharding}", f"failures.resume={resume}"]
             for x in ("--set", item)]
     argv = [sys.executable, "-m", "diloco.learner", "--syncer", "", "--id", "0", "--out", str(tmp_path), "-q", *sets]
-    with serving_shard(*SETTINGS, workers=8) as (shard, address):
+    with serving_shard(*settings, workers=8) as (shard, address):
         argv[argv.index("--syncer") + 1] = address
         first = rank_procs.start_ranks(world, argv, tmp_path, "first")
         try:
