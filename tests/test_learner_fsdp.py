@@ -8,16 +8,16 @@ The syncer runs in this process; tests/workers/sharded_learner.py runs once per 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import TINY as TINY_SETS, child_env, free_port_for_torchrun, serving_shard, tiny_config
+import rank_procs
+from conftest import TINY as TINY_SETS, serving_shard, tiny_config
+from diloco.state_files import load_checked
 
 WORKER = Path(__file__).parent / "workers" / "sharded_learner.py"
 STEPS, BATCH, SEQ, FRAGMENTS = 16, 4, 16, 3
@@ -34,30 +34,7 @@ def launch(world: int, *args: str, out: Path, timeout_s: float = TIMEOUT_S, comm
            ) -> tuple[list[int], list[str], float]:
     """Start one worker per rank (`command`: instead of the worker script); return their exit codes, outputs
     and the seconds until the last ended."""
-    port = free_port_for_torchrun()
-    procs, logs = [], []
-    started = time.monotonic()
-    for rank in range(world):
-        env = child_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                        GLOO_SOCKET_IFNAME="lo")
-        log = out / f"rank-{rank}.log"
-        with log.open("w") as sink:
-            argv = command or [sys.executable, str(WORKER), *args, "--out", str(out)]
-            procs.append(subprocess.Popen(argv, stdout=sink,
-                                          stderr=subprocess.STDOUT, env=env, start_new_session=True))
-        logs.append(log)
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"ranks ran past {timeout_s} s:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [p.returncode for p in procs], [log.read_text() for log in logs], time.monotonic() - started
+    return rank_procs.launch(world, command or [sys.executable, str(WORKER), *args, "--out", str(out)], out, timeout_s)
 
 
 @pytest.fixture
@@ -224,8 +201,10 @@ def test_the_builtin_learner_trains_a_sharded_model(sharding, world, tmp_path):
     fragments = set(entry["merged"]) | set(entry["stale"])  # synchronous DiLoCo syncs the model whole
     assert fragments and all(entry["merged"].get(p, 0) + entry["stale"].get(p, 0) == tokens for p in fragments)
     folder = tmp_path / "checkpoints" / "learner-0.dcp"
-    assert (folder / ".metadata").is_file()
-    assert sorted(f.name for f in folder.glob("rank-*.state")) == [f"rank-{r}.state" for r in range(world)]
+    assert (folder / "latest").is_file()
+    slot = folder / load_checked(folder / "latest", "checkpoint", "")["slot"]  # the complete one of two slots
+    assert (slot / ".metadata").is_file()
+    assert sorted(f.name for f in slot.glob("rank-*.state")) == [f"rank-{r}.state" for r in range(world)]
 
 
 def test_a_sharded_checkpoint_is_refused_in_one_line_by_an_unsharded_learner(tmp_path):

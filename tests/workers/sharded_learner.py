@@ -214,7 +214,7 @@ def checkpoint(args: argparse.Namespace, out: Path) -> None:
     save_sharded(folder, model, optimizer, steps=3, data={"learner": 0, "epoch": 0, "index": 3 + rank})
     train_steps(model, optimizer, 3, 2)
     if args.damage and rank == 1:
-        victim = sorted(folder.glob("__1_*.distcp"))[0]
+        victim = sorted((folder / "a").glob("__1_*.distcp"))[0]  # the first checkpoint's slot
         raw = bytearray(victim.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         victim.write_bytes(bytes(raw))

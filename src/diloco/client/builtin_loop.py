@@ -111,9 +111,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     seal = checkpoint_key(security.secret, security.learner.token if security.learner else None) \
         if security is not None else None
     syncing = syncer is not None
-    # A sharded learner resumes from its DCP checkpoint and Θ; own unpushed progress is the unsharded learner's.
-    saved = None if sharded else _saved_state(_checkpoint_path(config, out, learner), config, learner, syncing,
-                                               replica, seal)
+    saved = _saved_state(_checkpoint_path(config, out, learner, sharded), config, learner, syncing, replica, seal)
     joining = clock.monotonic()
     sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security, saved)
     joined_s = clock.monotonic() - joining
@@ -123,11 +121,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     replica.sampler = _data_shard(config, materials.corpus.train, m, rank, world)
     replica.planned_steps = planned
     checkpoint = _checkpoint_path(config, out, m, sharded)
-    if sharded and checkpoint is not None and sharded_checkpoints.exists(checkpoint):
-        sharded_checkpoints.restore_sharded(checkpoint, replica, planned * STEP_CAP,
-                                            restore_plan(config.failures.restore, has_checkpoint=True), seal)
-        sync.resume(replica.steps)
-    if not sharded and saved is None and learner is None:  # an id the syncer picked: Θ without own progress
+    if saved is None and learner is None:  # an id the syncer picked: Θ without own progress
         saved = _saved_state(checkpoint, config, m, syncing, replica, seal)
     if saved is not None:
         restore_checkpoint(saved, replica, world, config.failures.restore)
@@ -136,8 +130,12 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
                  [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
     resumed_from = replica.steps
     writer = _writer_for(checkpoint, seal, config, sync, sharded)
-    if writer is not None and isinstance(writer, CheckpointWriter) and isinstance(sync, Learner) and rank == 0:
-        sync.push_gate.hold()  # a push leaves once a checkpoint records it: its progress is never resumed twice
+    # A push leaves once a checkpoint records it: its progress is never resumed twice. A synchronous learner
+    # takes that checkpoint before it waits for the answer (`_Training.run`); a sharded one's is collective,
+    # so its pushes go at once and a restart takes Θ for what its shard took after the checkpoint.
+    if writer is not None and isinstance(sync, Learner) and rank == 0 and (
+            isinstance(writer, CheckpointWriter) or not sync.core.wait_for_updates):
+        sync.push_gate.hold()
     if world > 1 and not sharded:
         replica.model = shard_model(model, "ddp", world)
     if t.compile:
@@ -145,8 +143,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
     metrics = _metrics_for(config, out, m, rank, metrics_port, metrics_port_file, metrics_http)
     meter = LearnerMeter(metrics, m, config.metrics.every_steps)
-    training = _Training(replica, sync, meter, metrics, world, rank, speed, stop, writer,
-                         config.failures.checkpoint_every)
+    training = _Training(replica, sync, meter, metrics, world, rank, speed, stop, writer)
     training.start = {"import_s": max(0.0, process_age_s() - (clock.monotonic() - entered)), "join_s": joined_s,
                       "spare": HANDED_OVER_ENV in os.environ,
                       "steps": resumed_from, "resumed_fragments": sum(why is None for why in
@@ -179,9 +176,9 @@ def _writer_for(checkpoint: Path | None, seal: bytes | None, config: Config, syn
     """What writes this learner's checkpoints: DCP on every rank of a sharded learner, else rank 0's file."""
     if checkpoint is None:
         return None
-    if sharded:
-        return sharded_checkpoints.ShardedWriter(checkpoint, seal)
     learner = syncing_learner(sync)
+    if sharded:
+        return sharded_checkpoints.ShardedWriter(checkpoint, seal, learner, config.failures.checkpoint_every)
     return CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every, on_written=lambda state: learner
                             is not None and "sync" in state and learner.push_gate.written(state["sync"]["seq"]))
 
@@ -222,8 +219,6 @@ class _Training:
     stop: threading.Event | None
     writer: CheckpointWriter | sharded_checkpoints.ShardedWriter | None
     """None: no checkpoints."""
-    sharded_every: int = 0
-    """A sharded learner's checkpoint period in steps (every rank writes its rows)."""
     start: dict[str, Any] = field(default_factory=dict)
     """How this life started (the `start` metrics), completed at its first step."""
     tokens: int = 0
@@ -256,9 +251,8 @@ class _Training:
                     waiting = learner is not None and learner.core is not None and \
                         learner.push_gate.pending(learner.core.seq)
                     self.writer.maybe_save(replica.steps, clock.monotonic() - self.started, self._state, waiting)
-            if isinstance(self.writer, sharded_checkpoints.ShardedWriter) and self.sharded_every and \
-                    replica.steps % self.sharded_every == 0:
-                self.writer.save(_unwrap(replica.model), replica)
+            if isinstance(self.writer, sharded_checkpoints.ShardedWriter):  # every rank, at the same steps
+                self.writer.maybe_save(_unwrap(replica.model), replica, clock.monotonic() - self.started)
 
     def _state(self) -> dict[str, Any]:
         return _learner_state(_unwrap(self.replica.model), self.replica, self.sync)
@@ -334,7 +328,7 @@ def restore_checkpoint(state: dict[str, Any], replica: Replica, world: int, poli
     plan = restore_plan(policy, has_checkpoint=True)
     if plan.optimizer:
         replica.optimizer.load_state_dict(state["optimizer"])
-    if plan.data and world == 1:  # with several ranks each has its own position; rank 0's holds only its own
+    if plan.data and (world == 1 or state.get("rank_data")):  # DDP: rank 0's position is only its own
         replica.sampler.load_state_dict(state["data"])
     if plan.steps:
         replica.steps = int(state["steps"])
@@ -342,11 +336,14 @@ def restore_checkpoint(state: dict[str, Any], replica: Replica, world: int, poli
 
 def _saved_state(path: Path | None, config: Config, m: int | None, syncing: bool, replica: Replica,
                  seal: bytes | None) -> dict[str, Any] | None:
-    """Learner m's checkpoint, checked (`read_checkpoint`), if it has one."""
-    if path is None or m is None or not path.is_file():
+    """Learner m's checkpoint, checked, if it has one: its file (`read_checkpoint`), or a sharded learner's
+    rows of its DCP folder (`read_sharded`, every rank at once)."""
+    if path is None or m is None or not (path.is_file() or sharded_checkpoints.exists(path)):
         return None
-    return read_checkpoint(path, learner_plan(config, m, syncing=syncing).planned_steps * STEP_CAP,
-                           replica.optimizer, seal)
+    most = learner_plan(config, m, syncing=syncing).planned_steps * STEP_CAP
+    if path.suffix == ".dcp":
+        return sharded_checkpoints.read_sharded(path, _unwrap(replica.model), replica.optimizer, most, seal)
+    return read_checkpoint(path, most, replica.optimizer, seal)
 
 
 def _checkpoint_path(config: Config, out: Path | None, m: int | None, sharded: bool = False) -> Path | None:
@@ -366,9 +363,8 @@ def _learner_state(model: nn.Module, replica: Replica, sync: Learner | Standalon
 
 
 def _checkpoint_report(writer: CheckpointWriter | sharded_checkpoints.ShardedWriter | None) -> dict[str, Any]:
-    """What the own-progress checkpoints cost this learner, for its report (a sharded learner's DCP writes
-    are not timed)."""
-    if not isinstance(writer, CheckpointWriter):
+    """What the own-progress checkpoints cost this learner, for its report (a sharded learner's: rank 0's)."""
+    if writer is None:
         return {}
     return {"checkpoints_written": writer.written, "checkpoints_skipped": writer.skipped,
             "checkpoint_copy_s": writer.copy_s, "checkpoint_copy_total_s": writer.copy_total_s,

@@ -42,6 +42,7 @@ from diloco.transport.wire_messages import spec_of
 from diloco.client.param_shards import is_sharded
 from diloco.client.collective_bound import BOUND
 from diloco.client.rank_sync import ReplicatedRanks, ShardedRanks, sharded_settings_problem
+from diloco.client.sharded_progress import agree_over_ranks
 from diloco.client.push_gate import PushGate
 from diloco.client.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
@@ -83,7 +84,9 @@ class Learner:
         the shard the learner's config says owns it; a run whose shards say otherwise is refused (None:
         the shards' own map). `host_params`: the tensors to read and merge into instead of the module's
         own (the JAX learner's host mirror, which copies a tensor from its device when it is read).
-        `own_progress`: what this learner's checkpoint saved of its unpushed progress (`export_progress`), resumed on top of Θ where `resume` and `core/own_progress.usable` allow."""
+        `own_progress`: what this learner's checkpoint saved of its unpushed progress (`export_progress`;
+        a sharded learner: each rank its rows), resumed on top of Θ where `resume` and
+        `core/own_progress.usable` allow."""
         self.model = model
         self.own_progress, self.resume_policy = own_progress, resume
         self.push_gate = PushGate()
@@ -111,6 +114,9 @@ class Learner:
         self.tokens = self.steps = self.merges = 0
         self.busy_s = self.waiting_s = 0.0
         self._stop_requested = False
+        self._stop_shared = False
+        """The stop request every rank ended the last step with (rank 0's link may set `_stop_requested` at
+        any time, on its own thread: a rank that read it mid-step would stop a step before the others)."""
         self._closed = False
         self.core: LearnerCore | None = None
         self.link: ClientLink | None = None
@@ -165,12 +171,15 @@ class Learner:
         if self.rank == 0:
             joined = ranks.lead_join(lambda params, take: self._connect(syncer, learner, timeout_s, host, params,
                                                                         take))
-            info = (joined.learner, joined.settings.SerializeToString(), joined.versions, joined.last_seq)
+            info = (joined.learner, joined.settings.SerializeToString(), joined.versions, joined.last_seq,
+                    joined.last_seqs)
         else:
             ranks.follow_join()
-        self.id, settings, versions, last_seq = ranks.end_join(info)
+        self.id, settings, versions, last_seq, last_seqs = ranks.end_join(info)
         self.settings = pb.Settings.FromString(settings)
         self._build(self.settings, self._partition(self.settings.fragments), versions, last_seq, ranks.local())
+        self.resumed = resume_progress(self.core, self.own_progress, last_seqs, self.resume_policy,
+                                       agree=agree_over_ranks)  # each rank its rows, the same fragments
 
     def _connect(self, address: str, learner: int | None, timeout_s: float, host: str, params: Mapping[str, Any],
                  take: Callable[[int, dict[str, torch.Tensor]], None] | None) -> Joined:
@@ -206,7 +215,7 @@ class Learner:
     @property
     def should_stop(self) -> bool:
         """The run's shared token budget is spent (as the syncer counts it)."""
-        return self._stop_requested
+        return self._stop_shared if self.world > 1 else self._stop_requested
 
     def resume(self, step: int) -> None:
         """The user's loop restored its own checkpoint taken at inner step `step`: the fragment schedule
@@ -215,7 +224,8 @@ class Learner:
             self.core.resume_at(step)
 
     def own_progress_state(self) -> dict[str, Any] | None:
-        """What a checkpoint keeps to resume this learner's unpushed progress (rank 0; None elsewhere)."""
+        """What a checkpoint keeps to resume this learner's unpushed progress (None on a rank without a core:
+        a replicated learner's other ranks; a sharded learner's ranks each give their rows)."""
         return export_progress(self.core) if self.core is not None else None
 
     def request_stop(self) -> None:
@@ -258,12 +268,13 @@ class Learner:
             self.ranks.close_step(self._stop_requested, str(exc))
             raise
         stop, merges = self.ranks.close_step(self._stop_requested)
-        self._stop_requested, self.merges = stop, self.merges + merges
+        self._stop_shared, self.merges = stop, self.merges + merges
 
     def _follow(self) -> None:
         self.ranks.open_step()
         stop, merges = self.ranks.follow()
-        self._stop_requested, self.merges = stop, self.merges + merges
+        self._stop_requested = self._stop_shared = stop
+        self.merges += merges
 
     def _raise_if_failed(self) -> None:
         error = self.link.error if self.link is not None else None

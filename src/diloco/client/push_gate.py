@@ -8,6 +8,8 @@ last pushes. So while checkpoints are on, each push waits on the link's encode t
 training thread) until a checkpoint numbered at or after it is written; the training loop takes one at
 the first step a push is waiting (`pending`). A gate that waits longer than `GATE_BOUND_S` (a disk that
 stopped writing) lets the push go: the learner then falls back on Θ for that shard, as it did before.
+A learner that waits for its answers (synchronous strategies) does not hold its pushes: it waits inside
+the step that pushed, before the loop could take the checkpoint the push would wait for.
 """
 
 from __future__ import annotations

@@ -1,19 +1,30 @@
 """A sharded learner's checkpoint (FSDP2, HSDP): `torch.distributed.checkpoint` writes each rank's rows of
-the model and inner optimizer into one folder, and each rank seals a sidecar (`checkpoints.py`'s file,
-digest and key) with its step count, data position, the world it was written by, and the digest of
-every file it wrote. Nothing is read back before it is checked: the sidecar's seal, its steps and
-data position, each DCP file's digest, then the loaded optimizer state with `checkpoints.py`'s checks
-on each rank's rows; a refusal on any rank is every rank's, in one line.
+the model, the inner optimizer and its own unpushed progress (`sharded_progress.py`) into one folder, and
+each rank seals a sidecar (`checkpoints.py`'s file, digest and key) with its step count, data position,
+the world it was written by, the progress counters, and the digest of every file it wrote. Nothing is
+read back before it is checked: the sidecar's seal, its steps and data position, each DCP file's digest,
+then the loaded optimizer state with `checkpoints.py`'s checks on each rank's rows; a refusal on any rank
+is every rank's, in one line.
 
-Another world size: DCP stores global shapes and offsets, so the model and optimizer reshard to the
-ranks that load them; a data position belongs to the rank of the world that wrote it, so each rank
-then starts its data shard afresh (as a DDP learner with several ranks does today).
+Written off the training step (`ShardedWriter`): DCP's `async_save` copies the state on the training
+thread and writes it on a background thread over a process group of its own (its collectives never
+interleave with the training thread's). Checkpoints alternate between two slots (`a/`, `b/`) and a sealed
+`latest` file, replaced atomically once every rank's files and sidecar are on disk, names the complete
+one: a kill mid-write leaves the one before it whole.
+
+Another world size: DCP stores global shapes and offsets, so the model, optimizer and unpushed progress
+reshard to the ranks that load them; a data position belongs to the rank of the world that wrote it, so
+each rank then starts its data shard afresh (as a DDP learner with several ranks does today).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +33,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from diloco.client.collective_bound import BOUND
-from diloco.client.checkpoints import ADVICE, check_checkpoint, write_checkpoint
+from diloco.clock import SYSTEM_CLOCK as clock
+from diloco.client.collective_bound import BOUND, floor_s
+from diloco.client.checkpoints import ADVICE, check_checkpoint, checkpoint_period, write_checkpoint
+from diloco.client.sharded_progress import joined_progress, progress_target, split_progress
 from diloco.errors import DilocoError
 from diloco.state_files import load_checked
 
 log = logging.getLogger("diloco.learner")
+warnings.filterwarnings("ignore", message="Detected an existing checkpoint", category=UserWarning)  # a slot, reused
 
 try:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 except ImportError:  # pragma: no cover - older torch
     _init_optim_state = None
+
+LATEST, SLOTS = "latest", ("a", "b")
 
 
 def sidecar(folder: Path, rank: int) -> Path:
@@ -40,19 +56,63 @@ def sidecar(folder: Path, rank: int) -> Path:
 
 
 def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
-                 data: dict[str, Any], key: bytes | None = None) -> None:
-    """Every rank at once (a collective): its rows of the model and optimizer, then its sealed sidecar."""
-    rank = dist.get_rank()
-    folder.mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=str(folder))
-    files = {f.name: _digest(f) for f in _own_files(folder, rank)}
-    write_checkpoint({"steps": steps, "data": data, "world": dist.get_world_size(), "files": files},
-                     sidecar(folder, rank), key)
-    dist.barrier()  # no rank reads a sidecar before every one is written
+                 data: dict[str, Any], key: bytes | None = None, progress: dict[str, Any] | None = None) -> None:
+    """Every rank at once (a collective), waiting for the write: its rows of the model, optimizer and
+    `progress` (`export_progress` of its core), then its sealed sidecar."""
+    _start(folder, _next_slot(folder, key), model, optimizer, steps, data, key, progress, None)()
+    dist.barrier()  # no rank reads `latest` before it names this checkpoint
+
+
+def _start(folder: Path, slot: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
+           data: dict[str, Any], key: bytes | None, progress: dict[str, Any] | None,
+           group: dist.ProcessGroup | None) -> Callable[[], None]:
+    """Start writing a checkpoint into `slot` (on `group` in the background; None: here, now); returns
+    what completes it: the sidecar, then, once every rank's is written, `latest`."""
+    rank, place = dist.get_rank(), folder / slot
+    place.mkdir(parents=True, exist_ok=True)
+    state: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    counters = None
+    if progress is not None:
+        state["progress"], counters = split_progress(progress, dict(model.named_parameters()))
+    writer = dcp.FileSystemWriter(place, overwrite=True)  # a slot is rewritten every other checkpoint
+    if group is None:
+        dcp.save(state, storage_writer=writer)
+        written = None
+    else:
+        written = dcp.async_save(state, storage_writer=writer, process_group=group)
+
+    def finish() -> None:
+        if written is not None:
+            written.result()
+        files = {f.name: _digest(f) for f in _own_files(place, rank)}
+        write_checkpoint({"steps": steps, "data": data, "world": dist.get_world_size(), "files": files,
+                          "progress": counters}, sidecar(place, rank), key)
+        dist.barrier(group=group)  # every rank's files and sidecar are on disk
+        if rank == 0:
+            write_checkpoint({"slot": slot, "steps": steps}, folder / LATEST, key)
+    return finish
 
 
 def exists(folder: Path) -> bool:
-    return sidecar(folder, 0).is_file() and (folder / ".metadata").is_file()
+    return (folder / LATEST).is_file() or (sidecar(folder, 0).is_file() and (folder / ".metadata").is_file())
+
+
+def _current(folder: Path, key: bytes | None) -> Path:
+    """The slot `latest` names (a folder of the layout before slots: itself)."""
+    if not (folder / LATEST).is_file():
+        return folder
+    slot = load_checked(folder / LATEST, "learner checkpoint", ADVICE, key).get("slot")
+    if slot not in SLOTS:
+        raise DilocoError(f"learner checkpoint {folder} names no slot it has ({slot!r}): {ADVICE}")
+    return folder / slot
+
+
+def _next_slot(folder: Path, key: bytes | None) -> str:
+    """The slot the next checkpoint goes to: not the one `latest` names."""
+    try:
+        return SLOTS[1] if _current(folder, key).name == SLOTS[0] else SLOTS[0]
+    except DilocoError:
+        return SLOTS[0]
 
 
 def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, max_steps: int,
@@ -60,21 +120,57 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
                  ) -> dict[str, Any]:
     """Every rank at once: the checked checkpoint in `folder` loaded into `model` and `optimizer`; returns
     this rank's sidecar (steps, data position: None when another world wrote it)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    path = sidecar(folder, rank if sidecar(folder, rank).is_file() else 0)
-    problem, side = None, {}
+    side, target = _checked_load(folder, optimizer, max_steps, key, model=model)
+    with torch.no_grad():
+        if restore_model:
+            model.load_state_dict(target["model"])
+        if restore_optimizer:
+            optimizer.load_state_dict(target["optimizer"])
+    same_world = side.get("world") == dist.get_world_size()
+    return {"steps": side["steps"], "data": side["data"] if same_world else None, "world": side.get("world")}
+
+
+def read_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, max_steps: int,
+                 key: bytes | None = None) -> dict[str, Any]:
+    """Every rank at once, for a restart: this rank's part of the checked checkpoint, as `read_checkpoint`
+    gives a whole one (steps, data position, optimizer state, and `sync`: its rows of the unpushed
+    progress), nothing applied yet; `rank_data`: the data position is this rank's (the same world)."""
+    side, target = _checked_load(folder, optimizer, max_steps, key, progress_of=model)
+    world = dist.get_world_size()
+    if side.get("world") != world and dist.get_rank() == 0:
+        log.warning("checkpoint %s was written by %s ranks, this learner has %d: its optimizer and own progress "
+                    "are resharded and its step count kept; each rank starts its new slice of the learner's data "
+                    "shard afresh", folder, side.get("world"), world)
+    progress = joined_progress(side.get("progress"), target.get("progress", {}))
+    return {"steps": side["steps"], "data": side["data"], "rank_data": side.get("world") == world,
+            "optimizer": target["optimizer"], **({"sync": progress} if progress is not None else {})}
+
+
+def _checked_load(folder: Path, optimizer: torch.optim.Optimizer, max_steps: int, key: bytes | None,
+                  model: nn.Module | None = None, progress_of: nn.Module | None = None
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's sidecar and what DCP loaded (the optimizer's rows; the model's, with `model`; the
+    progress rows laid out like `progress_of`'s parameters), every check passed on every rank."""
+    rank = dist.get_rank()
+    problem, side, place = None, {}, folder
     try:
-        side = load_checked(path, "learner checkpoint", ADVICE, key)
+        place = _current(folder, key)
+        side = load_checked(sidecar(place, rank if sidecar(place, rank).is_file() else 0), "learner checkpoint",
+                            ADVICE, key)
         for name, digest in dict(side.get("files", {})).items():
-            if not (folder / name).is_file() or _digest(folder / name) != digest:
+            if not (place / name).is_file() or _digest(place / name) != digest:
                 raise DilocoError(f"learner checkpoint {folder} has a damaged or missing {name}: {ADVICE}")
     except DilocoError as exc:
         problem = str(exc)
     _agree(problem)
     if _init_optim_state is not None:
         _init_optim_state(optimizer)  # the state DCP loads into exists before the first step
-    target = _cloned({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-    dcp.load(target, checkpoint_id=str(folder))
+    target: dict[str, Any] = {"optimizer": _cloned(optimizer.state_dict())}
+    if model is not None:
+        target["model"] = _cloned(model.state_dict())
+    if progress_of is not None and side.get("progress") is not None:
+        target["progress"] = progress_target(side["progress"], dict(progress_of.named_parameters()))
+    dcp.load(target, checkpoint_id=str(place))
     problem = None
     try:
         state = {"steps": side.get("steps"), "data": side.get("data"), "optimizer": _local(target["optimizer"])}
@@ -82,13 +178,7 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     except DilocoError as exc:
         problem = str(exc)
     _agree(problem)
-    with torch.no_grad():
-        if restore_model:
-            model.load_state_dict(target["model"])
-        if restore_optimizer:
-            optimizer.load_state_dict(target["optimizer"])
-    same_world = side.get("world") == world
-    return {"steps": side["steps"], "data": side["data"] if same_world else None, "world": side.get("world")}
+    return side, target
 
 
 def _agree(problem: str | None) -> None:
@@ -143,35 +233,81 @@ class _LocalGroups:
 
 
 class ShardedWriter:
-    """The built-in learner's checkpoints when its model is sharded: every rank writes (`every_rank`), in
-    step with the others, on the training thread (DCP's writes are collectives)."""
+    """The built-in learner's checkpoints when its model is sharded: every rank writes its rows (`every_rank`),
+    at the same steps as the others, off the training step. As `checkpoints.CheckpointWriter`: at most one
+    write at a time (a due checkpoint is skipped while one is on its way), the period the fewest steps
+    that keep the training thread's share within `COST_SHARE`, a checkpoint due at once when a push waits
+    for one (`push_gate.py`). Every rank decides alike: from the step, the push counter its core shares
+    with the others, and the costs the ranks agree on at each checkpoint."""
 
     every_rank = True
 
-    def __init__(self, folder: Path, key: bytes | None = None) -> None:
-        self.folder, self.key = folder, key
+    def __init__(self, folder: Path, key: bytes | None = None, learner: Any = None, most_every: int = 25) -> None:
+        """`learner`: the `Learner` whose own progress each checkpoint keeps (None: none)."""
+        self.folder, self.key, self.learner, self.most_every = folder, key, learner, most_every
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=floor_s()))
+        box = [_next_slot(folder, key)]
+        dist.broadcast_object_list(box, 0)  # every rank writes the same slot
+        self.slot = box[0]
+        self._thread: threading.Thread | None = None
+        self.copy_s = self.copy_total_s = self.write_s = 0.0
+        self.written = self.skipped = 0
+        self.saved_step: int | None = None
+        self.saved_seq, self.period = 0, 1
+
+    def maybe_save(self, model: nn.Module, replica: Any, step_s: float) -> bool:
+        """At the end of a step (every rank): save if one is due and every rank's last write is done."""
+        seq = self._seq()
+        if self.saved_step is not None and replica.steps - self.saved_step < self.period and seq <= self.saved_seq:
+            return False
+        shared = torch.tensor([float(self._writing()), self.copy_s, step_s], dtype=torch.float64)
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        if shared[0]:
+            self.skipped += 1
+            return False
+        self.period = checkpoint_period(float(shared[1]), float(shared[2]), self.most_every)
+        self.save(model, replica)
+        return True
 
     def save(self, model: nn.Module, replica: Any, wait: bool = False) -> None:
-        with BOUND.relaxed():  # a write may take longer than a step: the ranks wait at the floor
-            save_sharded(self.folder, model, replica.optimizer, replica.steps, replica.sampler.state_dict(), self.key)
+        self.wait()
+        began = clock.monotonic()
+        progress = self.learner.own_progress_state() if self.learner is not None else None
+        with BOUND.relaxed():
+            finish = _start(self.folder, self.slot, model, replica.optimizer, replica.steps,
+                            replica.sampler.state_dict(), self.key, progress, self.group)
+        self.copy_s = clock.monotonic() - began
+        self.copy_total_s += self.copy_s
+        self.saved_step, self.saved_seq = replica.steps, self._seq()
+        self.slot = SLOTS[1] if self.slot == SLOTS[0] else SLOTS[0]
+        self._thread = threading.Thread(target=self._finish, args=(finish, progress and progress["seq"]),
+                                        name="learner-checkpoint", daemon=True)
+        self._thread.start()
+        if wait:
+            self.wait()
+
+    def _finish(self, finish: Callable[[], None], seq: int | None) -> None:
+        began = clock.monotonic()
+        try:
+            finish()
+        except Exception as exc:  # a full disk, a rank gone: training goes on, pushes wait out their gate
+            log.warning("checkpoint %s was not written: %s", self.folder, str(exc).splitlines()[0] if str(exc) else exc)
+            return
+        self.write_s = clock.monotonic() - began
+        self.written += 1
+        if seq is not None and dist.get_rank() == 0:
+            self.learner.push_gate.written(seq)
+
+    def _seq(self) -> int:
+        core = getattr(self.learner, "core", None)
+        return core.seq if core is not None else 0
+
+    def _writing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
-        pass
-
-
-def restore_sharded(folder: Path, replica: Any, max_steps: int, plan: Any, key: bytes | None = None) -> None:
-    """A restarted sharded learner's own state, as `core/recovery.py`'s `plan` says (its parameters come
-    from the syncer's current Θ, which is newer); its data position only when the world is the same."""
-    side = load_sharded(folder, replica.model, replica.optimizer, max_steps, key, restore_model=False,
-                        restore_optimizer=plan.optimizer)
-    if side["data"] is None and dist.get_rank() == 0:
-        log.warning("checkpoint %s was written by %s ranks, this learner has %d: its optimizer is resharded and "
-                    "its step count kept; each rank starts its new slice of the learner's data shard afresh",
-                    folder, side["world"], dist.get_world_size())
-    if plan.data and side["data"] is not None:
-        replica.sampler.load_state_dict(side["data"])
-    if plan.steps:
-        replica.steps = int(side["steps"])
+        if self._thread is not None:
+            self._thread.join()
 
 
 def refuse_other_kind(folder: Path | None, file: Path | None, sharded: bool) -> None:

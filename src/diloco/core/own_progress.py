@@ -5,7 +5,9 @@ checkpoint now also holds, per fragment, the progress no push has carried yet (a
 push in flight carries), its tokens and steps, the anchor version and the error-feedback residuals. A
 restarted learner takes the syncer's current Θ and, for each fragment whose saved progress is usable,
 puts that progress back on top of Θ (θ = Θ − unpushed, the same rebasing as `outer.keep_progress`); its
-next push of the fragment carries it with its tokens. The one decision, per fragment, is `usable`.
+next push of the fragment carries it with its tokens. The one decision, per fragment, is `usable`. A
+sharded learner's ranks each take it on their own rows of that progress (`client/sharded_progress.py`)
+and agree (`agreed`): a fragment is resumed only where every rank can resume it.
 
 The push in flight when the checkpoint was taken is carried again only if its shard never took it (the
 shard's last push from this learner is numbered below it). A push sent after the checkpoint that the
@@ -16,7 +18,7 @@ the exception).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -83,23 +85,42 @@ def usable(saved: Mapping[str, Any], p: int, version: int, shard_last_seq: int, 
     return None
 
 
+Decision = tuple[str | None, bool]
+"""Per fragment: why its saved progress is not resumed (None: it is), and whether the push in flight at
+the checkpoint is resumed with it (`_lost_in_flight`)."""
+
+
+def agreed(everyone: Sequence[Mapping[int, Decision]]) -> dict[int, Decision]:
+    """The decisions of every rank of a sharded learner (each over its own rows) as one: a fragment is
+    resumed only where every rank can (else the first rank's reason), its push in flight only where
+    every rank has it."""
+    first = everyone[0]
+    return {p: (next((d[p][0] for d in everyone if d[p][0] is not None), None), all(d[p][1] for d in everyone))
+            for p in first}
+
+
 @torch.no_grad()
 def resume_progress(core: LearnerCore, saved: Mapping[str, Any] | None, last_seqs: Mapping[int, int],
-                    policy: ResumePolicy, max_age: int = MAX_AGE_VERSIONS) -> dict[int, str | None]:
+                    policy: ResumePolicy, max_age: int = MAX_AGE_VERSIONS,
+                    agree: Callable[[dict[int, Decision]], dict[int, Decision]] = dict) -> dict[int, str | None]:
     """Put each usable fragment's saved progress back on top of Θ (the core holds Θ at its versions);
     per fragment, None where it was resumed, else why it takes Θ. `last_seqs`: per fragment, the last
-    push of this learner its shard took."""
-    outcome: dict[int, str | None] = {}
+    push of this learner its shard took. `agree`: makes the decisions every rank's (a sharded learner)."""
+    decided: dict[int, Decision] = {}
     for p, fragment in enumerate(core.fragments):
         shapes = {n: core.params[n].shape for n in fragment.names}
         why = "no checkpoint" if saved is None else \
             usable(saved, p, core.anchor_versions[p], last_seqs.get(p, 0), shapes, policy, max_age)
-        outcome[p] = why
+        lost = None if why is not None else \
+            _lost_in_flight(saved["fragments"][p].get("in_flight"), last_seqs.get(p, 0), shapes)
+        decided[p] = (why, lost is not None)
+    decided = agree(decided)
+    for p, (why, with_flight) in decided.items():
         if why is not None:
             continue
-        entry = saved["fragments"][p]
-        lost = _lost_in_flight(entry.get("in_flight"), last_seqs.get(p, 0), shapes)
-        for name in fragment.names:
+        entry, names = saved["fragments"][p], core.fragments[p].names
+        lost = entry["in_flight"] if with_flight else None
+        for name in names:
             param = core.params[name]
             param.sub_(entry["unpushed"][name].to(device=param.device, dtype=param.dtype))
             if lost is not None:
@@ -108,9 +129,9 @@ def resume_progress(core: LearnerCore, saved: Mapping[str, Any] | None, last_seq
         core.steps_since[p] += entry["steps"] + (lost["steps"] if lost is not None else 0)
         if core.feedback is not None:
             for name, residual in entry["residuals"].items():
-                if name in shapes and residual.shape == shapes[name]:
+                if name in names and residual.shape == core.params[name].shape:
                     core.feedback.residuals[name] = residual.to(core.params[name].device)
-    return outcome
+    return {p: why for p, (why, _) in decided.items()}
 
 
 def _lost_in_flight(sent: Any, shard_last_seq: int, shapes: Mapping[str, torch.Size]) -> dict[str, Any] | None:
