@@ -34,7 +34,7 @@ from diloco.core.downlink import Downlink
 from diloco.core.membership import Membership
 from diloco.core.messages import Push
 from diloco.core.pacing import Pacer
-from diloco.core.scratch import Scratch
+from diloco.core.scratch import ROUND_COPIES, Scratch
 from diloco.core.rounds import FragmentState, OuterOptimizer, RoundRecord, mean_cosine, token_weight
 from diloco.core.undo import UndoLog
 from diloco.fragments import Fragment
@@ -52,7 +52,7 @@ class Merging:
                  consolidate: bool, stale_weight: str) -> None:
         self.undo, self.membership = undo, membership
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
-        self.scratch = Scratch()
+        self.scratch = Scratch(ROUND_COPIES * max((4 * f.numel for f in fragments), default=0))
         """Where a round's fragment-sized tensors come from: buffers taken again once nobody holds them."""
         self.fragments = {f.index: FragmentState(f, optimizer(), Downlink(down_codec, f.names, self.theta, undo,
                                                                           self.scratch.take),

@@ -22,7 +22,11 @@ import torch
 MIN_NUMEL = 1 << 16
 """Smaller tensors are allocated as usual: their memory comes from the allocator's own free lists."""
 KEPT = 8
-"""Tensors kept per shape and dtype: what a round of the largest fragment has alive at once, with room."""
+"""Tensors kept per shape and dtype, free or in use: a round of a fragment has about this many alive."""
+ROUND_COPIES = 6
+"""Free tensors kept, in copies of the largest fragment: what closing a round frees (the old Θ, the outer
+optimizer's old state, the sums, the merged Δ and a temporary), so that the next round finds them all
+and the shard's peak stays what it was when they were allocated and dropped each round."""
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -36,8 +40,10 @@ def _counts(tensor: torch.Tensor) -> tuple[int, int]:
 class Scratch:
     """Tensors the core made, each taken again once it is free (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit_bytes: int) -> None:
         self.kept: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self.limit_bytes = limit_bytes
+        """Most bytes of free kept tensors: fragments of other shapes drop each other's, not grow the shard."""
         probe = [torch.empty(1)]
         self._unheld = (-1, -1)
         for tensor in probe:  # the counts of a tensor held only by a list, read through as many calls as `take`'s
@@ -54,7 +60,7 @@ class Scratch:
 
     def take(self, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A tensor of `like`'s shape (and `dtype`), on the CPU, whose values are to be overwritten: one kept
-        that is free, else a new one (kept, while there is room)."""
+        that is free, else a new one (kept, while there is room: KEPT of a shape, free ones up to the limit)."""
         if like.numel() < MIN_NUMEL or like.device.type != "cpu":
             return torch.empty(like.shape, dtype=dtype, device=like.device)
         kept = self.kept.setdefault((tuple(like.shape), dtype), [])
@@ -63,8 +69,19 @@ class Scratch:
                 return tensor
         made = torch.empty(like.shape, dtype=dtype)
         if len(kept) < KEPT:
+            self._trim(made.numel() * made.element_size())
             kept.append(made)
         return made
+
+    def _trim(self, room: int) -> None:
+        """Drop free kept tensors, oldest shapes first, until `room` more bytes fit under the limit."""
+        free = [(key, t) for key, kept in self.kept.items() for t in kept if self._free(t)]
+        total = sum(t.numel() * t.element_size() for _, t in free) + room
+        for key, tensor in free:
+            if total <= self.limit_bytes:
+                break
+            self.kept[key] = [t for t in self.kept[key] if t is not tensor]
+            total -= tensor.numel() * tensor.element_size()
 
     def nbytes(self) -> int:
         """Bytes of the kept tensors that are free now (those in use are counted by whoever holds them)."""
