@@ -89,7 +89,8 @@ def measure(learners: int, events: int) -> dict[str, float]:
 
 def merge_cost(numel: int, rounds: int, group: int, learners: int = 8) -> float:
     """CPU ns per pushed parameter of `handle` over `rounds` rounds of `learners` pushes of one fragment,
-    handed as groups of `group` pushes (1: each push alone)."""
+    handed as groups of `group` pushes (1: each push alone). Every push is a tensor of its own, as off the
+    wire (the core remembers a tensor's norm: the same tensor pushed again would skip its check's pass)."""
     spec = build_strategy(load_config(overrides=[f"learners.count={learners}", "learners.speeds=[]",
                                                  "outer.fragments=1", "outer.quorum=1"]))
     generator = torch.Generator().manual_seed(0)
@@ -102,7 +103,7 @@ def merge_cost(numel: int, rounds: int, group: int, learners: int = 8) -> float:
     spent = pushed = 0
     now = 0.0
     for r in range(rounds + 1):  # the first round warms up (weights judged, buffers allocated)
-        pushes = [Push(m, 0, core.version(0), r + 1, {"w": deltas[m]}, STEPS_PER_PUSH * TOKENS_PER_STEP,
+        pushes = [Push(m, 0, core.version(0), r + 1, {"w": deltas[m].clone()}, STEPS_PER_PUSH * TOKENS_PER_STEP,
                        STEPS_PER_PUSH, step_time_s=TICK_S, sent_at=now, step=(r + 1) * STEPS_PER_PUSH)
                   for m in range(learners)]
         for k in range(0, learners, group):

@@ -163,8 +163,8 @@ def test_a_non_finite_round_changes_nothing(monkeypatch):
     core.on_push(push(0, 1, HONEST), now=1.0)
     before = frozen(core)
 
-    def poisoned(self, params, deltas, share=1.0):
-        for name, theta in params.items():
+    def poisoned(self, params, deltas, share=1.0, out=None, **kwargs):
+        for theta in (params if out is None else out).values():
             theta.fill_(float("inf"))
     monkeypatch.setattr(Nesterov, "step", poisoned)
     with pytest.raises(RoundRefused) as caught:

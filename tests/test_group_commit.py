@@ -159,3 +159,16 @@ def test_a_join_pulls_every_fragment_and_hands_each_to_take_on_the_calling_threa
         for shard in joined.shards:
             shard.client.leave(joined.learner)
             shard.client.close()
+
+
+
+def test_a_group_that_ends_in_an_error_leaves_the_rounds_free_to_close():
+    """Rounds wait while a group is taken in, and only then: a group cut short by an exception (nothing a
+    push can cause: pushes are refused one by one) does not leave every later round waiting."""
+    core = make_core()
+    warm(core)
+    with pytest.raises(RuntimeError):
+        with core.merging.grouped():
+            raise RuntimeError("cut short")
+    actions = core.handle(PushArrived(push(0, 2)), 1.1)
+    assert [a.fragment for a in actions if isinstance(a, Publish)] == [0]

@@ -252,3 +252,18 @@ def test_an_update_stream_waiting_for_its_next_answer_keeps_nothing_of_the_last_
             learner.close()
         shard.stop()
         server.stop(0)
+
+
+def test_what_an_answer_holds_stays_as_it_was_sent_while_later_rounds_recycle_their_buffers():
+    """Rounds take their fragment-sized tensors again once nobody holds them (`core/scratch.py`): the values
+    and the wire of an answer still held are never written, and a round once warm makes no new tensor."""
+    core = core_with(2, "fp32", "rda")
+    held = run_rounds(core, 2, rounds=2)[-1]
+    values = {n: v.clone() for n, v in held.values.items()}
+    wire = {n: bytes(e.payload) for n, e in held.wire[0].items()}
+    run_rounds(core, 2, rounds=2)
+    kept = sum(len(k) for k in core.merging.scratch.kept.values())
+    run_rounds(core, 2, rounds=6)
+    assert all(torch.equal(held.values[n], v) for n, v in values.items())
+    assert all(bytes(held.wire[0][n].payload) == w for n, w in wire.items())
+    assert sum(len(k) for k in core.merging.scratch.kept.values()) == kept

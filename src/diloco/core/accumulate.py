@@ -24,20 +24,22 @@ from diloco.outer.merge import tensor_norm
 
 NORMS_KEPT = 256
 """Tensors whose norm `norm_of` remembers: a few pushes' worth."""
-_norms: dict[int, tuple[weakref.ref, float]] = {}
+_norms: dict[int, tuple[weakref.ref, int, float]] = {}
 
 
 def norm_of(tensor: torch.Tensor) -> float:
     """`tensor_norm`, taken once per tensor: a push's deltas are read by the finite check (a norm is finite
     exactly when every element is), the outlier bound and the radial merge, one pass for all three.
-    Remembered by identity (never changed in place: the core only changes the sums it made itself)."""
+    Θ's new values are measured as a round closes (their finite check), so the outlier bound's ‖Θ_p‖
+    takes no pass of its own. Remembered by identity and version (a tensor written again, as the core's
+    recycled buffers are, `scratch.py`, has a new version)."""
     hit = _norms.get(id(tensor))
-    if hit is not None and hit[0]() is tensor:
-        return hit[1]
+    if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+        return hit[2]
     norm = tensor_norm(tensor)
     if len(_norms) >= NORMS_KEPT:
         _norms.clear()
-    _norms[id(tensor)] = (weakref.ref(tensor), norm)
+    _norms[id(tensor)] = (weakref.ref(tensor), tensor._version, norm)
     return norm
 
 

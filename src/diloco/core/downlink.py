@@ -5,7 +5,7 @@ to send the next answer. Keeping them per learner would make the syncer's memory
 so every learner of a fragment at the same version holds the same values, kept once:
 
 - Lossless downlink (fp32): the values are Θ of that version. An answer is Θ itself, encoded once per
-  round and shared by its recipients.
+  round and shared by its recipients: a read-only view of Θ's memory (`whole_fp32`), no copy.
 - Lossy downlink: the syncer keeps one *published* copy of the fragment, moved each round by one encoded
   difference to Θ: published_v = published_{v-1} + decode(encode(Θ_v − published_{v-1})). Every
   learner at version v holds published_v. An answer to a learner at version u is the differences
@@ -27,6 +27,7 @@ import torch
 
 from diloco.codecs import Codec, Encoded, get_codec
 from diloco.core.undo import UndoLog
+from diloco.outer.buffers import NewTensor, fp32_like
 
 CHAIN_SHARE = 0.5
 """Encoded differences kept per fragment, in fp32 copies of it: answers further behind go whole."""
@@ -67,9 +68,11 @@ class Downlink:
     """One fragment's downlink state: the published values (lossy codecs) and recent differences."""
 
     def __init__(self, codec: Codec, names: tuple[str, ...], theta: dict[str, torch.Tensor],
-                 undo: UndoLog | None = None) -> None:
+                 undo: UndoLog | None = None, new: NewTensor = fp32_like) -> None:
         self.undo = undo or UndoLog()
         """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
+        self.new = new
+        """Where the difference a lossy publish encodes is written (the core's recycled buffers)."""
         self.codec, self.names = codec, names
         self.lossless = codec.name == "fp32"
         self.published = {} if self.lossless else {n: theta[n].clone() for n in names}
@@ -89,9 +92,10 @@ class Downlink:
         if self.lossless:
             return
         self.undo.keep_attrs(self, "published", "steps")
-        wire = {n: self.codec.encode(theta[n] - self.published[n]) for n in self.names}
-        self.published = {n: self.published[n] + self.codec.decode(wire[n], device=self.published[n].device)
-                          for n in self.names}
+        wire = {n: self.codec.encode(torch.sub(theta[n], self.published[n], out=self.new(theta[n])))
+                for n in self.names}
+        self.published = {n: self.codec.decode(wire[n], device=self.published[n].device).add_(self.published[n])
+                          for n in self.names}  # the decoded tensor is new: the sum goes into it
         steps = [*self.steps, Step(version, wire)]
         while sum(s.nbytes() for s in steps) > CHAIN_SHARE * self.fp32_bytes and len(steps) > 1:
             steps = steps[1:]
@@ -110,7 +114,7 @@ class Downlink:
                 out[learner] = Answer(values, tuple(s.wire for s in steps), relative=True)
                 continue
             if whole is None:
-                whole = Message({n: FP32.encode(values[n]) for n in self.names})
+                whole = Message({n: whole_fp32(values[n]) for n in self.names})
                 self.undo.keep_attrs(self, "_whole", "_whole_version")
                 self._whole, self._whole_version = weakref.ref(whole), version
             out[learner] = Answer(values, (whole,), relative=False)
@@ -137,6 +141,15 @@ class Downlink:
     def load(self, plain: dict) -> None:
         self.published = {n: t.clone().to(torch.float32) for n, t in plain["published"].items()}
         self.steps = [Step(s["version"], {n: encoded_of(e) for n, e in s["wire"].items()}) for s in plain["steps"]]
+
+
+def whole_fp32(values: torch.Tensor) -> Encoded:
+    """Values a learner holds, as fp32 on the wire: a read-only view of their memory, not a copy. They are
+    Θ or the published copy of a version, which are replaced, never written, while anyone holds them (the
+    view holds them: `scratch.py` takes no tensor that is held), and checked finite when they were made."""
+    if values.device.type != "cpu" or not values.is_contiguous():
+        return FP32.encode(values)
+    return Encoded(FP32.name, tuple(values.shape), 0, memoryview(values.detach().numpy()).cast("B").toreadonly())
 
 
 def plain_encoded(encoded: Encoded) -> dict:

@@ -34,6 +34,7 @@ from diloco.core.downlink import Downlink
 from diloco.core.membership import Membership
 from diloco.core.messages import Push
 from diloco.core.pacing import Pacer
+from diloco.core.scratch import ROUND_COPIES, Scratch
 from diloco.core.rounds import FragmentState, OuterOptimizer, RoundRecord, mean_cosine, token_weight
 from diloco.core.undo import UndoLog
 from diloco.fragments import Fragment
@@ -51,7 +52,10 @@ class Merging:
                  consolidate: bool, stale_weight: str) -> None:
         self.undo, self.membership = undo, membership
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
-        self.fragments = {f.index: FragmentState(f, optimizer(), Downlink(down_codec, f.names, self.theta, undo),
+        self.scratch = Scratch(ROUND_COPIES * max((4 * f.numel for f in fragments), default=0))
+        """Where a round's fragment-sized tensors come from: buffers taken again once nobody holds them."""
+        self.fragments = {f.index: FragmentState(f, optimizer(), Downlink(down_codec, f.names, self.theta, undo,
+                                                                          self.scratch.take),
                                                  Sampler({n: self.theta[n].numel() for n in f.names}))
                           for f in fragments}
         """By global fragment index: a shard of a sharded syncer holds some fragments only."""
@@ -139,13 +143,14 @@ class Merging:
 
     def _plus(self, total: torch.Tensor | None, delta: torch.Tensor, alpha: float) -> torch.Tensor:
         """total + alpha·delta for a round's sums: in place into a sum this transaction made (nobody else
-        holds it: a refused transaction drops it whole), else into a new tensor, which the undo log's
-        copy of the sums does not hold. A group's pushes after its first add at memory speed."""
+        holds it: a refused transaction drops it whole), else into a free buffer (`scratch.py`), which the
+        undo log's copy of the sums does not hold. A group's pushes after its first add at memory speed."""
         if self.undo.serial != self._made_in:
             self._made, self._made_in = {}, self.undo.serial
         if total is not None and (mine := self._made.get(id(total))) is not None and mine() is total:
             return total.add_(delta, alpha=alpha)
-        made = delta * alpha if total is None else torch.add(total, delta, alpha=alpha)
+        out = self.scratch.take(delta)
+        made = torch.mul(delta, alpha, out=out) if total is None else torch.add(total, delta, alpha=alpha, out=out)
         if self.undo.active:
             self._made[id(made)] = weakref.ref(made)
         return made
@@ -175,15 +180,13 @@ class Merging:
 
     @contextlib.contextmanager
     def grouped(self) -> Iterator[None]:
-        """Rounds wait while a group of pushes is taken in; the caller evaluates them all after."""
+        """Rounds wait while a group of pushes is taken in; the caller evaluates them all after. A refused
+        group leaves them waiting no longer: the driver takes its pushes one at a time next."""
         self.grouping = True
         try:
             yield
         finally:
-            self._made: dict[int, weakref.ref[torch.Tensor]] = {}
-        self._made_in = -1
-        """The sums' tensors the current transaction made (`_plus`), and which transaction that is."""
-        self.grouping = False
+            self.grouping = False
 
     def evaluate_all(self, now: float) -> list[Action]:
         return [a for s in self.fragments.values() for a in self.evaluate(s, now)]
@@ -250,7 +253,7 @@ class Merging:
         share = participation_share(contributions, self.last_weight, members.alive | members.finished) \
             if self.participation else 1.0
         after, optimizer = next_theta(state, self.theta, rule=self.merge_rule, embeddings=self.embeddings,
-                                      share=share, consolidate=final and self.consolidate)
+                                      share=share, consolidate=final and self.consolidate, new=self.scratch.take)
         names = list(state.fragment.names)
         update_norm = math.sqrt(sum(distance(after[n], self.theta[n]) ** 2 for n in names))
         self._set_theta(after)

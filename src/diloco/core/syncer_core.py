@@ -50,8 +50,7 @@ in one undo log (`undo.py`), so the cost is what the call changed, not what the 
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -64,6 +63,7 @@ from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, Lear
                                 PushesArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired, sender)
 from diloco.core.membership import Membership
 from diloco.core.merging import Merging
+from diloco.core.parts import Of
 from diloco.core.messages import Progress, Push
 from diloco.core.refusals import ProtocolError, RoundRefused
 from diloco.core.rounds import LedgerEntry, OuterOptimizer, RoundRecord, mean_cosine, token_weight
@@ -73,25 +73,6 @@ from diloco.outer.merge import MergeRule
 
 __all__ = ["SyncerCore", "ProtocolError", "Publish", "SendUpdate", "Timer", "Stop", "LearnerDead", "SendState",
            "RunOver", "Action", "RoundRecord", "LedgerEntry", "token_weight", "mean_cosine"]
-
-
-class Of:
-    """An attribute of one of the core's parts, read and set through the core under its usual name."""
-
-    def __init__(self, part: str, name: str | None = None) -> None:
-        self.part, self.name = part, name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-
-    def _part(self, core: Any) -> Any:
-        return functools.reduce(getattr, self.part.split("."), core)
-
-    def __get__(self, core: Any, owner: type | None = None) -> Any:
-        return self if core is None else getattr(self._part(core), self.name)
-
-    def __set__(self, core: Any, value: Any) -> None:
-        setattr(self._part(core), self.name, value)
 
 
 class SyncerCore:
@@ -163,7 +144,8 @@ class SyncerCore:
                "accumulating_bytes": sum(s.sums.nbytes() + nbytes(s.sampler.indices.values())
                                          + nbytes(c.sample for c in s.pending.values())
                                          + nbytes((s.unjudged or {}).values()) for s in self.fragments.values()),
-               "downlink_bytes": sum(s.downlink.nbytes() for s in self.fragments.values())}
+               "downlink_bytes": sum(s.downlink.nbytes() for s in self.fragments.values()),
+               "scratch_bytes": self.merging.scratch.nbytes()}
         out["total_bytes"] = sum(out.values())
         return out
 

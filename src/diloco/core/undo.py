@@ -5,8 +5,9 @@ as it was before the call, the event that triggered it included. Copying the cor
 event would cost in proportion to the learners it knows; instead every part of the core records here,
 before it changes something, the old value of just that entry (one learner's ledger entry, one
 fragment's round state) the first time the call touches it. A refused call puts them back, newest
-first; an accepted one drops them. Tensors are never changed in place (a round computes new ones and
-swaps them in), so an entry's old value is a shallow copy, or a copy of its small containers.
+first; an accepted one drops them. Tensors anyone may hold are never changed in place (a round writes
+new ones into buffers nobody holds, `scratch.py`, and swaps them in), so an entry's old value is a shallow
+copy, or a copy of its small containers.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ import copy
 
 import torch
 
+from diloco.outer.buffers import NewTensor, fp32_like
+
 _FULL = 1.0 - 1e-9
 """Shares that add up to at least this make a full round (1/3 + 1/3 + 1/3 may fall short of 1.0)."""
 
@@ -37,25 +39,29 @@ class DelayedNesterov:
         self.buffers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0) -> None:
+    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0,
+             out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like) -> None:
+        """Step `params` in place, or into `out` (the syncer's new Θ, `params` left as they were). Its new
+        state and temporaries come from `new`; the state it holds is replaced, never written (`fork`)."""
         s = self.fixed_share or share
         if not 0 < s <= 1:
             raise ValueError(f"an arrival's share of a round must be in (0, 1], got {s}")
         self.accumulated += s
         full_round = self.accumulated >= _FULL
         for name, theta in params.items():
+            target = theta if out is None else out[name]
             g = deltas[name].to(torch.float32)
             total = self.sums.get(name)
             if total is None:
                 total = torch.zeros_like(theta, dtype=torch.float32)
                 self.buffers[name] = torch.zeros_like(theta, dtype=torch.float32)
-            total = self.sums[name] = torch.add(total, g, alpha=s)  # new tensors, never in place: see `fork`
+            total = self.sums[name] = torch.add(total, g, alpha=s, out=new(theta))
             if not full_round:
-                theta.sub_(g, alpha=self.lr * s)
+                torch.sub(theta, g, alpha=self.lr * s, out=target)
                 continue
-            b = self.buffers[name] = (self.buffers[name] * self.momentum).add_(total)
-            theta.sub_(b.mul(self.momentum).add_(g, alpha=s), alpha=self.lr)
-            self.sums[name] = torch.zeros_like(total)
+            b = self.buffers[name] = torch.mul(self.buffers[name], self.momentum, out=new(theta)).add_(total)
+            torch.sub(theta, torch.mul(b, self.momentum, out=new(theta)).add_(g, alpha=s), alpha=self.lr, out=target)
+            self.sums[name] = total.zero_()  # made by this step: nobody else holds it
         if full_round:
             self.accumulated = 0.0
 

@@ -23,6 +23,8 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
+from diloco.outer.buffers import NewTensor, fp32_like
+
 MergeRule = Literal["mean", "weighted", "rda"]
 MERGE_RULES: tuple[str, ...] = ("mean", "weighted", "rda")
 CANCEL_TOLERANCE = 1e-6
@@ -73,27 +75,30 @@ class MergeSums:
             self.weight += weight
             self.count += 1
 
-    def mean(self, name: str) -> torch.Tensor:
-        return self.plain_sum[name] / self.count
+    def mean(self, name: str, new: NewTensor = fp32_like) -> torch.Tensor:
+        total = self.plain_sum[name]
+        return torch.div(total, self.count, out=new(total))
 
-    def weighted_mean(self, name: str) -> torch.Tensor:
-        return self.weighted[name] / self.weight
+    def weighted_mean(self, name: str, new: NewTensor = fp32_like) -> torch.Tensor:
+        total = self.weighted[name]
+        return torch.div(total, self.weight, out=new(total))
 
-    def radial_directional(self, name: str) -> torch.Tensor:
+    def radial_directional(self, name: str, new: NewTensor = fp32_like) -> torch.Tensor:
         """The weighted mean norm along the weighted mean direction; the weighted mean where the
         directions cancel out."""
         direction = self.directions.get(name)
         length = tensor_norm(direction) if direction is not None else 0.0
         if length <= CANCEL_TOLERANCE * self.weight:
-            return self.weighted_mean(name)
-        return direction * (self.radius[name] / self.weight / length)
+            return self.weighted_mean(name, new)
+        return torch.mul(direction, self.radius[name] / self.weight / length, out=new(direction))
 
-    def merged(self, names: Sequence[str], rule: MergeRule, embeddings: set[str] | frozenset[str] = frozenset()
-               ) -> dict[str, torch.Tensor]:
+    def merged(self, names: Sequence[str], rule: MergeRule, embeddings: set[str] | frozenset[str] = frozenset(),
+               new: NewTensor = fp32_like) -> dict[str, torch.Tensor]:
+        """The round's merged outer gradient per tensor, each a new tensor from `new`."""
         if rule == "mean":
-            return {name: self.mean(name) for name in names}
-        return {name: self.radial_directional(name) if rule == "rda" and name not in embeddings
-                else self.weighted_mean(name) for name in names}
+            return {name: self.mean(name, new) for name in names}
+        return {name: self.radial_directional(name, new) if rule == "rda" and name not in embeddings
+                else self.weighted_mean(name, new) for name in names}
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.weighted.values(), *self.plain_sum.values(), *self.directions.values()]

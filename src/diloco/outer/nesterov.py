@@ -11,6 +11,8 @@ import copy
 
 import torch
 
+from diloco.outer.buffers import NewTensor, fp32_like
+
 
 class Nesterov:
     def __init__(self, lr: float, momentum: float) -> None:
@@ -20,16 +22,19 @@ class Nesterov:
         self.buffers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0) -> None:
-        """Update `params` (fp32, in place) with the merged outer gradients `deltas`, scaled by the
-        share of a full round they stand for (1 unless the syncer heard from only some learners)."""
+    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0,
+             out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like) -> None:
+        """Step `params` (fp32) with the merged outer gradients `deltas`, scaled by the share of a full round
+        they stand for (1 unless the syncer heard from only some learners): in place, or into `out` (the
+        syncer's new Θ, `params` left as they were). Its new state and temporaries come from `new`."""
         for name, theta in params.items():
-            delta = deltas[name].to(torch.float32) * share
+            delta = torch.mul(deltas[name].to(torch.float32), share, out=new(theta))
             buf = self.buffers.get(name)
             if buf is None:
                 buf = torch.zeros_like(theta, dtype=torch.float32)
-            buf = self.buffers[name] = (buf * self.momentum).add_(delta)  # a new buffer: see `fork`
-            theta.sub_(delta.add(buf, alpha=self.momentum), alpha=self.lr)
+            buf = self.buffers[name] = torch.mul(buf, self.momentum, out=new(theta)).add_(delta)  # new: see `fork`
+            torch.sub(theta, delta.add_(buf, alpha=self.momentum), alpha=self.lr,
+                      out=theta if out is None else out[name])
 
     def fork(self) -> Nesterov:
         """A copy sharing this one's tensors: steps replace them, never change them in place, so this

@@ -1,0 +1,88 @@
+"""Fragment-sized tensors taken again once nobody holds them, instead of allocated for every round.
+
+A round makes several tensors of its fragment's size: the sums its pushes are folded into, the merged
+outer gradient, the outer optimizer's new state, the new Θ. A new tensor that large is new memory: the
+kernel maps and zeroes every page on first touch, which cost 0.3 ns per parameter with huge pages here
+(`benchmarks/core_events.py --merge`), more than the in-place pass that then fills it. So the core takes
+them from a `Scratch`: a tensor it made before that is free again, or a new one that it keeps for later.
+
+Free means that nothing but the scratch holds it: no other reference to the tensor object (an answer in
+flight, a saved state, the undo log of a transaction in progress, a test) and no view of its memory.
+Reusing a tensor someone holds would change what they hold, so this is decided from the reference counts
+themselves, never from the core's own bookkeeping: a tensor handed out is simply not taken again while it
+is held. Where the storage's count cannot be read (another torch), nothing is reused.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+MIN_NUMEL = 1 << 16
+"""Smaller tensors are allocated as usual: their memory comes from the allocator's own free lists."""
+KEPT = 8
+"""Tensors kept per shape and dtype, free or in use: a round of a fragment has about this many alive."""
+ROUND_COPIES = 6
+"""Free tensors kept, in copies of the largest fragment: what closing a round frees (the old Θ, the outer
+optimizer's old state, the sums, the merged Δ and a temporary), so that the next round finds them all
+and the shard's peak stays what it was when they were allocated and dropped each round."""
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _counts(tensor: torch.Tensor) -> tuple[int, int]:
+    """References to the tensor object, and uses of its memory (the tensor's own, and any view's)."""
+    uses = -1 if _use_count is None else _use_count(tensor.untyped_storage()._cdata)
+    return sys.getrefcount(tensor), uses
+
+
+class Scratch:
+    """Tensors the core made, each taken again once it is free (see the module's docstring)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.kept: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self.limit_bytes = limit_bytes
+        """Most bytes of free kept tensors: fragments of other shapes drop each other's, not grow the shard."""
+        probe = [torch.empty(1)]
+        self._unheld = (-1, -1)
+        for tensor in probe:  # the counts of a tensor held only by a list, read through as many calls as `take`'s
+            self._unheld = self._calibrate(tensor)
+
+    def _calibrate(self, tensor: torch.Tensor) -> tuple[int, int]:
+        return self._read(tensor)
+
+    def _read(self, tensor: torch.Tensor) -> tuple[int, int]:
+        return _counts(tensor)
+
+    def _free(self, tensor: torch.Tensor) -> bool:
+        return self._unheld[1] >= 0 and self._read(tensor) == self._unheld
+
+    def take(self, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A tensor of `like`'s shape (and `dtype`), on the CPU, whose values are to be overwritten: one kept
+        that is free, else a new one (kept, while there is room: KEPT of a shape, free ones up to the limit)."""
+        if like.numel() < MIN_NUMEL or like.device.type != "cpu":
+            return torch.empty(like.shape, dtype=dtype, device=like.device)
+        kept = self.kept.setdefault((tuple(like.shape), dtype), [])
+        for tensor in kept:
+            if self._free(tensor):
+                return tensor
+        made = torch.empty(like.shape, dtype=dtype)
+        if len(kept) < KEPT:
+            self._trim(made.numel() * made.element_size())
+            kept.append(made)
+        return made
+
+    def _trim(self, room: int) -> None:
+        """Drop free kept tensors, oldest shapes first, until `room` more bytes fit under the limit."""
+        free = [(key, t) for key, kept in self.kept.items() for t in kept if self._free(t)]
+        total = sum(t.numel() * t.element_size() for _, t in free) + room
+        for key, tensor in free:
+            if total <= self.limit_bytes:
+                break
+            self.kept[key] = [t for t in self.kept[key] if t is not tensor]
+            total -= tensor.numel() * tensor.element_size()
+
+    def nbytes(self) -> int:
+        """Bytes of the kept tensors that are free now (those in use are counted by whoever holds them)."""
+        return sum(t.numel() * t.element_size() for kept in self.kept.values() for t in kept if self._free(t))

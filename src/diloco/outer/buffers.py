@@ -1,0 +1,15 @@
+"""Where the outer step's new tensors come from: new memory by default, the syncer's recycled buffers
+(`core/scratch.py`) when it passes its own."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+NewTensor = Callable[[torch.Tensor], torch.Tensor]
+"""A tensor of the given one's shape, fp32, whose values are all to be overwritten; nobody else holds it."""
+
+
+def fp32_like(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(like, dtype=torch.float32)
