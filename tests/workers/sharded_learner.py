@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from diloco.client.builtin_loop import finish_distributed
 from diloco.client.learner_client import Learner
 from diloco.client.param_shards import shard_model
 from diloco.client.rank_sync import ShardedRanks
@@ -339,11 +340,9 @@ def main() -> None:
             code = refuse(args)
     except DilocoError as exc:
         print(f"diloco: {exc}", flush=True)
+        finish_distributed(failed=True)  # a peer may be dead: leave without waiting for it
         sys.exit(1)
-    # Every rank leaves the group together, a refusal too: a rank that exits while its peer still holds
-    # the gloo group open can be aborted (SIGABRT) by the group's teardown at interpreter exit.
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_distributed()  # every rank leaves the group together, a refusal too
     sys.exit(code)
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from sharded_learner import FRAGMENTS, ranks_start, run_events, tiny_gpt
+from diloco.client.builtin_loop import finish_distributed
 from diloco.client.param_shards import shard_model
 from diloco.client.rank_sync import ShardedRanks
 from diloco.client.sharded_checkpoints import read_sharded, save_sharded
@@ -175,9 +176,9 @@ def main() -> None:
         (save if args.phase == "save" else load)(args, args.out)
     except DilocoError as exc:
         print(f"diloco: {exc}", flush=True)
+        finish_distributed(failed=True)  # a peer may be dead: leave without waiting for it
         sys.exit(1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == "__main__":

@@ -306,10 +306,14 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
         from diloco.jax.jax_loop import run_jax_learner as run_learner
     else:
         init_distributed()
-    report = run_learner(config, syncer=args.syncer, learner=args.id, out=out,
-                         emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout,
-                         metrics_port=args.metrics_port, metrics_port_file=args.metrics_port_file,
-                         security=security, metrics_http=http)
+    try:
+        report = run_learner(config, syncer=args.syncer, learner=args.id, out=out,
+                             emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout,
+                             metrics_port=args.metrics_port, metrics_port_file=args.metrics_port_file,
+                             security=security, metrics_http=http)
+    except BaseException:
+        finish_distributed(failed=True)
+        raise
     finish_distributed()
     if not args.quiet and report["rank"] == 0:
         print(json.dumps(report), flush=True)
