@@ -23,6 +23,7 @@ from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.metrics.records import learner_lives, records_of
 from diloco.outputs import write_output
 from diloco.launch.launcher import Launcher
+from diloco.launch.outage_timeline import shard_outages
 from diloco.launch.spare import Spares
 from diloco.shard.ownership import placed_shard_count
 
@@ -33,6 +34,9 @@ class Kill:
     """Seconds into training."""
     victim: str
     restarted_at_s: float | None = None
+    killed_unix: float | None = None
+    """When it was killed and restarted (Unix time: the children's metrics share that axis)."""
+    restarted_unix: float | None = None
 
 
 @dataclass
@@ -70,11 +74,13 @@ class ChaosMonkey:
             if child is None or child.returncode is not None:
                 continue  # it already finished: nothing to kill
             launcher.expected_down.add(kill.victim)
+            kill.killed_unix = clock.now()
             launcher.children.kill(kill.victim)
             if self.done.wait(self.restart_after_s):
                 return
             extra = ("--resume",) if kill.victim.startswith("syncer") else ()
             pool = self.spares.get(kill.victim.split("-")[0]) if self.spares else None
+            kill.restarted_unix = clock.now()
             (pool or launcher.children).restart(kill.victim, extra)
             kill.restarted_at_s = clock.monotonic() - launcher.training_started
             launcher.expected_down.discard(kill.victim)
@@ -168,6 +174,7 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
                                         for r in starts if r["restart"]]},
     }
     result["faulty"]["tokens_lost_share"] = accounting["tokens_lost"] / max(1, accounting["tokens_trained"])
+    result["shard_outages"] = shard_outages(out / "faulty" / "metrics", result["kills"], faulty_launcher.started_unix)
     result["loss_vs_clean"] = result["faulty"]["final_eval_loss"] / clean["final_eval_loss"] - 1
     write_output(out / "chaos.json", json.dumps(result, indent=2) + "\n")
     return result
