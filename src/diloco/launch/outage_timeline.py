@@ -84,8 +84,9 @@ def describe(outage: dict[str, Any]) -> str:
     parts = outage.get("resume_parts_s", {})
     resume = (f"resume {at('resume_began_s')}–{at('resumed_s')} (load {parts['load_s']:.2f}, check "
               f"{parts['check_s']:.2f}, journal {parts['read_s']:.2f}, replay {parts['replay_s']:.2f} of "
-              f"{outage['events_replayed']} events)" if parts else "resume ?")
+              f"{outage['events_replayed']} events)" if parts else "nothing to resume (Θ not seeded yet)")
     pushes = [calls["push"] for calls in outage.get("learners", {}).values() if "push" in calls]
     pushed = f", pushes through by {max(pushes):.2f}" if pushes else ""
+    back = f"every learner back +{at('learners_back_s')} s" if outage.get("learners") else "no learner had joined"
     return (f"{outage['victim']} killed at {outage['at_s']:.1f} s: restarted +{at('restarted_s')}, {resume}, "
-            f"serving +{at('serving_s')}, every learner back +{at('learners_back_s')} s{pushed}")
+            f"serving +{at('serving_s')}, {back}{pushed}")

@@ -83,7 +83,8 @@ def resume(shard: ShardView) -> None:
 
     Nothing is saved here: the saved state and the journal, which goes on after the replayed records, are
     already where the shard is, and every second before it serves is a second its learners train apart.
-    The shard's next periodic save (`SAVE_EVERY_S` from its start) folds them together."""
+    The shard's next periodic save (`shard_state.SAVE_MIN_S` to `SAVE_EVERY_S` from its start) folds them
+    together."""
     began = time.perf_counter()
     state = shard.store.load()
     if state is None:

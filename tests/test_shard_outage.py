@@ -1,6 +1,7 @@
-"""A shard's outage, the seconds after its restart: learners get through to it as soon as it serves (not at
-their next backoff step), a resumed shard is where it was without a save at its resume (even resumed again
-before its next save), and `diloco chaos` explains each shard kill with its timeline."""
+"""A shard's outage, the seconds after its restart: its saves keep the journal a restart replays short,
+learners get through to it as soon as it serves (not at their next backoff step), a resumed shard is where it
+was without a save at its resume (even resumed again before its next save), and `diloco chaos` explains each
+shard kill with its timeline."""
 
 from __future__ import annotations
 
@@ -115,9 +116,13 @@ def theta_and_ledger(seeded: SeededShard) -> tuple[dict, dict]:
 
 
 @integration
-def test_a_shard_resumed_twice_without_a_save_between_is_where_it_was(tmp_path):
+def test_a_shard_resumed_twice_without_a_save_between_is_where_it_was(tmp_path, monkeypatch):
     """The resume saves nothing (it serves sooner): the journal goes on after the records it replayed, and a
     second crash before the next save replays them again, the first resume's own event among them."""
+    from diloco.shard import shard_state
+
+    monkeypatch.setattr(shard_state, "SAVE_MIN_S", 600.0)  # no periodic save during the test
+    monkeypatch.setattr(shard_state, "SAVE_EVERY_S", 600.0)
     first = SeededShard(tmp_path)
     first.client.push(*first.push_message(1))
     before = theta_and_ledger(first)
@@ -164,3 +169,22 @@ def test_a_push_waiting_on_a_restarted_shard_gets_through_within_the_reconnect_b
     finally:
         client.close()
         second.kill()
+
+
+@pytest.mark.parametrize("cost_s, apart_s", [(0.01, 2.0), (0.2, 4.0), (1.0, 10.0)])
+def test_a_shard_saves_as_often_as_its_saves_cost_allows_within_its_bounds(monkeypatch, cost_s, apart_s):
+    """A save holds the shard's lock: at most `SAVE_SHARE` of the time, and between the shard's bounds; the
+    more often it saves, the less journal a restart replays."""
+    from diloco.clock import ManualClock
+    from diloco.shard import waker as waker_module
+    from diloco.shard.waker import SAVE_SHARE, Waker
+
+    assert cost_s / SAVE_SHARE == pytest.approx(apart_s) or apart_s in (2.0, 10.0)
+    clock, saves, real = ManualClock(), [], iter([0.0, cost_s] * 10)
+    monkeypatch.setattr(waker_module, "perf_counter", lambda: next(real))
+    waker = Waker(threading.Condition(), lambda now: None, saves.append, save_every_s=10.0, clock=clock,
+                  save_min_s=2.0)
+    start = clock.now()
+    for _ in range(3):
+        waker.tick(waker._next_save)
+    assert [round(t - start, 6) for t in saves] == [2.0, 2.0 + apart_s, 2.0 + 2 * apart_s]
