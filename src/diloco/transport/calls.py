@@ -203,7 +203,25 @@ class ShardClient:
 
     def close(self) -> None:
         self.cancel_updates()
+        self.channel.unsubscribe(self._on_connectivity)
+        _await_poller(self.channel)
         self.channel.close()
+
+
+POLLER_STOP_S = 1.0
+"""The longest `close` waits for gRPC's poller of a channel's state to stop."""
+
+
+def _await_poller(channel: grpc.Channel) -> None:
+    """Once nobody subscribes, gRPC's poller of a channel's state stops at its next look (every 0.2 s); a
+    channel closed before that fails it, with a traceback on its thread. Wait for it (at most
+    `POLLER_STOP_S`), reading gRPC's own attributes where they are (an intercepted channel wraps the real
+    one); where they are not, nothing is awaited."""
+    state = getattr(channel, "_connectivity_state", None) or getattr(getattr(channel, "_channel", None),
+                                                                     "_connectivity_state", None)
+    deadline = clock.monotonic() + POLLER_STOP_S
+    while getattr(state, "polling", False) and clock.monotonic() < deadline:
+        clock.sleep(0.01)
 
 
 def with_retries(fn, *, attempts: int | None = 8, first_delay_s: float = 0.1, what: str = "call",
