@@ -10,6 +10,7 @@ shard's return, a push waits on its retry; the one that carries the learner's pr
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,13 +31,17 @@ class Reconnect:
     """Unix time the first call of this kind after it got through."""
 
 
+KEPT = 256
+"""Outages kept until taken: a client that never takes them (a regional uplink) holds no more than these."""
+
+
 class Reachability:
     """Calls' outcomes per shard and kind, turned into `Reconnect`s (thread-safe: every link thread reports)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lost: dict[tuple[int, str], float] = {}
-        self._back: list[Reconnect] = []
+        self._back: deque[Reconnect] = deque(maxlen=KEPT)
 
     def failed(self, shard: int, call: str) -> None:
         """A call found the shard unavailable (the first one since it last answered starts an outage)."""
@@ -66,5 +71,6 @@ class Reachability:
     def take(self) -> list[Reconnect]:
         """The outages that ended since the last `take`."""
         with self._lock:
-            back, self._back = self._back, []
+            back = list(self._back)
+            self._back.clear()
         return back
