@@ -27,6 +27,11 @@ from diloco.launch.outage_timeline import shard_outages
 from diloco.launch.spare import Spares
 from diloco.shard.ownership import placed_shard_count
 
+REFILL_AFTER_S = 3.0
+"""How long after a restart the spare it took is replaced (or at the next kill, if that comes sooner): a
+spare's start imports torch, seconds of CPU, which the restarted shard's resume and the learners' rejoining
+need more on a machine whose cores the run shares."""
+
 
 @dataclass
 class Kill:
@@ -67,8 +72,13 @@ class ChaosMonkey:
                            "syncer": Spares(launcher.children, children["syncer-0"].env, 1, "syncer")}
             for pool in self.spares.values():
                 pool.fill()
+        refill_at = None
         for kill in self.kills:
-            if self.done.wait(max(0.0, launcher.training_started + kill.at_s - clock.monotonic())):
+            due = launcher.training_started + kill.at_s
+            if refill_at is not None and self._refill(min(refill_at, due)):
+                return
+            refill_at = None
+            if self.done.wait(max(0.0, due - clock.monotonic())):
                 return
             child = launcher.children.children.get(kill.victim)
             if child is None or child.returncode is not None:
@@ -81,12 +91,27 @@ class ChaosMonkey:
             extra = ("--resume",) if kill.victim.startswith("syncer") else ()
             pool = self.spares.get(kill.victim.split("-")[0]) if self.spares else None
             kill.restarted_unix = clock.now()
-            (pool or launcher.children).restart(kill.victim, extra)
+            if pool is not None:
+                pool.restart(kill.victim, extra, refill=False)
+                refill_at = clock.monotonic() + REFILL_AFTER_S
+            else:
+                launcher.children.restart(kill.victim, extra)
             kill.restarted_at_s = clock.monotonic() - launcher.training_started
             launcher.expected_down.discard(kill.victim)
+        if refill_at is not None and self._refill(refill_at):
+            return
         # The kernel ends a child when the *thread* that started it ends (PR_SET_PDEATHSIG): the
         # children restarted here must outlive this thread's work, so it waits for the run's end.
         self.done.wait()
+
+    def _refill(self, at: float) -> bool:
+        """At `at` (monotonic), replace the spares restarts took (here: they live as long as this thread);
+        True if the run ended first."""
+        if self.done.wait(max(0.0, at - clock.monotonic())):
+            return True
+        for pool in (self.spares or {}).values():
+            pool.fill()
+        return False
 
 
 def plan_kills(rng: random.Random, learners: int, shards: int, kill_learners: int, kill_syncer: int,
