@@ -36,6 +36,16 @@ class FakeShard:
         self.sessions = list(sessions or [])
         self.cancelled = threading.Event()
         self.lock = threading.Lock()
+        self.link_up = threading.Event()
+        """Whether the channel holds a connection (`ShardClient.connected`): set, calls fail over a standing one."""
+        self.link_up.set()
+
+    @property
+    def connected(self) -> bool:
+        return self.link_up.is_set()
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        return self.link_up.wait(timeout_s)
 
     def push(self, header: pb.PushHeader, tensors: dict) -> pb.PushReply:
         with self.lock:

@@ -269,6 +269,10 @@ class _Training:
                       interrupted=bool(self.stop is not None and self.stop.is_set()))
 
     def record(self, final: bool) -> None:
+        learner = syncing_learner(self.sync)
+        for back in learner.link.reach.take() if learner is not None and learner.link is not None else ():
+            self.metrics.record("reconnect", time_s=back.back_at - self.metrics.origin, learner=learner.id,
+                                shard=back.shard, down_s=back.back_at - back.lost_at, push=back.call == "push")
         now = clock.monotonic()
         self.meter.step(clock.now() - self.metrics.origin, steps=self.replica.steps, tokens=self.tokens * self.world,
                         busy_fraction=self.busy_s / (now - self.began), step_time_s=now - self.started,

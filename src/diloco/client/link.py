@@ -33,6 +33,7 @@ from diloco.codecs import Encoded
 from diloco.core.liveness import HEARTBEAT_S
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.errors import DilocoError
+from diloco.client.reachability import Reachability
 from diloco.network.shaping import DeliveryQueue, ShapedDirection
 from diloco.transport.calls import SyncerUnavailable, with_retries
 from diloco.transport.wire_messages import message_bytes, push_header, update_of
@@ -202,6 +203,8 @@ class ClientLink:
         self._unsent = 0
         """Events sent and not yet delivered (`drain`)."""
         self._delivered = threading.Condition()
+        self.reach = Reachability()
+        """When each shard stopped answering this client's pushes and heartbeats, and answered again."""
 
     def start(self, handlers: LinkHandlers, name: str) -> None:
         """Start the threads, named after `name` ("learner", "uplink")."""
@@ -305,7 +308,8 @@ class ClientLink:
         else:
             for shard in self.shards:
                 try:
-                    with_retries(lambda: shard.client.leave(self.sender, finished=event.finished), what="leave")
+                    with_retries(lambda: shard.client.leave(self.sender, finished=event.finished), what="leave",
+                                 client=shard.client)
                 except SyncerUnavailable as exc:
                     log.warning("%s: could not announce leaving: %s", self.who, exc)
 
@@ -314,8 +318,8 @@ class ClientLink:
         meanwhile); a push it took before it went down is counted once."""
         shard = self.shard_of[push.fragment]
         try:
-            reply = with_retries(lambda: shard.client.push(header, encoded), attempts=None, what="push",
-                                 give_up=self._give_up)
+            reply = with_retries(lambda: self.reach.call(shard.index, "push", lambda: shard.client.push(
+                header, encoded)), attempts=None, what="push", give_up=self._give_up, client=shard.client)
         except SyncerUnavailable:
             raise
         except DilocoError as exc:  # refused with a reason (an outlier, a non-finite value)
@@ -330,7 +334,8 @@ class ClientLink:
         """A progress report or heartbeat to every shard; not retried (the next one says more)."""
         for shard in self.shards:
             try:
-                reply = shard.client.heartbeat(self.sender, tokens, step, step_time_s, due_in_s)
+                reply = self.reach.call(shard.index, "heartbeat", lambda: shard.client.heartbeat(
+                    self.sender, tokens, step, step_time_s, due_in_s))
             except DilocoError as exc:
                 log.debug("%s: report to shard %d failed: %s", self.who, shard.index, exc)
                 continue
@@ -370,7 +375,11 @@ class ClientLink:
             except (SyncerUnavailable, ValueError) as exc:  # ValueError: a LostAnswer, or a bad frame
                 reason = str(exc)
                 shard.client.cancel_updates()
-            if self._halt.wait(RECONNECT_S):
+            if shard.client.connected:
+                self._halt.wait(RECONNECT_S)
+            else:  # the connection is gone: the stream opens again as soon as it is back
+                shard.client.wait_connected(RECONNECT_S)
+            if self._halt.is_set():
                 return
             log.warning("%s: %s (shard %d); reconnecting", self.who, reason, shard.index)
 

@@ -23,8 +23,14 @@ from diloco.core.accounting import learner_tokens, ledger_of
 from diloco.metrics.records import learner_lives, records_of
 from diloco.outputs import write_output
 from diloco.launch.launcher import Launcher
+from diloco.launch.outage_timeline import shard_outages
 from diloco.launch.spare import Spares
 from diloco.shard.ownership import placed_shard_count
+
+REFILL_AFTER_S = 3.0
+"""How long after a restart the spare it took is replaced (or at the next kill, if that comes sooner): a
+spare's start imports torch, seconds of CPU, which the restarted shard's resume and the learners' rejoining
+need more on a machine whose cores the run shares."""
 
 
 @dataclass
@@ -33,6 +39,9 @@ class Kill:
     """Seconds into training."""
     victim: str
     restarted_at_s: float | None = None
+    killed_unix: float | None = None
+    """When it was killed and restarted (Unix time: the children's metrics share that axis)."""
+    restarted_unix: float | None = None
 
 
 @dataclass
@@ -63,24 +72,46 @@ class ChaosMonkey:
                            "syncer": Spares(launcher.children, children["syncer-0"].env, 1, "syncer")}
             for pool in self.spares.values():
                 pool.fill()
+        refill_at = None
         for kill in self.kills:
-            if self.done.wait(max(0.0, launcher.training_started + kill.at_s - clock.monotonic())):
+            due = launcher.training_started + kill.at_s
+            if refill_at is not None and self._refill(min(refill_at, due)):
+                return
+            refill_at = None
+            if self.done.wait(max(0.0, due - clock.monotonic())):
                 return
             child = launcher.children.children.get(kill.victim)
             if child is None or child.returncode is not None:
                 continue  # it already finished: nothing to kill
             launcher.expected_down.add(kill.victim)
+            kill.killed_unix = clock.now()
             launcher.children.kill(kill.victim)
             if self.done.wait(self.restart_after_s):
                 return
             extra = ("--resume",) if kill.victim.startswith("syncer") else ()
             pool = self.spares.get(kill.victim.split("-")[0]) if self.spares else None
-            (pool or launcher.children).restart(kill.victim, extra)
+            kill.restarted_unix = clock.now()
+            if pool is not None:
+                pool.restart(kill.victim, extra, refill=False)
+                refill_at = clock.monotonic() + REFILL_AFTER_S
+            else:
+                launcher.children.restart(kill.victim, extra)
             kill.restarted_at_s = clock.monotonic() - launcher.training_started
             launcher.expected_down.discard(kill.victim)
+        if refill_at is not None and self._refill(refill_at):
+            return
         # The kernel ends a child when the *thread* that started it ends (PR_SET_PDEATHSIG): the
         # children restarted here must outlive this thread's work, so it waits for the run's end.
         self.done.wait()
+
+    def _refill(self, at: float) -> bool:
+        """At `at` (monotonic), replace the spares restarts took (here: they live as long as this thread);
+        True if the run ended first."""
+        if self.done.wait(max(0.0, at - clock.monotonic())):
+            return True
+        for pool in (self.spares or {}).values():
+            pool.fill()
+        return False
 
 
 def plan_kills(rng: random.Random, learners: int, shards: int, kill_learners: int, kill_syncer: int,
@@ -168,6 +199,7 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
                                         for r in starts if r["restart"]]},
     }
     result["faulty"]["tokens_lost_share"] = accounting["tokens_lost"] / max(1, accounting["tokens_trained"])
+    result["shard_outages"] = shard_outages(out / "faulty" / "metrics", result["kills"], faulty_launcher.started_unix)
     result["loss_vs_clean"] = result["faulty"]["final_eval_loss"] / clean["final_eval_loss"] - 1
     write_output(out / "chaos.json", json.dumps(result, indent=2) + "\n")
     return result

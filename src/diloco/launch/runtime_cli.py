@@ -212,6 +212,7 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
     from diloco.launch.chaos import run_chaos
+    from diloco.launch.outage_timeline import describe as describe_outage
 
     config = runtime_config(args)
     if min(args.kill_learners, args.kill_syncer, args.spares) < 0 or args.restart_after < 0:
@@ -247,6 +248,8 @@ def cmd_chaos(args: argparse.Namespace, console: Console) -> int:
     table.add_row("tokens counted twice", "", f"{faulty['tokens_counted_twice']:,.0f}", "0")
     table.add_row("retried pushes recognised", "", str(faulty["retries_recognised"]), "")
     console.print(table)
+    for outage in result["shard_outages"]:
+        console.print(describe_outage(outage), highlight=False)
     console.print(f"details: {out / 'chaos.json'}")
     return 0 if faulty["tokens_counted_twice"] == 0 else 1
 

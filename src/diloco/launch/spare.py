@@ -50,10 +50,11 @@ class Spares:
     def waiting(self) -> list[Child]:
         return self.children.running(self.prefix)
 
-    def restart(self, name: str, extra_args: tuple[str, ...] = ()) -> Child:
+    def restart(self, name: str, extra_args: tuple[str, ...] = (), refill: bool = True) -> Child:
         """Child `name` started again with the arguments it had plus `extra_args`: by a spare taking its place
         where one fits, else (no spare running, or the child's command or environment is not the one a spare
-        runs) as `Children.restart` starts it."""
+        runs) as `Children.restart` starts it. `refill`: start the spare's replacement now (else the caller
+        calls `fill` when the restart's own work is done)."""
         old = self.children.children[name]
         spares = self.waiting()
         if not spares or old.argv[:3] != [sys.executable, *DILOCO_MODULE] or old.env != self.env:
@@ -70,5 +71,6 @@ class Spares:
         del self.children.children[spare.name]
         self.children.children[name] = child
         self.handed_over.append({"child": name, "spare": spare.name, "handed_over_unix": handed})
-        self.fill()
+        if refill:
+            self.fill()
         return child

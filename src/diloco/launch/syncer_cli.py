@@ -100,6 +100,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
                         resume=args.resume, tier=tier, operator_seeds=args.operator_seeds,
                         state_key=file_key(security.secret))
     server, status = _serve_shard(shard, args, security, http)
+    metrics.record("serving", shard=index, resumed=shard.core is not None and args.resume)  # a shard kill's timeline
     halted = None
     while not stop.wait(METRICS_EVERY_S):
         shard.record_metrics()

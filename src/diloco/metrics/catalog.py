@@ -4,7 +4,8 @@ under `<kind>/<source>/`."""
 
 from __future__ import annotations
 
-LABELS = {"learner": ("learner",), "start": ("learner",), "round": ("shard", "fragment"), "syncer": ("shard",), "eval": ()}
+LABELS = {"learner": ("learner",), "start": ("learner",), "round": ("shard", "fragment"), "syncer": ("shard",),
+          "eval": (), "resume": ("shard",), "serving": ("shard",), "reconnect": ("learner", "shard")}
 """Fields that say whose record it is: Prometheus labels, not values."""
 
 CATALOG: dict[str, dict[str, str]] = {
@@ -51,6 +52,22 @@ CATALOG: dict[str, dict[str, str]] = {
     "eval": {
         "tokens": "tokens trained over all learners when Θ was evaluated",
         "loss": "held-out loss of Θ",
+    },
+    "resume": {
+        "resume_s": "a restarted shard's resume, from loading its saved state to taking its journal's last event",
+        "load_s": "reading and checking the digest of the saved state",
+        "check_s": "checking the saved state (its identity, Θ) and building the core from it",
+        "read_s": "reading and decoding the journal after the saved state",
+        "replay_s": "replaying the journaled events through the core",
+        "events": "journaled events replayed",
+    },
+    "serving": {
+        "resumed": "the shard serves (learners can reach it): 1 after a resume from its saved state, else 0",
+    },
+    "reconnect": {
+        "down_s": "from the first call of a kind (a push, a heartbeat) a shard left unanswered to the first that "
+                  "got through again, as this learner saw it",
+        "push": "1: the call was a push (the learner's progress waited on it); 0: a heartbeat",
     },
 }
 KINDS = tuple(CATALOG)

@@ -79,7 +79,12 @@ def resume(shard: ShardView) -> None:
     and go on journaling where it ended. A journaled event the core refuses on replay means the state is not
     the one it was journaled on (a one-line error), except the last record: a crash between
     writing it and taking it back (the core refused it live too) leaves exactly that, so it is
-    dropped with a warning."""
+    dropped with a warning.
+
+    Nothing is saved here: the saved state and the journal, which goes on after the replayed records, are
+    already where the shard is, and every second before it serves is a second its learners train apart.
+    The shard's next periodic save (`shard_state.SAVE_MIN_S` to `SAVE_EVERY_S` from its start) folds them
+    together."""
     began = time.perf_counter()
     state = shard.store.load()
     if state is None:
@@ -140,9 +145,10 @@ def resume(shard: ShardView) -> None:
                 outbox.put(update)
     # Nobody could reach a shard that was down: every learner gets its usual allowance from now.
     shard.apply(SyncerResumed(), shard.clock.now())
-    shard.save_state()
     done = time.perf_counter()
+    parts = {"load_s": loaded - began, "check_s": checked - loaded, "read_s": read - checked,
+             "replay_s": replayed_at - read}
+    shard.metrics.record("resume", shard=shard.plan.index, resume_s=done - began, events=replayed, **parts)
     log.info("shard %d resumed: %d rounds, versions %s, %d journaled events replayed (%.2f s: state loaded %.2f, "
-             "checked %.2f, journal read %.2f, replayed %.2f, saved %.2f)", shard.plan.index, shard.core.rounds_closed,
-             {p: s.version for p, s in shard.core.fragments.items()}, replayed, done - began, loaded - began,
-             checked - loaded, read - checked, replayed_at - read, done - replayed_at)
+             "checked %.2f, journal read %.2f, replayed %.2f)", shard.plan.index, shard.core.rounds_closed,
+             {p: s.version for p, s in shard.core.fragments.items()}, replayed, done - began, *parts.values())

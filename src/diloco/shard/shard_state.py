@@ -49,7 +49,10 @@ from diloco.v1 import diloco_pb2 as pb
 log = logging.getLogger("diloco.syncer")
 
 SAVE_EVERY_S = 10.0
-"""How often a shard with a state folder saves its whole state (and empties its journal)."""
+"""The longest a shard with a state folder goes without saving its whole state (and emptying its journal)."""
+SAVE_MIN_S = 2.0
+"""The shortest: between the two, as often as a save's own cost allows (`waker.SAVE_SHARE`), so that a
+restart has little journal to replay (each journaled push is decoded and merged again)."""
 SINK_ENV = "DILOCO_SHARD_SINK"
 """Set to 1, a shard takes pushes off the wire and answers them without merging (`benchmarks/scale.py
 --sink`: the transport alone). Never for a run: nothing is learned."""
@@ -108,7 +111,8 @@ class ShardState:
         values: the answer is made when taken, `core.events.AnswerTaken`); queued again after a restart."""
         self._replaying = False
         self._stopping = False
-        self.waker = Waker(threading.Condition(self.lock), self._wake, self._save_if_seeded, SAVE_EVERY_S, clock)
+        self.waker = Waker(threading.Condition(self.lock), self._wake, self._save_if_seeded, SAVE_EVERY_S, clock,
+                            save_min_s=SAVE_MIN_S)
         self.store = ShardStore(state_dir, plan.index, resume, clock, state_key) if state_dir is not None else None
         self.run_id = self.store.run_id if self.store is not None else secrets.token_hex(16)
         """This run's identity: callers' credentials are bound to it (`security.call_token`)."""

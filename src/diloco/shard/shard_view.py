@@ -17,6 +17,7 @@ from diloco.core.events import SyncerEvent
 from diloco.core.messages import Update
 from diloco.core.syncer_core import SyncerCore
 from diloco.fragments import Fragment
+from diloco.metrics import MetricsLog
 from diloco.shard.ownership import ShardPlan
 from diloco.shard.store import ShardStore
 from diloco.strategies.spec import StrategySpec
@@ -45,6 +46,7 @@ class ShardView(Protocol):
     started: float
     last_updates: dict[int, dict[int, Update]]
     store: ShardStore | None
+    metrics: MetricsLog
     run_id: str
     tier: Any
     """The region's tier (`regional_shard.RegionTier`) or None: typed loosely, since that module uses this one."""

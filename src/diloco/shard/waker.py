@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
+from time import perf_counter
 from typing import Callable
 
 from diloco.clock import SYSTEM_CLOCK, Clock
@@ -21,17 +22,24 @@ log = logging.getLogger("diloco.syncer")
 
 RETRY_S = 1.0
 """How soon a wake or a save that failed is tried again."""
+SAVE_SHARE = 0.05
+"""At most this share of the shard's time goes to saving its state (a save holds its lock): the next save
+comes the last one's own duration over this after it, within the shard's bounds. A restart replays the
+journal since the last save, so a cheap save made often keeps that short."""
 
 
 class Waker:
     def __init__(self, condition: threading.Condition, on_time: Callable[[float], None],
                  on_save: Callable[[float], None] | None = None, save_every_s: float = 10.0,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
-        """`condition` wraps the shard's lock: `on_time` and `on_save` run with it held."""
+                 clock: Clock = SYSTEM_CLOCK, save_min_s: float | None = None) -> None:
+        """`condition` wraps the shard's lock: `on_time` and `on_save` run with it held. Saves come at most
+        `save_every_s` apart, and as often as `SAVE_SHARE` of the time allows, but not under `save_min_s`
+        apart (default: `save_every_s`, a fixed interval)."""
         self.condition, self.on_time, self.on_save = condition, on_time, on_save
         self.save_every_s, self.clock = save_every_s, clock
+        self.save_min_s = save_every_s if save_min_s is None else min(save_min_s, save_every_s)
         self._due: list[float] = []
-        self._next_save = clock.now() + save_every_s
+        self._next_save = clock.now() + self.save_min_s
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.failures = 0
@@ -51,9 +59,12 @@ class Waker:
         if due and not self._survive("wake", self.on_time, now):
             heapq.heappush(self._due, now + RETRY_S)
         if self.on_save is not None and now >= self._next_save:
-            self._next_save = now + self.save_every_s
+            began = perf_counter()  # what the save costs in real time, whatever the clock
             if not self._survive("save", self.on_save, now):
                 self._next_save = now + min(RETRY_S, self.save_every_s)
+            else:
+                cost = perf_counter() - began
+                self._next_save = now + min(max(cost / SAVE_SHARE, self.save_min_s), self.save_every_s)
 
     def _survive(self, what: str, work: Callable[[float], None], now: float) -> bool:
         """Run `work`; on an error, log one line and return False (the caller tries again soon)."""

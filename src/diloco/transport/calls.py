@@ -19,12 +19,20 @@ from diloco.transport.stream_calls import syncer_stub
 from diloco.transport.wire_messages import fragment_versions, heartbeat_request, seed_frames, versions_of
 from diloco.v1 import diloco_pb2 as pb
 
+RECONNECT_MAX_S = 0.5
+"""The longest a channel waits between attempts to connect to a shard it lost (gRPC adds up to 20% jitter).
+A refused connection costs either end next to nothing, and every second a restarted shard goes unreached
+is a second its learners train apart: a learner's calls get through within this (and the jitter) of a
+restarted shard's serving (measured in `diloco chaos`'s timeline of each shard kill)."""
+RETRY_MAX_S = 5.0
+"""The longest `with_retries` waits between tries of a call a shard answered as unavailable (busy, or
+unable to journal): its own load is what the wait spares."""
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
                    ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_permit_without_calls", 1),
-                   # After a partition or a shard restart, try again within 2 s (gRPC's own backoff
-                   # would grow to minutes): the learner's pushes wait in its queue meanwhile.
+                   # After a partition or a shard restart, try again within RECONNECT_MAX_S (gRPC's own
+                   # backoff would grow to minutes): the learner's pushes wait in its queue meanwhile.
                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                   ("grpc.max_reconnect_backoff_ms", 2000)]
+                   ("grpc.max_reconnect_backoff_ms", int(RECONNECT_MAX_S * 1000))]
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
 GRPC_BUSY = "Concurrent RPC limit exceeded!"
@@ -57,6 +65,27 @@ class ShardClient:
         self.identity = ClientIdentity(security)
         self.channel = make_channel(address, security, CHANNEL_OPTIONS, self.identity)
         self.stub = syncer_stub(self.channel)
+        self._connected = threading.Event()
+        """Set while the channel holds a connection to the shard (told by gRPC on every change). The one
+        subscription to the channel's state, which also starts connecting: gRPC's own ready future would
+        subscribe again, and a channel closed within its poll interval after that fails gRPC's poller."""
+        self.channel.subscribe(self._on_connectivity, try_to_connect=True)
+
+    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        if state is grpc.ChannelConnectivity.READY:
+            self._connected.set()
+        else:
+            self._connected.clear()
+
+    @property
+    def connected(self) -> bool:
+        """Whether the channel holds a connection now: a call that failed without one failed for want of it."""
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Wait until the channel holds a connection again (gRPC reconnects every `RECONNECT_MAX_S` at most),
+        for at most `timeout_s`; whether it does."""
+        return self._connected.wait(timeout_s)
 
     def _call(self, what: str, fn, *args, **kwargs):
         try:
@@ -71,11 +100,9 @@ class ShardClient:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the shard answers; a one-line error if it does not within `timeout_s`."""
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
+        if not self.wait_connected(timeout_s):
             raise DilocoError(f"cannot reach the syncer at {self.address} (nothing answered within "
-                              f"{timeout_s:g} s): check the address and that `diloco syncer` runs there") from None
+                              f"{timeout_s:g} s): check the address and that `diloco syncer` runs there")
 
     @property
     def own_learner(self) -> int | None:
@@ -176,13 +203,34 @@ class ShardClient:
 
     def close(self) -> None:
         self.cancel_updates()
+        self.channel.unsubscribe(self._on_connectivity)
+        _await_poller(self.channel)
         self.channel.close()
 
 
+POLLER_STOP_S = 1.0
+"""The longest `close` waits for gRPC's poller of a channel's state to stop."""
+
+
+def _await_poller(channel: grpc.Channel) -> None:
+    """Once nobody subscribes, gRPC's poller of a channel's state stops at its next look (every 0.2 s); a
+    channel closed before that fails it, with a traceback on its thread. Wait for it (at most
+    `POLLER_STOP_S`), reading gRPC's own attributes where they are (an intercepted channel wraps the real
+    one); where they are not, nothing is awaited."""
+    state = getattr(channel, "_connectivity_state", None) or getattr(getattr(channel, "_channel", None),
+                                                                     "_connectivity_state", None)
+    deadline = clock.monotonic() + POLLER_STOP_S
+    while getattr(state, "polling", False) and clock.monotonic() < deadline:
+        clock.sleep(0.01)
+
+
 def with_retries(fn, *, attempts: int | None = 8, first_delay_s: float = 0.1, what: str = "call",
-                 give_up: threading.Event | None = None):
-    """Run `fn`, retrying with exponential backoff (up to 5 s apart) while the syncer is unavailable:
-    `attempts` times, or with None until it answers or `give_up` is set."""
+                 give_up: threading.Event | None = None, client: ShardClient | None = None):
+    """Run `fn`, retrying with exponential backoff (up to `RETRY_MAX_S` apart) while the syncer is
+    unavailable: `attempts` times, or with None until it answers or `give_up` is set. With the `client`
+    whose call `fn` makes, a call that failed for want of a connection is tried again as soon as the
+    channel has one (a restarted shard is reached at gRPC's next reconnect, not the next backoff step);
+    one refused over a standing connection (the shard busy) waits its backoff."""
     delay = first_delay_s
     attempt = 0
     while True:
@@ -192,8 +240,10 @@ def with_retries(fn, *, attempts: int | None = 8, first_delay_s: float = 0.1, wh
         except SyncerUnavailable:
             if (attempts is not None and attempt >= attempts) or (give_up is not None and give_up.is_set()):
                 raise
-            if give_up is not None:
+            if client is not None and not client.connected:
+                client.wait_connected(delay)
+            elif give_up is not None:
                 give_up.wait(delay)
             else:
                 clock.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            delay = min(delay * 2, RETRY_MAX_S)
