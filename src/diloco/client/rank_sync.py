@@ -89,9 +89,11 @@ class ReplicatedRanks:
         return self.core.handle(event, now)
 
     def close_step(self, stop: bool, error: str | None = None) -> tuple[bool, int]:
+        merged = _changed(self._before, self.core.anchor_versions)
+        if self.world == 1:  # nothing to agree on: no flags tensor on a plain step's training thread
+            return bool(stop), sum(merged)
         flags = self._flags(END if error is None else FAILED)
-        for p, (old, new) in enumerate(zip(self._before, self.core.anchor_versions)):
-            flags[p] = int(new != old)
+        flags[:-2] = torch.tensor(merged, dtype=torch.int64)
         flags[-2] = int(stop)
         return self._share(flags)
 
@@ -230,7 +232,7 @@ class ShardedRanks:
         self._tell(("tick",))
 
     def _merged(self) -> int:
-        return sum(int(a != b) for a, b in zip(self._before, self.core.anchor_versions))
+        return sum(_changed(self._before, self.core.anchor_versions))
 
     def leaving(self, settle: Callable[[], None] | None) -> None:
         """The learner is leaving: its core pushes every fragment at once, and rank 0 gathers each only once
@@ -335,6 +337,11 @@ class ShardedRanks:
 
     def _scatter(self, values: Mapping[str, torch.Tensor] | None, names: list[str]) -> dict[str, torch.Tensor]:
         return self.rows.scatter(values, names)
+
+
+def _changed(before: list[int], after: list[int]) -> list[int]:
+    """Per fragment, 1 where its anchor version moved this step (a merge), else 0."""
+    return [int(a != b) for a, b in zip(before, after)]
 
 
 def _summed(tokens: int, world: int) -> int:
