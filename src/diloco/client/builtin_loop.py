@@ -181,9 +181,15 @@ def _writer_for(checkpoint: Path | None, seal: bytes | None, config: Config, syn
 def hold_pushes(writer: CheckpointWriter | sharded_checkpoints.ShardedWriter | None, sync: Any, rank: int) -> None:
     """A push leaves once a checkpoint records it: its progress is never resumed twice. A synchronous learner
     takes that checkpoint before it waits for the answer (`_Training.run`); a sharded one's is collective,
-    so its pushes go at once and a restart takes Θ for what its shard took after the checkpoint."""
-    if writer is not None and isinstance(sync, Learner) and rank == 0 and (
-            isinstance(writer, CheckpointWriter) or not sync.core.wait_for_updates):
+    so its pushes go at once and a restart takes Θ for what its shard took after the checkpoint. Every rank
+    decides alike (each sharded rank has its core); rank 0's link holds the pushes, and a sharded writer
+    takes a checkpoint at once for a new push only where pushes are held (`ShardedWriter.gated`)."""
+    if writer is None or not isinstance(sync, Learner) or (
+            not isinstance(writer, CheckpointWriter) and sync.core.wait_for_updates):
+        return
+    if isinstance(writer, sharded_checkpoints.ShardedWriter):
+        writer.gated = True
+    if rank == 0:
         sync.push_gate.hold()
 
 
