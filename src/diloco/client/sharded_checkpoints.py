@@ -35,6 +35,7 @@ from torch import nn
 
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.client.collective_bound import BOUND, floor_s
+from diloco.client.checkpoint_staging import KeptStaging
 from diloco.client.checkpoints import ADVICE, check_checkpoint, checkpoint_period, write_checkpoint
 from diloco.client.sharded_progress import joined_progress, progress_target, split_progress
 from diloco.errors import DilocoError
@@ -47,11 +48,6 @@ try:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 except ImportError:  # pragma: no cover - older torch
     _init_optim_state = None
-try:
-    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
-    from torch.distributed.checkpoint.staging import AsyncStager
-except ImportError:  # pragma: no cover - older torch: DCP's own stager
-    StateDictStager = AsyncStager = None
 
 LATEST, SLOTS = "latest", ("a", "b")
 
@@ -68,30 +64,9 @@ def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     dist.barrier()  # no rank reads `latest` before it names this checkpoint
 
 
-class _KeptStaging(AsyncStager if AsyncStager is not None else object):  # type: ignore[misc]
-    """What `async_save` copies on the training thread: the model's and the optimizer's rows, into buffers
-    kept from one checkpoint to the next (DCP's own stager is made per call, so every checkpoint allocated
-    and faulted in fresh ones), and not the own progress, which `export_progress` made a copy already. A
-    buffer is rewritten only once the write that read it is done (`ShardedWriter`: one write at a time)."""
-
-    _synchronize_after_execute = False  # staged when `stage` returns
-
-    def __init__(self) -> None:
-        self.rows = StateDictStager()
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return {k: v if k == "progress" else self.rows.stage(v) for k, v in state_dict.items()}
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.rows.close()
-
-
 def _start(folder: Path, slot: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
            data: dict[str, Any], key: bytes | None, progress: dict[str, Any] | None,
-           group: dist.ProcessGroup | None, stager: _KeptStaging | None = None) -> Callable[[], None]:
+           group: dist.ProcessGroup | None, stager: KeptStaging | None = None) -> Callable[[], None]:
     """Start writing a checkpoint into `slot` (on `group` in the background, copied by `stager`, else by DCP's
     own; None: here, now); returns what completes it: the sidecar, then, once every rank's is written,
     `latest`."""
@@ -284,7 +259,7 @@ class ShardedWriter:
         """`learner`: the `Learner` whose own progress each checkpoint keeps (None: none)."""
         self.folder, self.key, self.learner, self.most_every = folder, key, learner, most_every
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=floor_s()))
-        self.stager = _KeptStaging() if StateDictStager is not None else None
+        self.stager = KeptStaging()
         box = [_next_slot(folder, key)]
         dist.broadcast_object_list(box, 0)  # every rank writes the same slot
         self.slot = box[0]
