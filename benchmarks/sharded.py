@@ -1,13 +1,14 @@
-"""Sharded learners (FSDP2, HSDP) on this machine (CPU, Gloo): memory, speed, join time, whole-run
-equivalence with DDP learners, and a mixed run.
+"""Sharded learners (FSDP2, HSDP) on this machine (CPU, Gloo): memory, speed, checkpoint cost, join time,
+whole-run equivalence with DDP learners, and a mixed run.
 
-    python benchmarks/sharded.py [--steps N] [--width W] [--layers L] [--parts memory,equal,mixed]
-                                 [--worlds 2,4] [--meta-init] [--out FILE]
+    python benchmarks/sharded.py [--steps N] [--width W] [--layers L]
+                                 [--parts memory,speed,checkpoint,equal,mixed] [--worlds 2,4] [--meta-init]
+                                 [--repeats R] [--syncer-process] [--out FILE]
 
 (the 101M-parameter memory measurement: --parts memory --width 1024 --layers 8 --steps 8 --meta-init)
 
 Every learner rank is a benchmarks/sharded_worker.py process; each run's syncer is one shard served in
-this process. Parts, all in one invocation:
+this process (or its own process: --syncer-process). Parts, all in one invocation:
   memory  one FSDP learner of W = 2 and W = 4 ranks, a GPT of ≥ 20M parameters in 8 fragments (decoupled):
           per rank, the sync boundary's staging peak (the gathered tensors alive at once at rank 0, per
           phase: seeding the shard, training, leaving; answers are scattered into buffers of one rank's
@@ -17,8 +18,13 @@ this process. Parts, all in one invocation:
           resident memory by stage. Target: staging ≤ 1.5 × the largest fragment in fp32; the per-rank
           peak falls as W grows. --meta-init: each rank builds the model on the meta device and fills
           its own rows only.
-  speed   the same W = 2 FSDP loop with syncing and without it (no Learner at all): tokens/s ratio,
-          target ≥ 0.95; and the join time (Θ loaded into every rank) of the synced one.
+          It also times the W = 2 learner against the same loop without syncing, one run each (below).
+  speed   the same W = 2 FSDP loop with syncing and without it (no Learner at all), --repeats runs of each
+          taking turns: tokens/s ratio of the medians, target ≥ 0.95 (issue 28).
+  checkpoint  the synced W = 2 FSDP learner with its own-progress checkpoints on (as the built-in learner
+          keeps them: DCP async_save every rank, the push gate holding each push until a checkpoint
+          records it) and off, --repeats runs each taking turns: tokens/s of the medians and
+          checkpoint_cost_fraction = 1 − on / off, target ≤ 0.01 (issue 31).
   equal   2 learners of 2 ranks each, FSDP against DDP, synchronous DiLoCo, Decoupled DiLoCo, and Decoupled
           DiLoCo with quorum = all learners (round membership not left to timing): the final Θ's loss on
           held-out batches; target |relative difference| ≤ 1e-3; and DDP against DDP again in the same
@@ -26,6 +32,9 @@ this process. Parts, all in one invocation:
   mixed   a 2-rank FSDP learner, a 2-rank DDP learner and a 1-process learner against one shard:
           merged + stale + lost = trained for each (`core/accounting.learner_tokens`), with nothing lost or
           counted twice (every learner leaves cleanly).
+--syncer-process: the shard of memory, speed and checkpoint runs is a `diloco syncer` process of its own
+with one arithmetic thread (benchmarks/syncer_process.py), as gpu.py and frameworks.py run it; else it is
+served in this process (equal and mixed always: they read its Θ and ledger).
 
 Prints a table and writes JSON (default benchmarks/results/sharded.json).
 """
@@ -111,10 +120,10 @@ def wait_all(procs: Processes, started: list[subprocess.Popen], out: Path) -> No
 
 def run(learners: list[tuple[int, str]], strategy: str, fragments: int, args: argparse.Namespace, width: int,
         layers: int, sync: bool = True, extra: tuple[str, ...] = (), meta_init: bool = False,
-        checkpoints: bool = False) -> dict[str, Any]:
+        checkpoints: bool = False, served_here: bool = False) -> dict[str, Any]:
     """One run: learners as (ranks, sharding); returns every rank's report, the shard's, and Θ's loss (the
-    last two None when the shard is a process of its own: `--syncer-process`)."""
-    if sync and args.syncer_process:
+    last two None when the shard is a process of its own: `--syncer-process`, unless `served_here`)."""
+    if sync and args.syncer_process and not served_here:
         with syncer_process(syncer_settings(len(learners), strategy, fragments, extra)) as port:
             return train(learners, args, width, layers, f"127.0.0.1:{port}", meta_init, checkpoints)
     server, shard, address = start_syncer(len(learners), strategy, fragments, extra) if sync else (None, None, None)
@@ -248,7 +257,7 @@ def equivalence(args: argparse.Namespace) -> dict[str, Any]:
     DDP vs DDP, in the same invocation, is the run-to-run noise of the configuration itself."""
     rows = {}
     for name, (strategy, extra) in EQUIVALENCE_RUNS.items():
-        losses = {s: run([(2, s.split("-")[0])] * 2, strategy, 3, args, 64, 2, extra=extra)["loss"]
+        losses = {s: run([(2, s.split("-")[0])] * 2, strategy, 3, args, 64, 2, extra=extra, served_here=True)["loss"]
                   for s in ("fsdp", "ddp", "ddp-again")}
         rows[name] = {"fsdp_loss": losses["fsdp"], "ddp_loss": losses["ddp"], "ddp_again_loss": losses["ddp-again"],
                       "relative_difference": abs(losses["fsdp"] - losses["ddp"]) / losses["ddp"],
@@ -257,7 +266,7 @@ def equivalence(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def mixed(args: argparse.Namespace) -> dict[str, Any]:
-    r = run([(2, "fsdp"), (2, "ddp"), (1, "ddp")], "decoupled", 3, args, 64, 2)
+    r = run([(2, "fsdp"), (2, "ddp"), (1, "ddp")], "decoupled", 3, args, 64, 2, served_here=True)
     numel = {int(p): n for p, n in r["shard"]["fragment_numel"].items()} if "fragment_numel" in r["shard"] else None
     per_learner = {}
     for m in range(3):
