@@ -1,13 +1,14 @@
-"""Sharded learners (FSDP2, HSDP) on this machine (CPU, Gloo): memory, speed, join time, whole-run
-equivalence with DDP learners, and a mixed run.
+"""Sharded learners (FSDP2, HSDP) on this machine (CPU, Gloo): memory, speed, checkpoint cost, join time,
+whole-run equivalence with DDP learners, and a mixed run.
 
-    python benchmarks/sharded.py [--steps N] [--width W] [--layers L] [--parts memory,equal,mixed]
-                                 [--worlds 2,4] [--meta-init] [--out FILE]
+    python benchmarks/sharded.py [--steps N] [--width W] [--layers L]
+                                 [--parts memory,speed,checkpoint,equal,mixed] [--worlds 2,4] [--meta-init]
+                                 [--repeats R] [--syncer-process] [--out FILE]
 
 (the 101M-parameter memory measurement: --parts memory --width 1024 --layers 8 --steps 8 --meta-init)
 
 Every learner rank is a benchmarks/sharded_worker.py process; each run's syncer is one shard served in
-this process. Parts, all in one invocation:
+this process (or its own process: --syncer-process). Parts, all in one invocation:
   memory  one FSDP learner of W = 2 and W = 4 ranks, a GPT of ≥ 20M parameters in 8 fragments (decoupled):
           per rank, the sync boundary's staging peak (the gathered tensors alive at once at rank 0, per
           phase: seeding the shard, training, leaving; answers are scattered into buffers of one rank's
@@ -17,8 +18,13 @@ this process. Parts, all in one invocation:
           resident memory by stage. Target: staging ≤ 1.5 × the largest fragment in fp32; the per-rank
           peak falls as W grows. --meta-init: each rank builds the model on the meta device and fills
           its own rows only.
-  speed   the same W = 2 FSDP loop with syncing and without it (no Learner at all): tokens/s ratio,
-          target ≥ 0.95; and the join time (Θ loaded into every rank) of the synced one.
+          It also times the W = 2 learner against the same loop without syncing, one run each (below).
+  speed   the same W = 2 FSDP loop with syncing and without it (no Learner at all), --repeats runs of each
+          taking turns: tokens/s ratio of the medians, target ≥ 0.95 (issue 28).
+  checkpoint  the synced W = 2 FSDP learner with its own-progress checkpoints on (as the built-in learner
+          keeps them: DCP async_save every rank, the push gate holding each push until a checkpoint
+          records it) and off, --repeats runs each taking turns: tokens/s of the medians and
+          checkpoint_cost_fraction = 1 − on / off, target ≤ 0.01 (issue 31).
   equal   2 learners of 2 ranks each, FSDP against DDP, synchronous DiLoCo, Decoupled DiLoCo, and Decoupled
           DiLoCo with quorum = all learners (round membership not left to timing): the final Θ's loss on
           held-out batches; target |relative difference| ≤ 1e-3; and DDP against DDP again in the same
@@ -26,6 +32,9 @@ this process. Parts, all in one invocation:
   mixed   a 2-rank FSDP learner, a 2-rank DDP learner and a 1-process learner against one shard:
           merged + stale + lost = trained for each (`core/accounting.learner_tokens`), with nothing lost or
           counted twice (every learner leaves cleanly).
+--syncer-process: the shard of memory, speed and checkpoint runs is a `diloco syncer` process of its own
+with one arithmetic thread (benchmarks/syncer_process.py), as gpu.py and frameworks.py run it; else it is
+served in this process (equal and mixed always: they read its Θ and ledger).
 
 Prints a table and writes JSON (default benchmarks/results/sharded.json).
 """
@@ -35,7 +44,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +64,7 @@ from diloco.core.accounting import learner_tokens
 from diloco.models.gpt import GPT, GPTConfig
 from diloco.shard.server import ShardPlan, SyncerShard, serve
 from sharded_worker import VOCAB, batch
+from syncer_process import syncer_process  # benchmarks/syncer_process.py
 
 WORKER = Path(__file__).parent / "sharded_worker.py"
 MEMORY_TARGET, SPEED_TARGET, EQUAL_TARGET = 1.5, 0.95, 1e-3
@@ -65,11 +77,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def syncer_settings(learners: int, strategy: str, fragments: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return [f"learners.count={learners}", f"strategy={strategy}", f"outer.H={max(4, fragments)}",
+            f"outer.fragments={fragments}", "train.tokens=1000000000", "learners.speeds=[]", *extra]
+
+
 def start_syncer(learners: int, strategy: str, fragments: int, extra: tuple[str, ...] = ()
                  ) -> tuple[Any, SyncerShard, str]:
-    config = load_config(None, [f"learners.count={learners}", f"strategy={strategy}", f"outer.H={max(4, fragments)}",
-                                f"outer.fragments={fragments}", "train.tokens=1000000000", "learners.speeds=[]",
-                                *extra])
+    config = load_config(None, syncer_settings(learners, strategy, fragments, extra))
     shard = SyncerShard(config, ShardPlan(0, 1, ("",)))
     server, port = serve(shard, "127.0.0.1:0", workers=16)
     address = f"127.0.0.1:{port}"
@@ -78,7 +93,8 @@ def start_syncer(learners: int, strategy: str, fragments: int, extra: tuple[str,
 
 
 def start_learner(procs: Processes, out: Path, learner: int, world: int, sharding: str, args: argparse.Namespace,
-                  syncer: str | None, width: int, layers: int, meta_init: bool = False) -> list[subprocess.Popen]:
+                  syncer: str | None, width: int, layers: int, meta_init: bool = False,
+                  checkpoints: bool = False) -> list[subprocess.Popen]:
     port, started = free_port(), []
     for rank in range(world):
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
@@ -87,7 +103,7 @@ def start_learner(procs: Processes, out: Path, learner: int, world: int, shardin
         sync = ["--syncer", syncer] if syncer else ["--no-sync"]
         argv = [sys.executable, str(WORKER), *sync, "--id", str(learner), "--sharding", sharding, "--width", str(width),
                 "--layers", str(layers), "--steps", str(args.steps), "--out", str(out),
-                *(["--meta-init"] if meta_init else [])]
+                *(["--meta-init"] if meta_init else []), *(["--checkpoints"] if checkpoints else [])]
         started.append(procs.start(argv, out / f"learner-{learner}-rank-{rank}.log", env=env))
     return started
 
@@ -103,24 +119,40 @@ def wait_all(procs: Processes, started: list[subprocess.Popen], out: Path) -> No
 
 
 def run(learners: list[tuple[int, str]], strategy: str, fragments: int, args: argparse.Namespace, width: int,
-        layers: int, sync: bool = True, extra: tuple[str, ...] = (), meta_init: bool = False) -> dict[str, Any]:
-    """One run: learners as (ranks, sharding); returns every rank's report, the shard's, and Θ's loss."""
-    out = Path(tempfile.mkdtemp(prefix="sharded-"))
-    procs = Processes()
+        layers: int, sync: bool = True, extra: tuple[str, ...] = (), meta_init: bool = False,
+        checkpoints: bool = False, served_here: bool = False) -> dict[str, Any]:
+    """One run: learners as (ranks, sharding); returns every rank's report, the shard's, and Θ's loss (the
+    last two None when the shard is a process of its own: `--syncer-process`, unless `served_here`)."""
+    if sync and args.syncer_process and not served_here:
+        with syncer_process(syncer_settings(len(learners), strategy, fragments, extra)) as port:
+            return train(learners, args, width, layers, f"127.0.0.1:{port}", meta_init, checkpoints)
     server, shard, address = start_syncer(len(learners), strategy, fragments, extra) if sync else (None, None, None)
     try:
-        started = [p for m, (world, sharding) in enumerate(learners)
-                   for p in start_learner(procs, out, m, world, sharding, args, address, width, layers, meta_init)]
-        wait_all(procs, started, out)
+        reports = train(learners, args, width, layers, address, meta_init, checkpoints)
         theta = dict(shard.core.theta) if shard is not None else None
         shard_report = shard.report() if shard is not None else None
     finally:
-        procs.stop_all()
         if server is not None:
             server.stop(0)
             shard.stop()
+    return {**reports, "shard": shard_report, "loss": loss_of(theta, width, layers) if theta else None}
+
+
+def train(learners: list[tuple[int, str]], args: argparse.Namespace, width: int, layers: int, address: str | None,
+          meta_init: bool, checkpoints: bool) -> dict[str, Any]:
+    """Every learner's ranks trained against `address` (None: no syncing) to the end; their reports."""
+    out = Path(tempfile.mkdtemp(prefix="sharded-"))
+    procs = Processes()
+    try:
+        started = [p for m, (world, sharding) in enumerate(learners)
+                   for p in start_learner(procs, out, m, world, sharding, args, address, width, layers, meta_init,
+                                          checkpoints)]
+        wait_all(procs, started, out)
+    finally:
+        procs.stop_all()
     reports = [json.loads(f.read_text()) for f in sorted(out.glob("learner-*-rank-*.json"))]
-    return {"reports": reports, "shard": shard_report, "loss": loss_of(theta, width, layers) if theta else None}
+    shutil.rmtree(out, ignore_errors=True)  # checkpoints and parameters: hundreds of MB a run
+    return {"reports": reports, "shard": None, "loss": None}
 
 
 def loss_of(theta: dict[str, torch.Tensor], width: int, layers: int, seq: int = 32) -> float:
@@ -166,6 +198,50 @@ def memory_and_speed(args: argparse.Namespace) -> dict[str, Any]:
     return rows
 
 
+def alternated(args: argparse.Namespace, variants: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each variant (`run`'s keyword arguments) of one W = 2 FSDP learner run `--repeats` times, the
+    variants taking turns (first place rotating) so that a busy spell of the host falls on each alike;
+    per variant, rank 0's report of each run."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    names = list(variants)
+    for i in range(args.repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            reports = run([(2, "fsdp")], "decoupled", 8, args, args.width, args.layers, meta_init=args.meta_init,
+                          **variants[name])["reports"]
+            runs[name].append(next(r for r in reports if r["rank"] == 0))
+    return runs
+
+
+def median_tokens_per_s(reports: list[dict[str, Any]]) -> float:
+    return statistics.median(r["tokens_per_s"] for r in reports)
+
+
+def speed(args: argparse.Namespace) -> dict[str, Any]:
+    """Issue 28: the synced W = 2 FSDP learner's tokens/s against the same loop with no Learner at all."""
+    runs = alternated(args, {"synced": {}, "unsynced": {"sync": False}})
+    synced, unsynced = median_tokens_per_s(runs["synced"]), median_tokens_per_s(runs["unsynced"])
+    return {"tokens_per_s_synced": synced, "tokens_per_s_unsynced": unsynced, "speed_ratio": synced / unsynced,
+            "runs_synced": [r["tokens_per_s"] for r in runs["synced"]],
+            "runs_unsynced": [r["tokens_per_s"] for r in runs["unsynced"]],
+            "merges": [r["merges"] for r in runs["synced"]], "pushes": [r["pushes"] for r in runs["synced"]]}
+
+
+def checkpoint_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """Issue 31: the synced W = 2 FSDP learner's tokens/s with its own-progress checkpoints (and the push
+    gate they bring) on and off."""
+    runs = alternated(args, {"on": {"checkpoints": True}, "off": {}})
+    on, off = median_tokens_per_s(runs["on"]), median_tokens_per_s(runs["off"])
+    return {"tokens_per_s_checkpoints_on": on, "tokens_per_s_checkpoints_off": off,
+            "checkpoint_cost_fraction": 1 - on / off,
+            "runs_on": [r["tokens_per_s"] for r in runs["on"]], "runs_off": [r["tokens_per_s"] for r in runs["off"]],
+            "checkpoints_written": [r["checkpoints_written"] for r in runs["on"]],
+            "checkpoints_skipped": [r["checkpoints_skipped"] for r in runs["on"]],
+            "checkpoint_copy_total_s": [r["checkpoint_copy_total_s"] for r in runs["on"]],
+            "train_s_on": [r["train_s"] for r in runs["on"]], "train_s_off": [r["train_s"] for r in runs["off"]],
+            "pushes_on": [r["pushes"] for r in runs["on"]], "pushes_off": [r["pushes"] for r in runs["off"]],
+            "pushes_let_go_by_gate_bound": [r["pushes_let_go_by_gate_bound"] for r in runs["on"]]}
+
+
 EQUIVALENCE_RUNS = {
     "diloco": ("diloco", ()),
     "decoupled": ("decoupled", ()),
@@ -181,7 +257,7 @@ def equivalence(args: argparse.Namespace) -> dict[str, Any]:
     DDP vs DDP, in the same invocation, is the run-to-run noise of the configuration itself."""
     rows = {}
     for name, (strategy, extra) in EQUIVALENCE_RUNS.items():
-        losses = {s: run([(2, s.split("-")[0])] * 2, strategy, 3, args, 64, 2, extra=extra)["loss"]
+        losses = {s: run([(2, s.split("-")[0])] * 2, strategy, 3, args, 64, 2, extra=extra, served_here=True)["loss"]
                   for s in ("fsdp", "ddp", "ddp-again")}
         rows[name] = {"fsdp_loss": losses["fsdp"], "ddp_loss": losses["ddp"], "ddp_again_loss": losses["ddp-again"],
                       "relative_difference": abs(losses["fsdp"] - losses["ddp"]) / losses["ddp"],
@@ -190,7 +266,7 @@ def equivalence(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def mixed(args: argparse.Namespace) -> dict[str, Any]:
-    r = run([(2, "fsdp"), (2, "ddp"), (1, "ddp")], "decoupled", 3, args, 64, 2)
+    r = run([(2, "fsdp"), (2, "ddp"), (1, "ddp")], "decoupled", 3, args, 64, 2, served_here=True)
     numel = {int(p): n for p, n in r["shard"]["fragment_numel"].items()} if "fragment_numel" in r["shard"] else None
     per_learner = {}
     for m in range(3):
@@ -216,13 +292,22 @@ def main() -> None:
                    help="memory: the learner sizes measured")
     p.add_argument("--meta-init", action="store_true",
                    help="memory: build each rank's model on the meta device and fill its own rows only")
+    p.add_argument("--repeats", type=int, default=3, help="speed, checkpoint: runs of each variant (medians)")
+    p.add_argument("--syncer-process", action="store_true",
+                   help="memory, speed, checkpoint: the shard in a `diloco syncer` process of its own with one "
+                        "arithmetic thread (benchmarks/syncer_process.py), not in this one")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sharded.json")
     args = p.parse_args()
     results: dict[str, Any] = {"steps": args.steps, "width": args.width, "layers": args.layers,
-                               "meta_init": args.meta_init}
+                               "meta_init": args.meta_init, "repeats": args.repeats,
+                               "syncer_process": args.syncer_process, "command": " ".join(sys.argv)}
     parts = args.parts.split(",")
     if "memory" in parts:
         results["memory_speed"] = memory_and_speed(args)
+    if "speed" in parts:
+        results["speed"] = speed(args)
+    if "checkpoint" in parts:
+        results["checkpoint"] = checkpoint_cost(args)
     if "equal" in parts:
         results["equivalence"] = equivalence(args)
     if "mixed" in parts:
@@ -255,6 +340,17 @@ def show(results: dict[str, Any]) -> None:
         table.add_row(f"{key} join s", f"{row['join_s']:.2f}", "")
         if "speed_ratio" in row:
             table.add_row(f"{key} tokens/s synced / unsynced", f"{row['speed_ratio']:.3f}", "≥ 0.95")
+    if "speed" in results:
+        row = results["speed"]
+        table.add_row("W2 tokens/s synced / unsynced (medians)", f"{row['tokens_per_s_synced']:.1f} / "
+                      f"{row['tokens_per_s_unsynced']:.1f} = {row['speed_ratio']:.3f}", "≥ 0.95")
+    if "checkpoint" in results:
+        row = results["checkpoint"]
+        table.add_row("W2 tokens/s checkpoints on / off (medians)", f"{row['tokens_per_s_checkpoints_on']:.1f} / "
+                      f"{row['tokens_per_s_checkpoints_off']:.1f}", "")
+        table.add_row("W2 checkpoint cost (1 − on / off)", f"{row['checkpoint_cost_fraction']:.3f}", "≤ 0.01")
+        table.add_row("W2 checkpoints written / skipped per run", f"{row['checkpoints_written']} / "
+                      f"{row['checkpoints_skipped']}", "")
     for strategy, row in results.get("equivalence", {}).items():
         table.add_row(f"{strategy}: FSDP vs DDP final loss", f"{row['fsdp_loss']:.6f} vs {row['ddp_loss']:.6f} "
                       f"({row['relative_difference']:.2e})", "≤ 1e-3")

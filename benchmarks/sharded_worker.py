@@ -20,9 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from diloco.client.builtin_loop import hold_pushes
 from diloco.client.learner_client import Learner
 from diloco.client.param_shards import shard_model
 from diloco.client.sharded_build import build_sharded
+from diloco.client.sharded_checkpoints import ShardedWriter
 from diloco.models.gpt import GPT, GPTConfig
 
 VOCAB = 256
@@ -52,6 +54,17 @@ def peak_rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+class _Replica:
+    """What `ShardedWriter` saves besides the model: the step count, the inner optimizer, a data position."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, learner: int) -> None:
+        self.steps, self.optimizer, self.sampler = 0, optimizer, self
+        self.learner = learner
+
+    def state_dict(self) -> dict[str, int]:
+        return {"learner": self.learner, "epoch": 0, "index": self.steps}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--syncer")
@@ -64,6 +77,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--checkpoints", action="store_true",
+                   help="sharded, syncing: own-progress checkpoints as the built-in learner keeps them (push gate on)")
     p.add_argument("--meta-init", action="store_true",
                    help="sharded: build on the meta device, fill own rows only (client/sharded_build.py)")
     args = p.parse_args()
@@ -93,6 +108,11 @@ def main() -> None:
     rss["joined"] = rss_bytes()
     joined_peak = peak_rss_bytes()  # the high-water mark through joining (seeding the shard included)
     generator = torch.Generator().manual_seed(1000 * args.id + rank)
+    replica = _Replica(optimizer, args.id)
+    sharded = distributed and args.sharding != "ddp"
+    writer = ShardedWriter(args.out / f"learner-{args.id}.dcp", None, learner) \
+        if args.checkpoints and learner is not None and sharded else None
+    hold_pushes(writer, learner, rank)
     rss_floor, step_times = 0, []
     started = time.monotonic()
     for step in range(args.steps):
@@ -101,14 +121,19 @@ def main() -> None:
         model(x[:, :-1], x[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        replica.steps += 1
         if learner is not None:
             learner.step(tokens=args.batch * args.seq)
             if learner.should_stop:
                 break
+        if writer is not None:  # every rank, at the same steps (as the built-in learner's loop)
+            writer.maybe_save(model, replica, time.monotonic() - t0)
         step_times.append(time.monotonic() - t0)
         if step == 0:
             rss_floor = rss_bytes()  # model, optimizer state and anchors all exist: what grows now is syncing's
     train_s = time.monotonic() - started
+    if writer is not None:
+        writer.wait()  # the last write in flight ends before the learner leaves
     rss["trained"] = rss_bytes()
     report = learner.close() if learner is not None else {}
     rss["closed"] = rss_bytes()
@@ -129,7 +154,10 @@ def main() -> None:
               "peak_gathered_bytes": getattr(ranks, "peak_gathered_bytes", {}),
               "bytes_between_ranks": getattr(ranks, "bytes_between_ranks", 0), "anchor_bytes": anchors,
               "bytes_up": report.get("bytes_up", 0), "bytes_down": report.get("bytes_down", 0),
-              "merges": report.get("merges", 0)}
+              "merges": report.get("merges", 0), "pushes": report.get("pushes", 0),
+              "pushes_let_go_by_gate_bound": report.get("pushes_let_go_by_gate_bound", 0),
+              **({"checkpoints_written": writer.written, "checkpoints_skipped": writer.skipped,
+                  "checkpoint_copy_total_s": writer.copy_total_s} if writer is not None else {})}
     module = getattr(model, "module", model)
     whole = {}
     for n, t in module.named_parameters():  # one tensor whole at a time on the ranks that do not keep it

@@ -133,12 +133,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
                  [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
     resumed_from = replica.steps
     writer = _writer_for(checkpoint, seal, config, sync, sharded)
-    # A push leaves once a checkpoint records it: its progress is never resumed twice. A synchronous learner
-    # takes that checkpoint before it waits for the answer (`_Training.run`); a sharded one's is collective,
-    # so its pushes go at once and a restart takes Θ for what its shard took after the checkpoint.
-    if writer is not None and isinstance(sync, Learner) and rank == 0 and (
-            isinstance(writer, CheckpointWriter) or not sync.core.wait_for_updates):
-        sync.push_gate.hold()
+    hold_pushes(writer, sync, rank)
     if world > 1 and not sharded:
         replica.model = shard_model(model, "ddp", world)
     if t.compile:
@@ -184,6 +179,21 @@ def _writer_for(checkpoint: Path | None, seal: bytes | None, config: Config, syn
         return sharded_checkpoints.ShardedWriter(checkpoint, seal, learner, config.failures.checkpoint_every)
     return CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every, on_written=lambda state: learner
                             is not None and "sync" in state and learner.push_gate.written(state["sync"]["seq"]))
+
+
+def hold_pushes(writer: CheckpointWriter | sharded_checkpoints.ShardedWriter | None, sync: Any, rank: int) -> None:
+    """A push leaves once a checkpoint records it: its progress is never resumed twice. A synchronous learner
+    takes that checkpoint before it waits for the answer (`_Training.run`); a sharded one's is collective,
+    so its pushes go at once and a restart takes Θ for what its shard took after the checkpoint. Every rank
+    decides alike (each sharded rank has its core); rank 0's link holds the pushes, and a sharded writer
+    takes a checkpoint at once for a new push only where pushes are held (`ShardedWriter.gated`)."""
+    if writer is None or not isinstance(sync, Learner) or (
+            not isinstance(writer, CheckpointWriter) and sync.core.wait_for_updates):
+        return
+    if isinstance(writer, sharded_checkpoints.ShardedWriter):
+        writer.gated = True
+    if rank == 0:
+        sync.push_gate.hold()
 
 
 def syncing_learner(sync: Any) -> Learner | None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import signal
 import threading
 import time
@@ -40,6 +39,7 @@ from diloco.core.learner_events import LearnerAction, LearnerEvent, PushRefused,
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.client.param_shards import layout_fingerprint, placement_of
+from diloco.client.rank_messages import broadcast, summed
 from diloco.client.row_moves import RowMoves, collective_error
 
 
@@ -79,7 +79,7 @@ class ReplicatedRanks:
         return self.params
 
     def total(self, tokens: int) -> int:
-        return _summed(tokens, self.world)
+        return summed(tokens, self.world)
 
     def open_step(self) -> None:
         BOUND.step()
@@ -89,9 +89,11 @@ class ReplicatedRanks:
         return self.core.handle(event, now)
 
     def close_step(self, stop: bool, error: str | None = None) -> tuple[bool, int]:
+        merged = _changed(self._before, self.core.anchor_versions)
+        if self.world == 1:  # nothing to agree on: no flags tensor on a plain step's training thread
+            return bool(stop), sum(merged)
         flags = self._flags(END if error is None else FAILED)
-        for p, (old, new) in enumerate(zip(self._before, self.core.anchor_versions)):
-            flags[p] = int(new != old)
+        flags[:-2] = torch.tensor(merged, dtype=torch.int64)
         flags[-2] = int(stop)
         return self._share(flags)
 
@@ -186,13 +188,13 @@ class ShardedRanks:
     # ------------------------------------------------------------ the leader's side
 
     def _tell(self, message: tuple) -> None:
-        _broadcast([message])
+        broadcast(message)
 
     def _hear(self) -> tuple:
-        return _broadcast([None])[0]
+        return broadcast(None)
 
     def total(self, tokens: int) -> int:
-        return _summed(tokens, self.world)
+        return summed(tokens, self.world)
 
     def open_step(self) -> None:
         BOUND.step()
@@ -230,7 +232,7 @@ class ShardedRanks:
         self._tell(("tick",))
 
     def _merged(self) -> int:
-        return sum(int(a != b) for a, b in zip(self._before, self.core.anchor_versions))
+        return sum(_changed(self._before, self.core.anchor_versions))
 
     def leaving(self, settle: Callable[[], None] | None) -> None:
         """The learner is leaving: its core pushes every fragment at once, and rank 0 gathers each only once
@@ -292,7 +294,7 @@ class ShardedRanks:
 
     def end_join(self, info: Any) -> Any:
         """Rank 0 hands what the others need to build their cores (None on the others: they get it)."""
-        return pickle.loads(_broadcast([pickle.dumps(info) if self.leader else None])[0])
+        return broadcast(info if self.leader else None)
 
     def _take(self, p: int, values: dict[str, torch.Tensor]) -> None:
         names = list(values)
@@ -337,25 +339,9 @@ class ShardedRanks:
         return self.rows.scatter(values, names)
 
 
-def _summed(tokens: int, world: int) -> int:
-    """Tokens trained this step by every rank of the learner."""
-    if world == 1:
-        return tokens
-    count = torch.tensor([tokens], dtype=torch.int64)
-    try:
-        dist.all_reduce(count)
-    except (RuntimeError, dist.DistBackendError) as exc:
-        raise collective_error(exc) from exc
-    return int(count)
-
-
-def _broadcast(box: list[Any]) -> list[Any]:
-    """Rank 0's small message to every rank of the learner (a collective)."""
-    try:
-        dist.broadcast_object_list(box, 0)
-    except (RuntimeError, dist.DistBackendError) as exc:
-        raise collective_error(exc) from exc
-    return box
+def _changed(before: list[int], after: list[int]) -> list[int]:
+    """Per fragment, 1 where its anchor version moved this step (a merge), else 0."""
+    return [int(a != b) for a, b in zip(before, after)]
 
 
 class _GatheringView(Mapping):

@@ -35,6 +35,7 @@ from torch import nn
 
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.client.collective_bound import BOUND, floor_s
+from diloco.client.checkpoint_staging import KeptStaging
 from diloco.client.checkpoints import ADVICE, check_checkpoint, checkpoint_period, write_checkpoint
 from diloco.client.sharded_progress import joined_progress, progress_target, split_progress
 from diloco.errors import DilocoError
@@ -65,9 +66,10 @@ def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
 
 def _start(folder: Path, slot: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
            data: dict[str, Any], key: bytes | None, progress: dict[str, Any] | None,
-           group: dist.ProcessGroup | None) -> Callable[[], None]:
-    """Start writing a checkpoint into `slot` (on `group` in the background; None: here, now); returns
-    what completes it: the sidecar, then, once every rank's is written, `latest`."""
+           group: dist.ProcessGroup | None, stager: KeptStaging | None = None) -> Callable[[], None]:
+    """Start writing a checkpoint into `slot` (on `group` in the background, copied by `stager`, else by DCP's
+    own; None: here, now); returns what completes it: the sidecar, then, once every rank's is written,
+    `latest`."""
     rank, place = dist.get_rank(), folder / slot
     place.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -79,7 +81,7 @@ def _start(folder: Path, slot: str, model: nn.Module, optimizer: torch.optim.Opt
         dcp.save(state, storage_writer=writer)
         written = None
     else:
-        written = dcp.async_save(state, storage_writer=writer, process_group=group)
+        written = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
 
     def finish() -> None:
         if written is not None:
@@ -158,7 +160,7 @@ def _checked_load(folder: Path, optimizer: torch.optim.Optimizer, max_steps: int
         side = load_checked(sidecar(place, rank if sidecar(place, rank).is_file() else 0), "learner checkpoint",
                             ADVICE, key)
         for name, digest in dict(side.get("files", {})).items():
-            if not (place / name).is_file() or _digest(place / name) != digest:
+            if not (place / name).is_file() or _digest(place / name, str(digest)) != digest:
                 raise DilocoError(f"learner checkpoint {folder} has a damaged or missing {name}: {ADVICE}")
     except DilocoError as exc:
         problem = str(exc)
@@ -195,9 +197,19 @@ def _own_files(folder: Path, rank: int) -> list[Path]:
     return sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / ".metadata"] if rank == 0 else [])
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=32)
+DIGEST = "sha256"
+"""How a sidecar's digests of its DCP files are taken: SHA-256 (OpenSSL's: 1230–1480 MB per CPU second on
+the benchmark host against BLAKE2b's 800, and every byte of every checkpoint goes through it, on cores
+the training shares); a digest without this prefix is a BLAKE2b one, as checkpoints written before hold."""
+
+
+def _digest(path: Path, like: str = DIGEST + ":") -> str:
+    """`path`'s digest, taken as `like` (a digest read from a sidecar) was."""
+    sha256 = like.startswith(DIGEST + ":")
     with path.open("rb") as f:
+        if sha256:
+            return f"{DIGEST}:{hashlib.file_digest(f, DIGEST).hexdigest()}"
+        h = hashlib.blake2b(digest_size=32)
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -237,8 +249,9 @@ class ShardedWriter:
     at the same steps as the others, off the training step. As `checkpoints.CheckpointWriter`: at most one
     write at a time (a due checkpoint is skipped while one is on its way), the period the fewest steps
     that keep the training thread's share within `COST_SHARE`, a checkpoint due at once when a push waits
-    for one (`push_gate.py`). Every rank decides alike: from the step, the push counter its core shares
-    with the others, and the costs the ranks agree on at each checkpoint."""
+    for one (`push_gate.py`; only where pushes are held: `gated`). Every rank decides alike: from the
+    step, the push counter its core shares with the others, and the costs the ranks agree on at each
+    checkpoint."""
 
     every_rank = True
 
@@ -246,6 +259,7 @@ class ShardedWriter:
         """`learner`: the `Learner` whose own progress each checkpoint keeps (None: none)."""
         self.folder, self.key, self.learner, self.most_every = folder, key, learner, most_every
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=floor_s()))
+        self.stager = KeptStaging()
         box = [_next_slot(folder, key)]
         dist.broadcast_object_list(box, 0)  # every rank writes the same slot
         self.slot = box[0]
@@ -254,11 +268,15 @@ class ShardedWriter:
         self.written = self.skipped = 0
         self.saved_step: int | None = None
         self.saved_seq, self.period = 0, 1
+        self.gated = False
+        """Rank 0's pushes wait for a checkpoint recording them (`builtin_loop.hold_pushes`, on every rank):
+        a new push makes one due at once. Else pushes go at once and checkpoints keep their period."""
 
     def maybe_save(self, model: nn.Module, replica: Any, step_s: float) -> bool:
         """At the end of a step (every rank): save if one is due and every rank's last write is done."""
         seq = self._seq()
-        if self.saved_step is not None and replica.steps - self.saved_step < self.period and seq <= self.saved_seq:
+        if self.saved_step is not None and replica.steps - self.saved_step < self.period and not (
+                self.gated and seq > self.saved_seq):
             return False
         shared = torch.tensor([float(self._writing()), self.copy_s, step_s], dtype=torch.float64)
         dist.all_reduce(shared, op=dist.ReduceOp.MAX)
@@ -275,7 +293,7 @@ class ShardedWriter:
         progress = self.learner.own_progress_state() if self.learner is not None else None
         with BOUND.relaxed():
             finish = _start(self.folder, self.slot, model, replica.optimizer, replica.steps,
-                            replica.sampler.state_dict(), self.key, progress, self.group)
+                            replica.sampler.state_dict(), self.key, progress, self.group, self.stager)
         self.copy_s = clock.monotonic() - began
         self.copy_total_s += self.copy_s
         self.saved_step, self.saved_seq = replica.steps, self._seq()
