@@ -5,6 +5,7 @@ this kind of host), the same op over a chunk just written or read is a pass over
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -40,3 +41,34 @@ def add_scaled(outs: list[torch.Tensor], totals: list[torch.Tensor | None], delt
             else:
                 torch.add(total[start:stop], piece, alpha=alpha, out=out[start:stop])
     return outs
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """`tensor`·factor (or ÷ factor with `divide`), not yet written: a merged outer gradient that the outer
+    step reads a chunk at a time (`piece_of`), so it makes no pass over memory of its own."""
+
+    tensor: torch.Tensor
+    factor: float
+    divide: bool = False
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape
+
+    def piece(self, start: int, stop: int) -> torch.Tensor:
+        part = self.tensor.reshape(-1)[start:stop]
+        return torch.div(part, self.factor) if self.divide else torch.mul(part, self.factor)
+
+    def whole(self, out: torch.Tensor) -> torch.Tensor:
+        """Written out into `out`, the same values as its pieces."""
+        if self.divide:
+            return torch.div(self.tensor, self.factor, out=out)
+        return torch.mul(self.tensor, self.factor, out=out)
+
+
+def piece_of(values: torch.Tensor | Scaled, start: int, stop: int) -> torch.Tensor:
+    """Elements start:stop of `values` (flattened), as fp32."""
+    if isinstance(values, Scaled):
+        return values.piece(start, stop)
+    return values.reshape(-1)[start:stop].to(torch.float32)

@@ -100,10 +100,11 @@ def next_theta(state: FragmentState, theta: dict[str, torch.Tensor], *, rule: Me
     optimizer = state.optimizer
     if consolidate:
         for n in names:
-            torch.sub(theta[n], state.sums.weighted_mean(n, new), out=after[n])
+            mean = state.sums.weighted_mean(n)
+            torch.sub(theta[n], mean.whole(new(mean.tensor)), out=after[n])
     else:
         optimizer = state.optimizer.fork()
-        optimizer.step({n: theta[n] for n in names}, state.sums.merged(names, rule, embeddings, new), share,
+        optimizer.step({n: theta[n] for n in names}, state.sums.merged_lazily(names, rule, embeddings), share,
                        out=after, new=new)
     if state.correction is not None:
         for n in names:

@@ -20,6 +20,7 @@ import copy
 
 import torch
 
+from diloco.cache_chunks import Scaled, chunks, piece_of
 from diloco.outer.buffers import NewTensor, fp32_like
 
 _FULL = 1.0 - 1e-9
@@ -39,7 +40,7 @@ class DelayedNesterov:
         self.buffers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0,
+    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor | Scaled], share: float = 1.0,
              out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like) -> None:
         """Step `params` in place, or into `out` (the syncer's new Θ, `params` left as they were). Its new
         state and temporaries come from `new`; the state it holds is replaced, never written (`fork`)."""
@@ -49,21 +50,36 @@ class DelayedNesterov:
         self.accumulated += s
         full_round = self.accumulated >= _FULL
         for name, theta in params.items():
-            target = theta if out is None else out[name]
-            g = deltas[name].to(torch.float32)
             total = self.sums.get(name)
             if total is None:
                 total = torch.zeros_like(theta, dtype=torch.float32)
                 self.buffers[name] = torch.zeros_like(theta, dtype=torch.float32)
-            total = self.sums[name] = torch.add(total, g, alpha=s, out=new(theta))
-            if not full_round:
-                torch.sub(theta, g, alpha=self.lr * s, out=target)
-                continue
-            b = self.buffers[name] = torch.mul(self.buffers[name], self.momentum, out=new(theta)).add_(total)
-            torch.sub(theta, torch.mul(b, self.momentum, out=new(theta)).add_(g, alpha=s), alpha=self.lr, out=target)
-            self.sums[name] = total.zero_()  # made by this step: nobody else holds it
+            old, new_total = total.reshape(-1), new(theta)
+            self.sums[name] = new_total
+            momentum = old_momentum = None
+            if full_round:
+                old_momentum, self.buffers[name] = self.buffers[name].reshape(-1), new(theta)
+                momentum = self.buffers[name].view(-1)
+            self._step_chunks(theta.reshape(-1), deltas[name], (theta if out is None else out[name]).view(-1),
+                              s, old, new_total.view(-1), old_momentum, momentum)
         if full_round:
             self.accumulated = 0.0
+
+    def _step_chunks(self, theta: torch.Tensor, g: torch.Tensor | Scaled, target: torch.Tensor, s: float,
+                     old: torch.Tensor, total: torch.Tensor, old_momentum: torch.Tensor | None,
+                     momentum: torch.Tensor | None) -> None:
+        """One tensor's step, flat, a chunk at a time: every op of the rule done while the chunk is in cache,
+        the same values as whole-tensor ops. `momentum` None: a plain step."""
+        for start, stop in chunks(theta.numel(), theta.device):
+            part = piece_of(g, start, stop)
+            summed = torch.add(old[start:stop], part, alpha=s, out=total[start:stop])
+            if momentum is None:
+                torch.sub(theta[start:stop], part, alpha=self.lr * s, out=target[start:stop])
+                continue
+            b = torch.mul(old_momentum[start:stop], self.momentum, out=momentum[start:stop]).add_(summed)
+            torch.sub(theta[start:stop], torch.mul(b, self.momentum).add_(part, alpha=s), alpha=self.lr,
+                      out=target[start:stop])
+            summed.zero_()  # made by this step: nobody else holds it
 
     def fork(self) -> DelayedNesterov:
         """A copy sharing this one's tensors: steps replace them, never change them in place, so this

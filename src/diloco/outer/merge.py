@@ -23,7 +23,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
-from diloco.cache_chunks import add_scaled
+from diloco.cache_chunks import Scaled, add_scaled
 from diloco.outer.buffers import NewTensor, fp32_like
 
 MergeRule = Literal["mean", "weighted", "rda"]
@@ -83,30 +83,34 @@ class MergeSums:
             self.weight += weight
             self.count += 1
 
-    def mean(self, name: str, new: NewTensor = fp32_like) -> torch.Tensor:
-        total = self.plain_sum[name]
-        return torch.div(total, self.count, out=new(total))
+    def mean(self, name: str) -> Scaled:
+        return Scaled(self.plain_sum[name], self.count, divide=True)
 
-    def weighted_mean(self, name: str, new: NewTensor = fp32_like) -> torch.Tensor:
-        total = self.weighted[name]
-        return torch.div(total, self.weight, out=new(total))
+    def weighted_mean(self, name: str) -> Scaled:
+        return Scaled(self.weighted[name], self.weight, divide=True)
 
-    def radial_directional(self, name: str, new: NewTensor = fp32_like) -> torch.Tensor:
+    def radial_directional(self, name: str) -> Scaled:
         """The weighted mean norm along the weighted mean direction; the weighted mean where the
         directions cancel out."""
         direction = self.directions.get(name)
         length = tensor_norm(direction) if direction is not None else 0.0
         if length <= CANCEL_TOLERANCE * self.weight:
-            return self.weighted_mean(name, new)
-        return torch.mul(direction, self.radius[name] / self.weight / length, out=new(direction))
+            return self.weighted_mean(name)
+        return Scaled(direction, self.radius[name] / self.weight / length)
+
+    def merged_lazily(self, names: Sequence[str], rule: MergeRule,
+                      embeddings: set[str] | frozenset[str] = frozenset()) -> dict[str, Scaled]:
+        """The round's merged outer gradient per tensor, not yet written: the outer step reads it a chunk
+        at a time (`cache_chunks.Scaled`)."""
+        if rule == "mean":
+            return {name: self.mean(name) for name in names}
+        return {name: self.radial_directional(name) if rule == "rda" and name not in embeddings
+                else self.weighted_mean(name) for name in names}
 
     def merged(self, names: Sequence[str], rule: MergeRule, embeddings: set[str] | frozenset[str] = frozenset(),
                new: NewTensor = fp32_like) -> dict[str, torch.Tensor]:
         """The round's merged outer gradient per tensor, each a new tensor from `new`."""
-        if rule == "mean":
-            return {name: self.mean(name, new) for name in names}
-        return {name: self.radial_directional(name, new) if rule == "rda" and name not in embeddings
-                else self.weighted_mean(name, new) for name in names}
+        return {name: m.whole(new(m.tensor)) for name, m in self.merged_lazily(names, rule, embeddings).items()}
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.weighted.values(), *self.plain_sum.values(), *self.directions.values()]
