@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import weakref
 from typing import Callable, Iterable, Iterator
 
@@ -30,7 +29,7 @@ from diloco.codecs import Codec
 from diloco.core.accumulate import Contribution, Sampler, norm_of, trip_of
 from diloco.core.actions import Action, Publish, Timer
 from diloco.core.answering import Answering
-from diloco.core.closing import corrected_theta, distance, judged_weight, next_theta, participation_share
+from diloco.core.closing import corrected_theta, judged_weight, next_theta, participation_share
 from diloco.core.downlink import Downlink
 from diloco.core.membership import Membership
 from diloco.core.messages import Push
@@ -251,10 +250,9 @@ class Merging:
         members = self.membership
         share = participation_share(contributions, self.last_weight, members.alive | members.finished) \
             if self.participation else 1.0
-        after, optimizer = next_theta(state, self.theta, rule=self.merge_rule, embeddings=self.embeddings,
-                                      share=share, consolidate=final and self.consolidate, new=self.scratch.take)
-        names = list(state.fragment.names)
-        update_norm = math.sqrt(sum(distance(after[n], self.theta[n]) ** 2 for n in names))
+        after, optimizer, update_norm = next_theta(state, self.theta, rule=self.merge_rule, embeddings=self.embeddings,
+                                                   share=share, consolidate=final and self.consolidate,
+                                                   new=self.scratch.take)
         self._set_theta(after)
         state.optimizer = optimizer
         for c, behind in zip(contributions, staleness):

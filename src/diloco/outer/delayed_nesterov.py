@@ -21,7 +21,7 @@ import copy
 import torch
 
 from diloco.cache_chunks import Scaled, chunks, piece_of
-from diloco.outer.buffers import NewTensor, fp32_like
+from diloco.outer.buffers import NewTensor, Written, fp32_like
 
 _FULL = 1.0 - 1e-9
 """Shares that add up to at least this make a full round (1/3 + 1/3 + 1/3 may fall short of 1.0)."""
@@ -41,9 +41,11 @@ class DelayedNesterov:
 
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor | Scaled], share: float = 1.0,
-             out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like) -> None:
+             out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like, written: Written | None = None
+             ) -> None:
         """Step `params` in place, or into `out` (the syncer's new Θ, `params` left as they were). Its new
-        state and temporaries come from `new`; the state it holds is replaced, never written (`fork`)."""
+        state comes from `new`; the state it holds is replaced, never written (`fork`). `written(name, start,
+        stop)` is called as each chunk of the new values is done, to read it while it is in cache."""
         s = self.fixed_share or share
         if not 0 < s <= 1:
             raise ValueError(f"an arrival's share of a round must be in (0, 1], got {s}")
@@ -60,26 +62,28 @@ class DelayedNesterov:
             if full_round:
                 old_momentum, self.buffers[name] = self.buffers[name].reshape(-1), new(theta)
                 momentum = self.buffers[name].view(-1)
-            self._step_chunks(theta.reshape(-1), deltas[name], (theta if out is None else out[name]).view(-1),
-                              s, old, new_total.view(-1), old_momentum, momentum)
+            target = (theta if out is None else out[name]).view(-1)
+            for start, stop in chunks(target.numel(), target.device):
+                self._step_chunk(theta.reshape(-1)[start:stop], piece_of(deltas[name], start, stop),
+                                 target[start:stop], s, old[start:stop], new_total.view(-1)[start:stop],
+                                 None if old_momentum is None else old_momentum[start:stop],
+                                 None if momentum is None else momentum[start:stop])
+                if written is not None:
+                    written(name, start, stop)
         if full_round:
             self.accumulated = 0.0
 
-    def _step_chunks(self, theta: torch.Tensor, g: torch.Tensor | Scaled, target: torch.Tensor, s: float,
-                     old: torch.Tensor, total: torch.Tensor, old_momentum: torch.Tensor | None,
-                     momentum: torch.Tensor | None) -> None:
-        """One tensor's step, flat, a chunk at a time: every op of the rule done while the chunk is in cache,
-        the same values as whole-tensor ops. `momentum` None: a plain step."""
-        for start, stop in chunks(theta.numel(), theta.device):
-            part = piece_of(g, start, stop)
-            summed = torch.add(old[start:stop], part, alpha=s, out=total[start:stop])
-            if momentum is None:
-                torch.sub(theta[start:stop], part, alpha=self.lr * s, out=target[start:stop])
-                continue
-            b = torch.mul(old_momentum[start:stop], self.momentum, out=momentum[start:stop]).add_(summed)
-            torch.sub(theta[start:stop], torch.mul(b, self.momentum).add_(part, alpha=s), alpha=self.lr,
-                      out=target[start:stop])
-            summed.zero_()  # made by this step: nobody else holds it
+    def _step_chunk(self, theta: torch.Tensor, g: torch.Tensor, target: torch.Tensor, s: float, old: torch.Tensor,
+                    total: torch.Tensor, old_momentum: torch.Tensor | None, momentum: torch.Tensor | None) -> None:
+        """One chunk of one tensor's step, every op of the rule while it is in cache: the same values as
+        whole-tensor ops. `momentum` None: a plain step."""
+        summed = torch.add(old, g, alpha=s, out=total)
+        if momentum is None:
+            torch.sub(theta, g, alpha=self.lr * s, out=target)
+            return
+        b = torch.mul(old_momentum, self.momentum, out=momentum).add_(summed)
+        torch.sub(theta, torch.mul(b, self.momentum).add_(g, alpha=s), alpha=self.lr, out=target)
+        summed.zero_()  # made by this step: nobody else holds it
 
     def fork(self) -> DelayedNesterov:
         """A copy sharing this one's tensors: steps replace them, never change them in place, so this

@@ -12,7 +12,7 @@ import copy
 import torch
 
 from diloco.cache_chunks import Scaled, chunks, piece_of
-from diloco.outer.buffers import NewTensor, fp32_like
+from diloco.outer.buffers import NewTensor, Written, fp32_like
 
 
 class Nesterov:
@@ -24,11 +24,13 @@ class Nesterov:
 
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor | Scaled], share: float = 1.0,
-             out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like) -> None:
+             out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like, written: Written | None = None
+             ) -> None:
         """Step `params` (fp32) with the merged outer gradients `deltas`, scaled by the share of a full round
         they stand for (1 unless the syncer heard from only some learners): in place, or into `out` (the
         syncer's new Θ, `params` left as they were). Its new state comes from `new`. A chunk at a time, each
-        op of the rule done while the chunk is in cache: the same values as whole-tensor ops."""
+        op of the rule done while the chunk is in cache: the same values as whole-tensor ops; `written(name,
+        start, stop)` is called as each chunk of the new values is done, to read it while it is in cache."""
         for name, theta in params.items():
             old = self.buffers.get(name)
             if old is None:
@@ -41,6 +43,8 @@ class Nesterov:
                 momentum = torch.mul(old[start:stop], self.momentum, out=buf[start:stop]).add_(delta)
                 torch.sub(flat[start:stop], delta.add_(momentum, alpha=self.momentum), alpha=self.lr,
                           out=target[start:stop])
+                if written is not None:
+                    written(name, start, stop)
 
     def fork(self) -> Nesterov:
         """A copy sharing this one's tensors: steps replace them, never change them in place, so this
