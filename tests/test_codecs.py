@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from diloco.codecs import blockwise
+from diloco import cache_chunks
 from diloco.codecs import (CODEC_NAMES, DEFAULT_BLOCK, SCALE_BYTES, TENSOR_HEADER_BYTES, Encoded, ErrorFeedback,
                            get_codec)
 from diloco.errors import DilocoError
@@ -121,9 +121,25 @@ def test_chunks_do_not_change_the_result(name, block, monkeypatch):
     x = make("wide", (4097,))
     encoded = codec.encode(x)
     decoded = codec.decode(encoded)
-    monkeypatch.setattr(blockwise, "CPU_CHUNK_ELEMENTS", 100)
+    monkeypatch.setattr(cache_chunks, "CPU_CHUNK_ELEMENTS", 100)
     assert codec.encode(x) == encoded
     assert torch.equal(codec.decode(encoded), decoded)
+
+
+@pytest.mark.parametrize("chunk", [None, 100])
+@pytest.mark.parametrize("block", [7, 64])
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_fused_difference_and_sum_are_the_separate_passes_bit_for_bit(name, block, chunk, monkeypatch):
+    """encode_difference and decode_onto (what a lossy downlink publishes) take their difference and sum
+    a chunk at a time in cache: the same values as the separate passes, in every chunking."""
+    if chunk is not None:
+        monkeypatch.setattr(cache_chunks, "CPU_CHUNK_ELEMENTS", chunk)
+    codec = get_codec(name, block)
+    base, x = make("wide", (4097,), seed=1), make("wide", (4097,), seed=2)
+    encoded = codec.encode_difference(x, base)
+    assert encoded == codec.encode(x - base)
+    fused = codec.decode_onto(encoded, base)
+    assert torch.equal(fused.view(torch.int32), (codec.decode(encoded) + base).view(torch.int32))
 
 
 @pytest.mark.parametrize("name", BLOCK_CODECS)

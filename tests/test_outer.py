@@ -1,7 +1,10 @@
 import pytest
 import torch
 
+from diloco import cache_chunks
 from diloco.outer import Nesterov, merge_fragment, radial_directional, weighted_mean
+from diloco.outer.delayed_nesterov import DelayedNesterov
+from diloco.outer.merge import MergeSums, tensor_norm
 
 
 def test_nesterov_by_hand():
@@ -105,3 +108,33 @@ def test_merge_rejects_bad_weights():
         merge_fragment([{"w": torch.ones(1)}], [0.0], "weighted")
     with pytest.raises(ValueError):
         merge_fragment([], [], "mean")
+
+
+@pytest.mark.parametrize("make", [lambda: Nesterov(0.7, 0.9), lambda: DelayedNesterov(0.7, 0.9),
+                                  lambda: DelayedNesterov(0.5, 0.8, buffer=3)])
+def test_chunked_step_on_a_lazy_merge_is_the_whole_tensor_step_bit_for_bit(make, monkeypatch):
+    """The outer step reads the merged Δ a chunk at a time (`MergeSums.merged_lazily`) and does all its ops
+    while the chunk is in cache: Θ and the state come out as one whole-tensor op at a time gives them."""
+
+    def run(chunk: int, lazy: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(cache_chunks, "CPU_CHUNK_ELEMENTS", chunk)
+        generator = torch.Generator().manual_seed(0)
+        theta = {"w": torch.randn(37, 29, generator=generator), "b": torch.randn(5, generator=generator)}
+        optimizer, seen = make(), []
+        for r in range(7):
+            sums = MergeSums()
+            for m in range(3):
+                deltas = {n: torch.randn(t.shape, generator=generator) * 1e-3 for n, t in theta.items()}
+                sums.fold(deltas, 1.0 + m, radial={n: tensor_norm(d) for n, d in deltas.items() if n == "w"})
+            merged = sums.merged_lazily(list(theta), "rda") if lazy else sums.merged(list(theta), "rda")
+            out = {n: torch.empty_like(t) for n, t in theta.items()}
+            optimizer.step(theta, merged, 0.5 if r % 2 else 1.0, out=out)
+            theta = out
+            seen += [t.clone() for t in (*theta.values(), *optimizer.tensors())]
+        optimizer.step(theta, merged, 1.0)  # in place
+        return seen + list(theta.values())
+
+    whole = run(1 << 20, lazy=False)  # one chunk per tensor: each op over the whole tensor
+    for got in (run(100, lazy=True), run(100, lazy=False)):
+        assert len(got) == len(whole)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, whole))

@@ -26,6 +26,15 @@ class Codec(ABC):
     def decode(self, encoded: Encoded, device: DeviceLike = None) -> torch.Tensor:
         """A new fp32 tensor on `device` (default CPU). Raises DilocoError for a malformed `encoded`."""
 
+    def encode_difference(self, tensor: torch.Tensor, minus: torch.Tensor) -> Encoded:
+        """encode(tensor − minus): the block codecs take the difference a chunk at a time, in cache."""
+        return self.encode(torch.sub(tensor, minus))
+
+    def decode_onto(self, encoded: Encoded, base: torch.Tensor) -> torch.Tensor:
+        """decode(encoded) + base, a new tensor on base's device: the block codecs add each chunk while it
+        is in cache, instead of in a pass of its own."""
+        return self.decode(encoded, device=base.device).add_(base)
+
     @abstractmethod
     def payload_bytes(self, numel: int) -> int:
         """Bytes of element codes for `numel` elements."""

@@ -74,46 +74,65 @@ DISTANCE_CHUNK = 1 << 18
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖a − b‖, a piece at a time through one small buffer (torch.dist would write the whole difference
-    to memory first), each piece's norm in float32 and their squares summed in float64: about one read
-    of each. A float64 norm of each piece cost 1.6 ns per element here, six passes over memory."""
-    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-    piece = torch.empty(min(DISTANCE_CHUNK, flat_a.numel()), dtype=torch.float32)
+    """‖a − b‖, a piece at a time (torch.dist would write the whole difference to memory first): about one
+    read of each. A float64 norm of each piece cost 1.6 ns per element here, six passes over memory."""
+    return from_squares(squared_pieces(a.reshape(-1), b.reshape(-1)), a, b)
+
+
+def squared_pieces(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Σ ‖a − b‖² over pieces of DISTANCE_CHUNK elements of flat `a` and `b` (from a multiple of it), each
+    piece's norm in float32 and their squares summed in float64."""
     squares = 0.0
-    for start in range(0, flat_a.numel(), DISTANCE_CHUNK):
-        stop = min(start + DISTANCE_CHUNK, flat_a.numel())
-        difference = torch.sub(flat_a[start:stop], flat_b[start:stop], out=piece[:stop - start])
-        squares += float(torch.linalg.vector_norm(difference)) ** 2
+    for start in range(0, a.numel(), DISTANCE_CHUNK):
+        stop = min(start + DISTANCE_CHUNK, a.numel())
+        squares += float(torch.linalg.vector_norm(torch.sub(a[start:stop], b[start:stop]))) ** 2
+    return squares
+
+
+def from_squares(squares: float, a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ from `squared_pieces` summed over all of them; in float64 where that overflowed."""
     found = math.sqrt(squares)
     return found if math.isfinite(found) else float(torch.dist(a.double(), b.double()))
 
 
 def next_theta(state: FragmentState, theta: dict[str, torch.Tensor], *, rule: MergeRule, embeddings: frozenset[str],
                share: float, consolidate: bool, new: NewTensor = fp32_like
-               ) -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
+               ) -> tuple[dict[str, torch.Tensor], OuterOptimizer, float]:
     """The fragment's Θ and outer optimizer after its open round, as new tensors from `new` (Θ and the
     optimizer's state are read, never written): the outer step, or with `consolidate` the weighted mean of
-    the learners' models (Θ ← Θ − Δ̄); plus the correction waiting. Raises RoundRefused, with nothing
-    changed, where either would not be finite: only what the step made is checked, the rest was before."""
+    the learners' models (Θ ← Θ − Δ̄); plus the correction waiting. Also the update's norm ‖Θ_new − Θ‖,
+    read from each chunk of the step as it is written (`distance`'s pieces, the same value). Raises
+    RoundRefused, with nothing changed, where either would not be finite: only what the step made is
+    checked, the rest was before."""
     names = list(state.fragment.names)
     after = {n: new(theta[n]) for n in names}
     optimizer = state.optimizer
+    squares = dict.fromkeys(names, 0.0)
+
+    def written(name: str, start: int, stop: int) -> None:
+        squares[name] += squared_pieces(after[name].view(-1)[start:stop], theta[name].reshape(-1)[start:stop])
+
     if consolidate:
         for n in names:
-            torch.sub(theta[n], state.sums.weighted_mean(n, new), out=after[n])
+            mean = state.sums.weighted_mean(n)
+            torch.sub(theta[n], mean.whole(new(mean.tensor)), out=after[n])
     else:
         optimizer = state.optimizer.fork()
-        optimizer.step({n: theta[n] for n in names}, state.sums.merged(names, rule, embeddings, new), share,
-                       out=after, new=new)
+        optimizer.step({n: theta[n] for n in names}, state.sums.merged_lazily(names, rule, embeddings), share,
+                       out=after, new=new, written=written if state.correction is None else None)
     if state.correction is not None:
         for n in names:
             after[n].add_(state.correction[n])
+    if consolidate or state.correction is not None:
+        update_norm = math.sqrt(sum(distance(after[n], theta[n]) ** 2 for n in names))
+    else:
+        update_norm = math.sqrt(sum(from_squares(squares[n], after[n], theta[n]) ** 2 for n in names))
     kept = {id(t) for t in state.optimizer.tensors()}
     made = [t for t in optimizer.tensors() if id(t) not in kept]
     if not (all(finite(t) for t in after.values()) and all_finite(made)):
         raise RoundRefused(f"round {state.version + 1} of fragment {state.fragment.index} would make Θ or the "
                            f"outer optimizer's state non-finite: refused, nothing changed")
-    return after, optimizer
+    return after, optimizer, update_norm
 
 
 def corrected_theta(state: FragmentState, theta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

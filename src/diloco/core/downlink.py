@@ -27,7 +27,6 @@ import torch
 
 from diloco.codecs import Codec, Encoded, get_codec
 from diloco.core.undo import UndoLog
-from diloco.outer.buffers import NewTensor, fp32_like
 
 CHAIN_SHARE = 0.5
 """Encoded differences kept per fragment, in fp32 copies of it: answers further behind go whole."""
@@ -68,11 +67,9 @@ class Downlink:
     """One fragment's downlink state: the published values (lossy codecs) and recent differences."""
 
     def __init__(self, codec: Codec, names: tuple[str, ...], theta: dict[str, torch.Tensor],
-                 undo: UndoLog | None = None, new: NewTensor = fp32_like) -> None:
+                 undo: UndoLog | None = None) -> None:
         self.undo = undo or UndoLog()
         """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
-        self.new = new
-        """Where the difference a lossy publish encodes is written (the core's recycled buffers)."""
         self.codec, self.names = codec, names
         self.lossless = codec.name == "fp32"
         self.published = {} if self.lossless else {n: theta[n].clone() for n in names}
@@ -92,10 +89,8 @@ class Downlink:
         if self.lossless:
             return
         self.undo.keep_attrs(self, "published", "steps")
-        wire = {n: self.codec.encode(torch.sub(theta[n], self.published[n], out=self.new(theta[n])))
-                for n in self.names}
-        self.published = {n: self.codec.decode(wire[n], device=self.published[n].device).add_(self.published[n])
-                          for n in self.names}  # the decoded tensor is new: the sum goes into it
+        wire = {n: self.codec.encode_difference(theta[n], self.published[n]) for n in self.names}
+        self.published = {n: self.codec.decode_onto(wire[n], self.published[n]) for n in self.names}
         steps = [*self.steps, Step(version, wire)]
         while sum(s.nbytes() for s in steps) > CHAIN_SHARE * self.fp32_bytes and len(steps) > 1:
             steps = steps[1:]

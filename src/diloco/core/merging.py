@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import weakref
 from typing import Callable, Iterable, Iterator
 
 import torch
 
+from diloco.cache_chunks import add_scaled
 from diloco.codecs import Codec
 from diloco.core.accumulate import Contribution, Sampler, norm_of, trip_of
 from diloco.core.actions import Action, Publish, Timer
 from diloco.core.answering import Answering
-from diloco.core.closing import corrected_theta, distance, judged_weight, next_theta, participation_share
+from diloco.core.closing import corrected_theta, judged_weight, next_theta, participation_share
 from diloco.core.downlink import Downlink
 from diloco.core.membership import Membership
 from diloco.core.messages import Push
@@ -54,8 +54,7 @@ class Merging:
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
         self.scratch = Scratch(ROUND_COPIES * max((4 * f.numel for f in fragments), default=0))
         """Where a round's fragment-sized tensors come from: buffers taken again once nobody holds them."""
-        self.fragments = {f.index: FragmentState(f, optimizer(), Downlink(down_codec, f.names, self.theta, undo,
-                                                                          self.scratch.take),
+        self.fragments = {f.index: FragmentState(f, optimizer(), Downlink(down_codec, f.names, self.theta, undo),
                                                  Sampler({n: self.theta[n].numel() for n in f.names}))
                           for f in fragments}
         """By global fragment index: a shard of a sharded syncer holds some fragments only."""
@@ -70,7 +69,7 @@ class Merging:
         self.one_way_s: float | None = None
         self._made: dict[int, weakref.ref[torch.Tensor]] = {}
         self._made_in = -1
-        """The sums' tensors the current transaction made (`_plus`), and which transaction that is."""
+        """The sums' tensors the current transaction made (`_add`), and which transaction that is."""
         self.grouping = False
         """A group of pushes is being taken (`grouped`): no round closes until all of it is in."""
         self.defer: Callable[[int], bool] | None = None
@@ -105,7 +104,7 @@ class Merging:
                 state.unjudged = {n: state.unjudged[n] + d for n, d in push.deltas.items()}
             else:
                 state.sums.fold(push.deltas, held.weight, radial=held.norms, weighted=self._keeps_weighted(),
-                                plain=self.merge_rule == "mean", new=False, plus=self._plus)
+                                plain=self.merge_rule == "mean", new=False, add=self._add)
             held.add(push, now, state.sampler.sample(push.deltas))
             return self.evaluate(state, now)
         raw = token_weight(push.tokens, push.steps) or 1.0  # weightless pushes still average, as equals
@@ -139,21 +138,20 @@ class Merging:
     def _fold(self, state: FragmentState, deltas: dict[str, torch.Tensor], contribution: Contribution,
               own_norms: bool = False) -> None:
         state.sums.fold(deltas, contribution.weight, radial=contribution.norms, weighted=self._keeps_weighted(),
-                        plain=self.merge_rule == "mean", own_norms=own_norms, plus=self._plus)
+                        plain=self.merge_rule == "mean", own_norms=own_norms, add=self._add)
 
-    def _plus(self, total: torch.Tensor | None, delta: torch.Tensor, alpha: float) -> torch.Tensor:
-        """total + alpha·delta for a round's sums: in place into a sum this transaction made (nobody else
-        holds it: a refused transaction drops it whole), else into a free buffer (`scratch.py`), which the
-        undo log's copy of the sums does not hold. A group's pushes after its first add at memory speed."""
+    def _add(self, totals: list[torch.Tensor | None], delta: torch.Tensor, alphas: list[float]) -> list[torch.Tensor]:
+        """total + alpha·delta for each of a round's sums of one tensor, reading `delta` once for all
+        (`cache_chunks.add_scaled`): in place into a sum this transaction made (nobody else holds it: a
+        refused transaction drops it whole), else into a free buffer (`scratch.py`), which the undo log's
+        copy of the sums does not hold. A group's pushes after its first add at memory speed."""
         if self.undo.serial != self._made_in:
             self._made, self._made_in = {}, self.undo.serial
-        if total is not None and (mine := self._made.get(id(total))) is not None and mine() is total:
-            return total.add_(delta, alpha=alpha)
-        out = self.scratch.take(delta)
-        made = torch.mul(delta, alpha, out=out) if total is None else torch.add(total, delta, alpha=alpha, out=out)
+        outs = [total if total is not None and (mine := self._made.get(id(total))) is not None and mine() is total
+                else self.scratch.take(delta) for total in totals]
         if self.undo.active:
-            self._made[id(made)] = weakref.ref(made)
-        return made
+            self._made.update((id(out), weakref.ref(out)) for out in outs)
+        return add_scaled(outs, totals, delta, alphas)
 
     def _keeps_weighted(self) -> bool:
         """Σ w·Δ is the merge of every rule but the plain mean, and the final consolidation's."""
@@ -252,10 +250,9 @@ class Merging:
         members = self.membership
         share = participation_share(contributions, self.last_weight, members.alive | members.finished) \
             if self.participation else 1.0
-        after, optimizer = next_theta(state, self.theta, rule=self.merge_rule, embeddings=self.embeddings,
-                                      share=share, consolidate=final and self.consolidate, new=self.scratch.take)
-        names = list(state.fragment.names)
-        update_norm = math.sqrt(sum(distance(after[n], self.theta[n]) ** 2 for n in names))
+        after, optimizer, update_norm = next_theta(state, self.theta, rule=self.merge_rule, embeddings=self.embeddings,
+                                                   share=share, consolidate=final and self.consolidate,
+                                                   new=self.scratch.take)
         self._set_theta(after)
         state.optimizer = optimizer
         for c, behind in zip(contributions, staleness):

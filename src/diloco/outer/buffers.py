@@ -13,3 +13,6 @@ NewTensor = Callable[[torch.Tensor], torch.Tensor]
 
 def fp32_like(like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like, dtype=torch.float32)
+
+Written = Callable[[str, int, int], None]
+"""written(name, start, stop): elements start:stop of the named tensor's new values (flattened) are done."""

@@ -20,7 +20,8 @@ import copy
 
 import torch
 
-from diloco.outer.buffers import NewTensor, fp32_like
+from diloco.cache_chunks import Scaled, chunks, piece_of
+from diloco.outer.buffers import NewTensor, Written, fp32_like
 
 _FULL = 1.0 - 1e-9
 """Shares that add up to at least this make a full round (1/3 + 1/3 + 1/3 may fall short of 1.0)."""
@@ -39,31 +40,50 @@ class DelayedNesterov:
         self.buffers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0,
-             out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like) -> None:
+    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor | Scaled], share: float = 1.0,
+             out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like, written: Written | None = None
+             ) -> None:
         """Step `params` in place, or into `out` (the syncer's new Θ, `params` left as they were). Its new
-        state and temporaries come from `new`; the state it holds is replaced, never written (`fork`)."""
+        state comes from `new`; the state it holds is replaced, never written (`fork`). `written(name, start,
+        stop)` is called as each chunk of the new values is done, to read it while it is in cache."""
         s = self.fixed_share or share
         if not 0 < s <= 1:
             raise ValueError(f"an arrival's share of a round must be in (0, 1], got {s}")
         self.accumulated += s
         full_round = self.accumulated >= _FULL
         for name, theta in params.items():
-            target = theta if out is None else out[name]
-            g = deltas[name].to(torch.float32)
             total = self.sums.get(name)
             if total is None:
                 total = torch.zeros_like(theta, dtype=torch.float32)
                 self.buffers[name] = torch.zeros_like(theta, dtype=torch.float32)
-            total = self.sums[name] = torch.add(total, g, alpha=s, out=new(theta))
-            if not full_round:
-                torch.sub(theta, g, alpha=self.lr * s, out=target)
-                continue
-            b = self.buffers[name] = torch.mul(self.buffers[name], self.momentum, out=new(theta)).add_(total)
-            torch.sub(theta, torch.mul(b, self.momentum, out=new(theta)).add_(g, alpha=s), alpha=self.lr, out=target)
-            self.sums[name] = total.zero_()  # made by this step: nobody else holds it
+            old, new_total = total.reshape(-1), new(theta)
+            self.sums[name] = new_total
+            momentum = old_momentum = None
+            if full_round:
+                old_momentum, self.buffers[name] = self.buffers[name].reshape(-1), new(theta)
+                momentum = self.buffers[name].view(-1)
+            target = (theta if out is None else out[name]).view(-1)
+            for start, stop in chunks(target.numel(), target.device):
+                self._step_chunk(theta.reshape(-1)[start:stop], piece_of(deltas[name], start, stop),
+                                 target[start:stop], s, old[start:stop], new_total.view(-1)[start:stop],
+                                 None if old_momentum is None else old_momentum[start:stop],
+                                 None if momentum is None else momentum[start:stop])
+                if written is not None:
+                    written(name, start, stop)
         if full_round:
             self.accumulated = 0.0
+
+    def _step_chunk(self, theta: torch.Tensor, g: torch.Tensor, target: torch.Tensor, s: float, old: torch.Tensor,
+                    total: torch.Tensor, old_momentum: torch.Tensor | None, momentum: torch.Tensor | None) -> None:
+        """One chunk of one tensor's step, every op of the rule while it is in cache: the same values as
+        whole-tensor ops. `momentum` None: a plain step."""
+        summed = torch.add(old, g, alpha=s, out=total)
+        if momentum is None:
+            torch.sub(theta, g, alpha=self.lr * s, out=target)
+            return
+        b = torch.mul(old_momentum, self.momentum, out=momentum).add_(summed)
+        torch.sub(theta, torch.mul(b, self.momentum).add_(g, alpha=s), alpha=self.lr, out=target)
+        summed.zero_()  # made by this step: nobody else holds it
 
     def fork(self) -> DelayedNesterov:
         """A copy sharing this one's tensors: steps replace them, never change them in place, so this

@@ -23,9 +23,12 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
+from diloco.cache_chunks import Scaled, add_scaled
 from diloco.outer.buffers import NewTensor, fp32_like
 
 MergeRule = Literal["mean", "weighted", "rda"]
+Adder = Callable[[list[torch.Tensor | None], torch.Tensor, list[float]], list[torch.Tensor]]
+"""add(totals, delta, alphas): each total + alpha·delta (alpha·delta where the total is None)."""
 MERGE_RULES: tuple[str, ...] = ("mean", "weighted", "rda")
 CANCEL_TOLERANCE = 1e-6
 """Below this fraction of the summed weights, the directions are taken to have cancelled out."""
@@ -54,51 +57,60 @@ class MergeSums:
 
     def fold(self, deltas: dict[str, torch.Tensor], weight: float, *, radial: dict[str, float],
              weighted: bool = True, plain: bool = False, new: bool = True, own_norms: bool = False,
-             plus: Callable[[torch.Tensor | None, torch.Tensor, float], torch.Tensor] | None = None) -> None:
+             add: Adder | None = None) -> None:
         """Add one outer gradient with `weight`. `radial` names the tensors averaged radially, each with
         the norm that scales its direction (its own, or for a learner's later push, its first one's);
         `own_norms`: they are these deltas' own norms, not taken again. `new`: a contribution of its own,
-        not more of one already in. `plus(total, delta, alpha)` adds (default: into a new tensor)."""
-        plus = plus or _plus
+        not more of one already in. `add(totals, delta, alphas)` adds to all of a tensor's sums at once,
+        reading the delta once (default: into new tensors)."""
+        add = add or _added
         for name, delta in deltas.items():
             delta = delta.to(torch.float32)
+            sums: list[dict[str, torch.Tensor]] = []
+            alphas: list[float] = []
             if weighted:
-                self.weighted[name] = plus(self.weighted.get(name), delta, weight)
+                sums.append(self.weighted), alphas.append(weight)
             if plain:
-                self.plain_sum[name] = plus(self.plain_sum.get(name), delta, 1.0)
+                sums.append(self.plain_sum), alphas.append(1.0)
             if name in radial:
                 norm = radial[name] if own_norms else tensor_norm(delta)
                 self.radius[name] = self.radius.get(name, 0.0) + weight * norm
                 if radial[name] > 0:
-                    self.directions[name] = plus(self.directions.get(name), delta, weight / radial[name])
+                    sums.append(self.directions), alphas.append(weight / radial[name])
+            for target, total in zip(sums, add([s.get(name) for s in sums], delta, alphas)):
+                target[name] = total
         if new:
             self.weight += weight
             self.count += 1
 
-    def mean(self, name: str, new: NewTensor = fp32_like) -> torch.Tensor:
-        total = self.plain_sum[name]
-        return torch.div(total, self.count, out=new(total))
+    def mean(self, name: str) -> Scaled:
+        return Scaled(self.plain_sum[name], self.count, divide=True)
 
-    def weighted_mean(self, name: str, new: NewTensor = fp32_like) -> torch.Tensor:
-        total = self.weighted[name]
-        return torch.div(total, self.weight, out=new(total))
+    def weighted_mean(self, name: str) -> Scaled:
+        return Scaled(self.weighted[name], self.weight, divide=True)
 
-    def radial_directional(self, name: str, new: NewTensor = fp32_like) -> torch.Tensor:
+    def radial_directional(self, name: str) -> Scaled:
         """The weighted mean norm along the weighted mean direction; the weighted mean where the
         directions cancel out."""
         direction = self.directions.get(name)
         length = tensor_norm(direction) if direction is not None else 0.0
         if length <= CANCEL_TOLERANCE * self.weight:
-            return self.weighted_mean(name, new)
-        return torch.mul(direction, self.radius[name] / self.weight / length, out=new(direction))
+            return self.weighted_mean(name)
+        return Scaled(direction, self.radius[name] / self.weight / length)
+
+    def merged_lazily(self, names: Sequence[str], rule: MergeRule,
+                      embeddings: set[str] | frozenset[str] = frozenset()) -> dict[str, Scaled]:
+        """The round's merged outer gradient per tensor, not yet written: the outer step reads it a chunk
+        at a time (`cache_chunks.Scaled`)."""
+        if rule == "mean":
+            return {name: self.mean(name) for name in names}
+        return {name: self.radial_directional(name) if rule == "rda" and name not in embeddings
+                else self.weighted_mean(name) for name in names}
 
     def merged(self, names: Sequence[str], rule: MergeRule, embeddings: set[str] | frozenset[str] = frozenset(),
                new: NewTensor = fp32_like) -> dict[str, torch.Tensor]:
         """The round's merged outer gradient per tensor, each a new tensor from `new`."""
-        if rule == "mean":
-            return {name: self.mean(name, new) for name in names}
-        return {name: self.radial_directional(name, new) if rule == "rda" and name not in embeddings
-                else self.weighted_mean(name, new) for name in names}
+        return {name: m.whole(new(m.tensor)) for name, m in self.merged_lazily(names, rule, embeddings).items()}
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.weighted.values(), *self.plain_sum.values(), *self.directions.values()]
@@ -117,11 +129,9 @@ class MergeSums:
                    dict(plain["radius"]), float(plain["weight"]), int(plain["count"]))
 
 
-def _plus(total: torch.Tensor | None, delta: torch.Tensor, alpha: float) -> torch.Tensor:
-    """total + alpha·delta, as a new tensor."""
-    if total is None:
-        return delta * alpha
-    return torch.add(total, delta, alpha=alpha)
+def _added(totals: list[torch.Tensor | None], delta: torch.Tensor, alphas: list[float]) -> list[torch.Tensor]:
+    """total + alpha·delta for each, as new tensors."""
+    return add_scaled([torch.empty_like(delta) for _ in totals], totals, delta, alphas)
 
 
 def _check(count: int, weights: Sequence[float]) -> None:

@@ -11,7 +11,8 @@ import copy
 
 import torch
 
-from diloco.outer.buffers import NewTensor, fp32_like
+from diloco.cache_chunks import Scaled, chunks, piece_of
+from diloco.outer.buffers import NewTensor, Written, fp32_like
 
 
 class Nesterov:
@@ -22,19 +23,28 @@ class Nesterov:
         self.buffers: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0,
-             out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like) -> None:
+    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor | Scaled], share: float = 1.0,
+             out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like, written: Written | None = None
+             ) -> None:
         """Step `params` (fp32) with the merged outer gradients `deltas`, scaled by the share of a full round
         they stand for (1 unless the syncer heard from only some learners): in place, or into `out` (the
-        syncer's new Θ, `params` left as they were). Its new state and temporaries come from `new`."""
+        syncer's new Θ, `params` left as they were). Its new state comes from `new`. A chunk at a time, each
+        op of the rule done while the chunk is in cache: the same values as whole-tensor ops; `written(name,
+        start, stop)` is called as each chunk of the new values is done, to read it while it is in cache."""
         for name, theta in params.items():
-            delta = torch.mul(deltas[name].to(torch.float32), share, out=new(theta))
-            buf = self.buffers.get(name)
-            if buf is None:
-                buf = torch.zeros_like(theta, dtype=torch.float32)
-            buf = self.buffers[name] = torch.mul(buf, self.momentum, out=new(theta)).add_(delta)  # new: see `fork`
-            torch.sub(theta, delta.add_(buf, alpha=self.momentum), alpha=self.lr,
-                      out=theta if out is None else out[name])
+            old = self.buffers.get(name)
+            if old is None:
+                old = torch.zeros_like(theta, dtype=torch.float32)
+            buf = self.buffers[name] = new(theta)  # new: see `fork`
+            target = (theta if out is None else out[name]).view(-1)
+            flat, old, buf = theta.reshape(-1), old.reshape(-1), buf.view(-1)
+            for start, stop in chunks(flat.numel(), flat.device):
+                delta = torch.mul(piece_of(deltas[name], start, stop), share)
+                momentum = torch.mul(old[start:stop], self.momentum, out=buf[start:stop]).add_(delta)
+                torch.sub(flat[start:stop], delta.add_(momentum, alpha=self.momentum), alpha=self.lr,
+                          out=target[start:stop])
+                if written is not None:
+                    written(name, start, stop)
 
     def fork(self) -> Nesterov:
         """A copy sharing this one's tensors: steps replace them, never change them in place, so this
