@@ -15,12 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-SHARD_CPU_NS_PER_PARAM = 9.51
+SHARD_CPU_NS_PER_PARAM = 7.71
 """CPU-ns of a shard per pushed parameter: `cpu_ns_per_param` of
 `python benchmarks/scale.py --params 20M --learners 8 --codec int4 --quorum 1 --seconds 8 --min-pushes 8
---socket-seconds 2 --json benchmarks/results/scale-transport-after-q1.json` (one shard, 8 learners, int4
+--socket-seconds 2 --json benchmarks/results/scale-after-q1-s39-4.json` (one shard, 8 learners, int4
 pushes, each closing its own round: CPU-seconds of the shard process ÷ parameters pushed in the window;
-9.506 there, 10.72 in scale-after-q1.json before the transport's copies went)."""
+7.71 there, the higher of the two runs of the same code, 6.51 in -s39-3; 9.51 before the round's
+recycled buffers and the passes fused in cache)."""
 SHARD_PULL_BYTES_PER_S = 408e6
 """Bytes/s of Θ one shard serves a joining learner: `join_bytes ÷ join_s` of the same run (80 MB of
 fp32 Θ from one shard in 0.196 s, 4 fragments on 4 streams, while 8 learners were pushing)."""
