@@ -98,8 +98,7 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
             self.hosts[learner] = request.host or context.peer()
             entry = self.core.ledger.get(learner) if self.core is not None else None
             last_seq = entry.last_seq if entry is not None else 0
-            owned = self.plan.owned_by(self.plan.index, self.spec.fragments)
-            pushed = {p: entry.pushed(p) if entry is not None else 0 for p in owned}
+            pushed = {p: entry.pushed(p) if entry is not None else 0 for p in self.owned}
             log.info("learner %d joined from %s", learner, request.host or context.peer())
             shards = [pb.ShardInfo(index=i, address=a, fragments=self.plan.owned_by(i, self.spec.fragments))
                       for i, a in enumerate(self.plan.addresses)]
