@@ -22,8 +22,8 @@ this process (or its own process: --syncer-process). Parts, all in one invocatio
   speed   the same W = 2 FSDP loop with syncing and without it (no Learner at all), --repeats runs of each
           taking turns: tokens/s ratio of the medians, target ≥ 0.95 (issue 28).
   checkpoint  the synced W = 2 FSDP learner with its own-progress checkpoints on (as the built-in learner
-          keeps them: DCP async_save every rank, the push gate holding each push until a checkpoint
-          records it) and off, --repeats runs each taking turns: tokens/s of the medians and
+          keeps them: DCP async_save every rank at its cost-derived period; pushes go at once) and off,
+          --repeats runs each taking turns: tokens/s of the medians and
           checkpoint_cost_fraction = 1 − on / off, target ≤ 0.01 (issue 31).
   equal   2 learners of 2 ranks each, FSDP against DDP, synchronous DiLoCo, Decoupled DiLoCo, and Decoupled
           DiLoCo with quorum = all learners (round membership not left to timing): the final Θ's loss on

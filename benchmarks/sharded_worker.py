@@ -77,7 +77,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--checkpoints", action="store_true",
-                   help="sharded, syncing: own-progress checkpoints as the built-in learner keeps them (push gate on)")
+                   help="sharded, syncing: own-progress checkpoints as the built-in learner keeps them")
     p.add_argument("--meta-init", action="store_true",
                    help="sharded: build on the meta device, fill own rows only (client/sharded_build.py)")
     args = p.parse_args()
