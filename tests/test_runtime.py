@@ -75,8 +75,11 @@ def test_run_trains_and_writes_the_summary_the_simulator_writes(tmp_path):
     assert all((tmp_path / "checkpoints" / f"learner-{m}.pt").is_file() for m in range(2))
     # The metrics of every process, in one file: the same totals as the summary and the transport.
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    # start: each learner life's record, from process start to its first step
-    assert {r["kind"] for r in records} == {"learner", "round", "eval", "syncer", "start"}
+    # start: each learner life's record, from process start to its first step; serving: each shard's, when
+    # it first serves (a shard kill's timeline starts there); no restart, so no resume or reconnect
+    assert {r["kind"] for r in records} == {"learner", "round", "eval", "syncer", "start", "serving"}
+    assert sum(r["kind"] == "serving" for r in records) == 1 and not any(
+        r["kind"] == "serving" and r["resumed"] for r in records)
     last = {r["learner"]: r for r in records if r["kind"] == "learner"}
     for report in summary["per_learner"]:
         final = last[report["learner"]]

@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -340,10 +341,18 @@ def main() -> None:
             code = refuse(args)
     except DilocoError as exc:
         print(f"diloco: {exc}", flush=True)
-        finish_distributed(failed=True)  # a peer may be dead: leave without waiting for it
-        sys.exit(1)
-    finish_distributed()  # every rank leaves the group together, a refusal too
-    sys.exit(code)
+        leave(1, failed=True)  # a peer may be dead: leave without waiting for it
+    leave(code)  # every rank leaves the group together, a refusal too
+
+
+def leave(code: int, failed: bool = False) -> NoReturn:
+    """Leave the process group, then exit without the interpreter's teardown: a rank's DTensors and mesh
+    still hold gloo's groups then, and their destruction at exit aborted a rank that had done everything
+    right ("terminate called without an active exception", exit -6) now and then (seen in CI and under load)."""
+    finish_distributed(failed)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

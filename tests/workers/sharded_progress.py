@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-from sharded_learner import FRAGMENTS, ranks_start, run_events, tiny_gpt
-from diloco.client.builtin_loop import finish_distributed
+from sharded_learner import FRAGMENTS, leave, ranks_start, run_events, tiny_gpt
 from diloco.client.param_shards import shard_model
 from diloco.client.rank_sync import ShardedRanks
 from diloco.client.sharded_checkpoints import read_sharded, save_sharded
@@ -176,9 +174,8 @@ def main() -> None:
         (save if args.phase == "save" else load)(args, args.out)
     except DilocoError as exc:
         print(f"diloco: {exc}", flush=True)
-        finish_distributed(failed=True)  # a peer may be dead: leave without waiting for it
-        sys.exit(1)
-    finish_distributed()
+        leave(1, failed=True)  # a peer may be dead: leave without waiting for it
+    leave(0)
 
 
 if __name__ == "__main__":
