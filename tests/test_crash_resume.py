@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import TINY, child_env, tiny_config, wait_for
+from conftest import TINY, child_env, freeze_when, tiny_config, wait_for
 from diloco.launch.processes import Children
 from diloco.launch.spare import Spares
 from diloco.metrics.records import learner_lives, records_of
@@ -84,9 +84,12 @@ def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_chec
     try:
         spares.fill()
         children.start("learner-0", _learner_argv(address, tmp_path, f"failures.resume={resume}"), env)
-        wait_for(lambda: _steps(tmp_path) >= KILL_AT_STEP and pushed_after(counted_seqs_now(shard), saved_seq(tmp_path / "checkpoints" / "learner-0.pt")),
-                 120, lambda: (out_tail(tmp_path)))
-        children.kill("learner-0")  # after a push that followed the last checkpoint
+        first = children.children["learner-0"].process
+        freeze_when([first.pid], lambda: _steps(tmp_path) >= KILL_AT_STEP or first.poll() is not None,
+                    lambda: first.poll() is not None or pushed_after(
+                        counted_seqs_now(shard), saved_seq(tmp_path / "checkpoints" / "learner-0.pt")),
+                    120, lambda: out_tail(tmp_path))
+        children.kill("learner-0")  # frozen after a push that followed the last checkpoint
         killed_at = _steps(tmp_path)
         saved = load_checked(tmp_path / "checkpoints" / "learner-0.pt", "checkpoint", "")
         checkpointed, after = saved["steps"], pushed_after(counted_seqs(shard), saved["sync"]["seq"])

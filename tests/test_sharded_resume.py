@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 import rank_procs
-from conftest import TINY, serving_shard, wait_for
+from conftest import TINY, freeze_when, serving_shard, wait_for
 from diloco.client.sharded_checkpoints import _current, sidecar
 from diloco.metrics.records import learner_lives, records_of
 from diloco.state_files import load_checked
@@ -107,10 +107,10 @@ def test_a_sharded_learner_killed_at_a_known_step_loses_at_most_the_steps_since_
         first = rank_procs.start_ranks(world, argv, tmp_path, "first")
         try:
             folder = tmp_path / "checkpoints" / "learner-0.dcp"
-            wait_for(lambda: (_steps(tmp_path) >= KILL_AT_STEP and pushed_after(counted_seqs_now(shard),
-                                                                                _saved_seq(folder)))
-                     or any(p.poll() is not None for p in first), 180,
-                     lambda: (tmp_path / "first-0.log").read_text()[-2000:])
+            ended = lambda: any(p.poll() is not None for p in first)  # noqa: E731
+            freeze_when([p.pid for p in first], lambda: _steps(tmp_path) >= KILL_AT_STEP or ended(),
+                        lambda: ended() or pushed_after(counted_seqs_now(shard), _saved_seq(folder)), 180,
+                        lambda: (tmp_path / "first-0.log").read_text()[-2000:])
         finally:
             rank_procs.kill_ranks(first)
         killed_at = _steps(tmp_path)
