@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from diloco.client.builtin_loop import hold_pushes
 from diloco.client.learner_client import Learner
 from diloco.client.param_shards import shard_model
 from diloco.client.sharded_build import build_sharded
@@ -78,7 +77,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--checkpoints", action="store_true",
-                   help="sharded, syncing: own-progress checkpoints as the built-in learner keeps them (push gate on)")
+                   help="sharded, syncing: own-progress checkpoints as the built-in learner keeps them")
     p.add_argument("--meta-init", action="store_true",
                    help="sharded: build on the meta device, fill own rows only (client/sharded_build.py)")
     args = p.parse_args()
@@ -112,7 +111,6 @@ def main() -> None:
     sharded = distributed and args.sharding != "ddp"
     writer = ShardedWriter(args.out / f"learner-{args.id}.dcp", None, learner) \
         if args.checkpoints and learner is not None and sharded else None
-    hold_pushes(writer, learner, rank)
     rss_floor, step_times = 0, []
     started = time.monotonic()
     for step in range(args.steps):
@@ -155,7 +153,6 @@ def main() -> None:
               "bytes_between_ranks": getattr(ranks, "bytes_between_ranks", 0), "anchor_bytes": anchors,
               "bytes_up": report.get("bytes_up", 0), "bytes_down": report.get("bytes_down", 0),
               "merges": report.get("merges", 0), "pushes": report.get("pushes", 0),
-              "pushes_let_go_by_gate_bound": report.get("pushes_let_go_by_gate_bound", 0),
               **({"checkpoints_written": writer.written, "checkpoints_skipped": writer.skipped,
                   "checkpoint_copy_total_s": writer.copy_total_s} if writer is not None else {})}
     module = getattr(model, "module", model)

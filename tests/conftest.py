@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from contextlib import contextmanager
@@ -54,6 +55,35 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str | Callab
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what() if callable(what) else what}")
         time.sleep(poll_s)
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (a SIGSTOP is delivered asynchronously)."""
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT" for t in tasks.iterdir())
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True  # it is gone: nothing of it can change any more
+
+
+def freeze_when(pids: list[int], ready: Callable[[], object], holds: Callable[[], object], timeout: float,
+                what: str | Callable[[], str]) -> None:
+    """Wait until `ready()`, then until `holds()` is true of the processes `pids` frozen by SIGSTOP, and
+    leave them frozen: a SIGKILL next finds them in the state checked (nothing they write, a checkpoint
+    say, can land between the check and the kill)."""
+    def frozen_and_holds() -> bool:
+        if not ready():
+            return False
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: all(_stopped(pid) for pid in pids), 10, "the processes to stop", poll_s=0.005)
+        if holds():
+            return True
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        return False
+
+    wait_for(frozen_and_holds, timeout, what)
 
 
 def free_port_for_torchrun() -> int:

@@ -1,13 +1,16 @@
 """A learner SIGKILLed at a known step loses at most what it trained since its last checkpoint: its
-restart puts its own unpushed progress back on top of Θ and pushes it, and nothing is counted twice."""
+restart puts its own unpushed progress back on top of Θ and pushes it, and nothing is counted twice.
+Pushes do not wait for a checkpoint: the learner is killed after a push that followed its last one, and
+only the fragments pushed after it take Θ (their shard counted that progress); the others resume."""
 
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
-from conftest import TINY, child_env, tiny_config, wait_for
+from conftest import TINY, child_env, freeze_when, tiny_config, wait_for
 from diloco.launch.processes import Children
 from diloco.launch.spare import Spares
 from diloco.metrics.records import learner_lives, records_of
@@ -31,6 +34,37 @@ def out_tail(out) -> str:
     return "the kill step; the learner's log ends: " + (out / "logs" / "learner-0.log").read_text()[-2000:]
 
 
+def counted_seqs_now(shard) -> dict[int, int]:
+    """Per fragment, the newest push of learner 0 the shard has counted (`JoinReply.fragment_last_seq`)."""
+    with shard.lock:
+        entry = shard.core.ledger.get(0) if shard.core is not None else None
+        return {p: entry.pushed(p) for p in shard.owned} if entry is not None else {}
+
+
+def counted_seqs(shard) -> dict[int, int]:
+    """`counted_seqs_now` once no push of a killed process is still being taken (two reads alike, a
+    moment apart)."""
+    seen = [counted_seqs_now(shard)]
+
+    def settled() -> bool:
+        time.sleep(0.2)
+        seen.append(counted_seqs_now(shard))
+        return seen[-1] == seen[-2]
+
+    wait_for(settled, 30, "the shard to take the killed learner's last pushes")
+    return seen[-1]
+
+
+def saved_seq(path) -> int:
+    """The newest push a checkpoint on disk records (`sync.seq`; no checkpoint yet: above every push)."""
+    return load_checked(path, "checkpoint", "")["sync"]["seq"] if path.is_file() else 1 << 62
+
+
+def pushed_after(seqs: dict[int, int], checkpoint_seq: int) -> set[int]:
+    """The fragments whose shard counted a push made after the checkpoint: they take Θ at the restart."""
+    return {p for p, seq in seqs.items() if seq > checkpoint_seq}
+
+
 def _steps(out) -> int:
     path = out / "metrics" / "learner-0.jsonl"
     records = records_of(path, "learner") if path.is_file() else []
@@ -50,10 +84,15 @@ def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_chec
     try:
         spares.fill()
         children.start("learner-0", _learner_argv(address, tmp_path, f"failures.resume={resume}"), env)
-        wait_for(lambda: _steps(tmp_path) >= KILL_AT_STEP, 120, lambda: (out_tail(tmp_path)))
-        children.kill("learner-0")
+        first = children.children["learner-0"].process
+        freeze_when([first.pid], lambda: _steps(tmp_path) >= KILL_AT_STEP or first.poll() is not None,
+                    lambda: first.poll() is not None or pushed_after(
+                        counted_seqs_now(shard), saved_seq(tmp_path / "checkpoints" / "learner-0.pt")),
+                    120, lambda: out_tail(tmp_path))
+        children.kill("learner-0")  # frozen after a push that followed the last checkpoint
         killed_at = _steps(tmp_path)
-        checkpointed = load_checked(tmp_path / "checkpoints" / "learner-0.pt", "checkpoint", "")["steps"]
+        saved = load_checked(tmp_path / "checkpoints" / "learner-0.pt", "checkpoint", "")
+        checkpointed, after = saved["steps"], pushed_after(counted_seqs(shard), saved["sync"]["seq"])
         waiting = [c.process.pid for c in spares.waiting()]
         second = spares.restart("learner-0")
         assert (second.process.pid in waiting) == spare  # the spare became the learner, in the same process
@@ -75,5 +114,6 @@ def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_chec
         lost = trained - entry.merged[p] - entry.stale[p]
         assert lost >= -1e-6  # never more merged than trained
         if resume == "own":
-            assert start["resumed_fragments"] == 2
             assert lost <= since_checkpoint + 1e-6, (p, lost, since_checkpoint)
+    assert after  # the kill followed a push made after the checkpoint
+    assert start["resumed_fragments"] == (2 - len(after) if resume == "own" else 0)  # the others resumed

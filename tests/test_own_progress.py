@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from diloco.client.joining import fragment_seqs
 from diloco.core.own_progress import export_progress, resume_progress, usable
+from diloco.core.rounds import LedgerEntry
+from diloco.errors import DilocoError
 from diloco.sim.driver import Simulation
+from diloco.v1 import diloco_pb2 as pb
 from test_cores import learner, make_params, train
 
 
@@ -130,3 +134,46 @@ def test_a_simulated_crash_resumes_own_progress_as_the_real_learner_does():
         if resume == "own":
             assert all(0 <= lost_p <= since for lost_p in lost["own"]), (lost["own"], since)
     assert sum(lost["own"]) < sum(lost["theta"])
+
+
+def test_one_shard_reports_each_fragment_and_only_the_fragment_pushed_after_the_checkpoint_takes_theta():
+    """Both fragments on one shard; fragment 0 is pushed after the checkpoint and the shard counts that
+    push. The shard-wide last push would make both take Θ; per fragment, only fragment 0 does, and
+    fragment 1 resumes what it trained since its own push (counted: not carried again)."""
+    core, params, pushes = _trained(3)  # fragment 1 pushed at step 2, counted by the shard
+    saved = export_progress(core)
+    train(params, 0.5)
+    (later,) = core.on_step(tokens=10)  # after the checkpoint: fragment 0 due at step 4
+    assert later.fragment == 0 and later.seq > saved["seq"]
+    reply = pb.JoinReply(last_seq=later.seq, fragment_last_seq={0: later.seq, 1: pushes[0].seq})
+    last_seqs = fragment_seqs(reply, [0, 1], "shard-0")
+    assert last_seqs == {0: later.seq, 1: pushes[0].seq}
+    fresh_params = _theta(7.0)
+    fresh = learner(0, fresh_params, tau=1, wait=False)
+    outcome = resume_progress(fresh, saved, last_seqs, "own")
+    assert "after the checkpoint" in outcome[0] and outcome[1] is None
+    torch.testing.assert_close(fresh_params["a"], torch.full((3,), 7.0))  # in the syncer through the later push
+    torch.testing.assert_close(fresh_params["b"], torch.full((2, 2), 7.0 + 0.5))  # the step after its push
+    assert fresh.tokens_since == [0, 10]
+    shard_wide = resume_progress(learner(0, _theta(7.0), tau=1, wait=False), saved,
+                                 fragment_seqs(pb.JoinReply(last_seq=reply.last_seq), [0, 1], "shard-0"), "own")
+    assert all(why is not None for why in shard_wide.values())  # an older shard: as before, both take Θ
+
+
+def test_a_shard_claim_for_a_fragment_it_does_not_own_or_above_its_last_push_is_refused():
+    with pytest.raises(DilocoError, match="does not own"):
+        fragment_seqs(pb.JoinReply(last_seq=5, fragment_last_seq={0: 3, 2: 4}), [0, 1], "shard-0")
+    with pytest.raises(DilocoError, match="above the last push"):
+        fragment_seqs(pb.JoinReply(last_seq=5, fragment_last_seq={0: 3, 1: 6}), [0, 1], "shard-0")
+    # a fragment it does not name: its last push of any fragment stands for it
+    assert fragment_seqs(pb.JoinReply(last_seq=5, fragment_last_seq={0: 3}), [0, 1], "shard-0") == {0: 3, 1: 5}
+
+
+def test_the_ledger_keeps_each_fragments_newest_push_across_a_restart_and_an_older_state_is_bounded():
+    entry = LedgerEntry()
+    entry.last_seq = entry.fragment_seqs[1] = 4
+    again = LedgerEntry.of(entry.plain())
+    assert (again.pushed(0), again.pushed(1)) == (0, 4)
+    older = {k: v for k, v in entry.plain().items() if k not in ("fragment_seqs", "fragment_floor")}
+    restored = LedgerEntry.of(older)  # a state written before the ledger kept fragments apart
+    assert (restored.pushed(0), restored.pushed(1)) == (4, 4)

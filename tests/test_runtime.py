@@ -104,10 +104,6 @@ def test_run_and_sim_end_with_the_same_parameters_when_every_learner_is_in_every
     finally:
         torch.set_num_threads(threads)
     assert sim.syncer.rounds_closed == json.loads((tmp_path / "summary.json").read_text())["rounds"] == 20
-    # Each learner waits for an answer to a push that waits for a checkpoint: the learner takes that
-    # checkpoint before it waits, so no push is let go by the gate's bound (each used to wait it out).
-    for report in (tmp_path / "learners").glob("learner-*.json"):
-        assert json.loads(report.read_text())["pushes_let_go_by_gate_bound"] == 0, report.name
     for name, value in sim.syncer.theta.items():
         torch.testing.assert_close(real[name], value, rtol=1e-6, atol=1e-7, msg=name)
 

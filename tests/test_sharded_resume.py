@@ -14,9 +14,11 @@ import pytest
 import torch.distributed as dist
 
 import rank_procs
-from conftest import TINY, serving_shard, wait_for
+from conftest import TINY, freeze_when, serving_shard, wait_for
+from diloco.client.sharded_checkpoints import _current, sidecar
 from diloco.metrics.records import learner_lives, records_of
 from diloco.state_files import load_checked
+from test_crash_resume import counted_seqs, counted_seqs_now, pushed_after
 
 PROGRESS = Path(__file__).parent / "workers" / "sharded_progress.py"
 TIMEOUT_S = 120
@@ -75,6 +77,13 @@ def _budget(world: int) -> str:
     return f"train.tokens={48 * world * TOKENS_PER_RANK_STEP}"
 
 
+def _saved_seq(folder: Path) -> int:
+    """The newest push the sharded checkpoint on disk records (rank 0's sidecar; none yet: above every push)."""
+    if not (folder / "latest").is_file():
+        return 1 << 62
+    return load_checked(sidecar(_current(folder, None), 0), "checkpoint", "")["progress"]["seq"]
+
+
 def _steps(out: Path) -> int:
     path = out / "metrics" / "learner-0.jsonl"
     records = records_of(path, "learner") if path.is_file() else []
@@ -85,9 +94,10 @@ def _steps(out: Path) -> int:
 def test_a_sharded_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_checkpoint(
         sharding, world, resume, tmp_path):
     """Every rank of the built-in learner SIGKILLed at once, mid-run: its restart resumes its DCP checkpoint and,
-    with `own`, every fragment's unpushed progress on top of Θ, which its first pushes carry. The shard's
-    accounting holds per fragment (merged + stale + lost = trained, none twice), and with `own` what is lost
-    is at most what was trained since that checkpoint."""
+    with `own`, the unpushed progress of every fragment not pushed after that checkpoint on top of Θ, which
+    its first pushes carry (it is killed after such a push: that fragment takes Θ). The shard's accounting
+    holds per fragment (merged + stale + lost = trained, none twice), and with `own` what is lost is at most
+    what was trained since that checkpoint."""
     settings = (*SETTINGS, _budget(world))
     sets = [x for item in [*TINY, *settings, f"train.sharding={sharding}", f"failures.resume={resume}"]
             for x in ("--set", item)]
@@ -96,13 +106,17 @@ def test_a_sharded_learner_killed_at_a_known_step_loses_at_most_the_steps_since_
         argv[argv.index("--syncer") + 1] = address
         first = rank_procs.start_ranks(world, argv, tmp_path, "first")
         try:
-            wait_for(lambda: _steps(tmp_path) >= KILL_AT_STEP or any(p.poll() is not None for p in first), 180,
-                     lambda: (tmp_path / "first-0.log").read_text()[-2000:])
+            folder = tmp_path / "checkpoints" / "learner-0.dcp"
+            ended = lambda: any(p.poll() is not None for p in first)  # noqa: E731
+            freeze_when([p.pid for p in first], lambda: _steps(tmp_path) >= KILL_AT_STEP or ended(),
+                        lambda: ended() or pushed_after(counted_seqs_now(shard), _saved_seq(folder)), 180,
+                        lambda: (tmp_path / "first-0.log").read_text()[-2000:])
         finally:
             rank_procs.kill_ranks(first)
         killed_at = _steps(tmp_path)
         assert KILL_AT_STEP <= killed_at < 48, (tmp_path / "first-0.log").read_text()[-2000:]
-        checkpointed = load_checked(tmp_path / "checkpoints" / "learner-0.dcp" / "latest", "checkpoint", "")["steps"]
+        checkpointed = load_checked(folder / "latest", "checkpoint", "")["steps"]
+        after = pushed_after(counted_seqs(shard), _saved_seq(folder))
         codes, logs, _ = rank_procs.launch(world, argv, tmp_path, TIMEOUT_S * 2, "second")
         assert codes == [0] * world, logs[0][-3000:]
         wait_for(lambda: shard.finished, 30, "the run to end")
@@ -112,7 +126,8 @@ def test_a_sharded_learner_killed_at_a_known_step_loses_at_most_the_steps_since_
     trained = sum(life["tokens"] for life in lives)
     (start,) = [r for r in records_of(tmp_path / "metrics" / "learner-0.jsonl", "start") if r["steps"] > 0]
     assert start["steps"] == checkpointed <= killed_at
-    assert start["resumed_fragments"] == (2 if resume == "own" else 0)
+    assert after  # the kill followed a push made after the checkpoint
+    assert start["resumed_fragments"] == (2 - len(after) if resume == "own" else 0)  # the others resumed
     assert entry["duplicates"] == 0
     since_checkpoint = (killed_at - checkpointed) * world * TOKENS_PER_RANK_STEP
     for p in range(2):

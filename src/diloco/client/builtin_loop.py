@@ -133,7 +133,6 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
                  [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
     resumed_from = replica.steps
     writer = _writer_for(checkpoint, seal, config, sync, sharded)
-    hold_pushes(writer, sync, rank)
     if world > 1 and not sharded:
         replica.model = shard_model(model, "ddp", world)
     if t.compile:
@@ -177,23 +176,7 @@ def _writer_for(checkpoint: Path | None, seal: bytes | None, config: Config, syn
     learner = syncing_learner(sync)
     if sharded:
         return sharded_checkpoints.ShardedWriter(checkpoint, seal, learner, config.failures.checkpoint_every)
-    return CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every, on_written=lambda state: learner
-                            is not None and "sync" in state and learner.push_gate.written(state["sync"]["seq"]))
-
-
-def hold_pushes(writer: CheckpointWriter | sharded_checkpoints.ShardedWriter | None, sync: Any, rank: int) -> None:
-    """A push leaves once a checkpoint records it: its progress is never resumed twice. A synchronous learner
-    takes that checkpoint before it waits for the answer (`_Training.run`); a sharded one's is collective,
-    so its pushes go at once and a restart takes Θ for what its shard took after the checkpoint. Every rank
-    decides alike (each sharded rank has its core); rank 0's link holds the pushes, and a sharded writer
-    takes a checkpoint at once for a new push only where pushes are held (`ShardedWriter.gated`)."""
-    if writer is None or not isinstance(sync, Learner) or (
-            not isinstance(writer, CheckpointWriter) and sync.core.wait_for_updates):
-        return
-    if isinstance(writer, sharded_checkpoints.ShardedWriter):
-        writer.gated = True
-    if rank == 0:
-        sync.push_gate.hold()
+    return CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every)
 
 
 def syncing_learner(sync: Any) -> Learner | None:
@@ -241,9 +224,6 @@ class _Training:
 
     def run(self, last_step: int) -> None:
         replica, sync = self.replica, self.sync
-        learner = syncing_learner(sync)
-        if isinstance(self.writer, CheckpointWriter) and learner is not None and self.rank == 0:
-            learner.before_waiting = lambda: self.writer.save_now(replica.steps, self._state)  # type: ignore[union-attr]
         while replica.steps < last_step and not sync.should_stop:
             self.started = clock.monotonic()
             tokens = replica.train_step()
@@ -261,9 +241,7 @@ class _Training:
                     self.metrics.record("start", learner=self.sync.id, **self.start)
                 self.record(final=False)
                 if isinstance(self.writer, CheckpointWriter):
-                    waiting = learner is not None and learner.core is not None and \
-                        learner.push_gate.pending(learner.core.seq)
-                    self.writer.maybe_save(replica.steps, clock.monotonic() - self.started, self._state, waiting)
+                    self.writer.maybe_save(replica.steps, clock.monotonic() - self.started, self._state)
             if isinstance(self.writer, sharded_checkpoints.ShardedWriter):  # every rank, at the same steps
                 self.writer.maybe_save(_unwrap(replica.model), replica, clock.monotonic() - self.started)
 

@@ -121,10 +121,8 @@ class CheckpointWriter:
     """A learner's checkpoints, written atomically on a background thread: the training thread only
     takes a copy, then trains on while it reaches the disk. `most_every`: the longest period in steps."""
 
-    def __init__(self, path: Path, key: bytes | None = None, most_every: int = 25,
-                 on_written: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
-        """`on_written`: called with each state once it is on disk (on the writing thread)."""
-        self.path, self.key, self.most_every, self.on_written = path, key, most_every, on_written
+    def __init__(self, path: Path, key: bytes | None = None, most_every: int = 25) -> None:
+        self.path, self.key, self.most_every = path, key, most_every
         self._thread: threading.Thread | None = None
         self.copy_s = 0.0
         """The latest copy's time on the training thread."""
@@ -138,10 +136,10 @@ class CheckpointWriter:
     def period(self, step_s: float) -> int:
         return 1 if self.saved_step is None else checkpoint_period(self.copy_s, step_s, self.most_every)
 
-    def maybe_save(self, step: int, step_s: float, state: Callable[[], dict[str, Any]], due: bool = False) -> bool:
-        """At the end of inner step `step` (steps take `step_s`): save `state()` if one is due (or `due`:
-        a push waits for it) and the previous write is done. True if it saved."""
-        if not due and self.saved_step is not None and step - self.saved_step < self.period(step_s):
+    def maybe_save(self, step: int, step_s: float, state: Callable[[], dict[str, Any]]) -> bool:
+        """At the end of inner step `step` (steps take `step_s`): save `state()` if one is due and the
+        previous write is done (pushes never make one due: `core/own_progress.py`). True if it saved."""
+        if self.saved_step is not None and step - self.saved_step < self.period(step_s):
             return False
         if self._thread is not None and self._thread.is_alive():
             self.skipped += 1
@@ -149,11 +147,6 @@ class CheckpointWriter:
         self.save(state)
         self.saved_step = step
         return True
-
-    def save_now(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
-        """Save at once, after the write in progress: a push waits for this checkpoint and the step for it."""
-        self.save(state)
-        self.saved_step = step
 
     def save(self, state: Callable[[], dict[str, Any]], wait: bool = False) -> None:
         self.wait()  # one write at a time, in order
@@ -171,7 +164,6 @@ class CheckpointWriter:
         write_checkpoint(state, self.path, self.key)
         self.write_s = clock.monotonic() - began
         self.written += 1
-        self.on_written(state)
 
     def wait(self) -> None:
         if self._thread is not None:

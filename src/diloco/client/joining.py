@@ -42,7 +42,7 @@ class Joined:
     last_seq: int
     """The learner's last push numbered in its earlier lives: its next pushes are numbered above."""
     last_seqs: dict[int, int]
-    """Per fragment, the last push of this learner that the fragment's shard took."""
+    """Per fragment, the last push of this learner of that fragment its shard took (`fragment_seqs`)."""
     pull_s: float = 0.0
     """Seconds the pull of Θ took, every fragment from every shard."""
 
@@ -146,7 +146,7 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
             values = {n: params[n] for p in owned for n in fragments[p].names}
             with_retries(lambda c=client, v=values, lay=layout: c.init(lay, v), what="init")
         last_seq = max(last_seq, shard_reply.last_seq)
-        last_seqs.update({p: shard_reply.last_seq for p in owned})
+        last_seqs.update(fragment_seqs(shard_reply, owned, client.address))
         shards.append(ShardLink(index, client, owned))
     theta: dict[str, torch.Tensor] = {}
     versions: dict[int, int] = {}
@@ -161,6 +161,24 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
         del values  # let go before the next fragment's pull: the budget is released as the loop asks for it
     return Joined(me, settings, shards, fragments, theta, versions, last_seq, last_seqs,
                   pull_s=time.monotonic() - started)
+
+
+def fragment_seqs(reply: pb.JoinReply, owned: list[int], address: str) -> dict[int, int]:
+    """Per fragment the shard owns, the newest push of this learner of it that the shard counted; an older
+    shard that does not say (`fragment_last_seq` empty) stands by its last push for each. A claim for a
+    fragment the shard does not own, or above the shard's own last push, is refused in one line."""
+    claimed = dict(reply.fragment_last_seq)
+    if not claimed:
+        return {p: reply.last_seq for p in owned}
+    wrong = sorted(set(claimed) - set(owned))
+    if wrong:
+        raise DilocoError(f"the shard at {address} claims pushes of fragments {wrong[:4]}, which it does not own "
+                          f"(it owns {owned[:8]}): its state is not this run's")
+    high = next((p for p in sorted(claimed) if claimed[p] > reply.last_seq), None)
+    if high is not None:
+        raise DilocoError(f"the shard at {address} claims push {claimed[high]} of fragment {high}, above the last "
+                          f"push of this learner it counted ({reply.last_seq}): its state is not this run's")
+    return {p: claimed.get(p, reply.last_seq) for p in owned}
 
 
 def pull_theta(shards: list[ShardLink], me: int, last_seq: int, fragments: list[Fragment],

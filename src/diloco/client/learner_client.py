@@ -43,7 +43,6 @@ from diloco.client.param_shards import is_sharded
 from diloco.client.collective_bound import BOUND
 from diloco.client.rank_sync import ReplicatedRanks, ShardedRanks, sharded_settings_problem
 from diloco.client.sharded_progress import agree_over_ranks
-from diloco.client.push_gate import PushGate
 from diloco.client.staging import DeviceStaging
 from diloco.transport.security import TransportSecurity
 from diloco.v1 import diloco_pb2 as pb
@@ -89,12 +88,6 @@ class Learner:
         `core/own_progress.usable` allow."""
         self.model = model
         self.own_progress, self.resume_policy = own_progress, resume
-        self.push_gate = PushGate()
-        """Holds pushes until a checkpoint records them, once the training loop keeps checkpoints."""
-        self.before_waiting: Callable[[], None] | None = None
-        """The loop's checkpoint, taken when a step is to wait for an answer (a synchronous strategy) while
-        the push that answer needs waits for a checkpoint: else the two would wait on each other until
-        the gate's bound let the push go, every round."""
         self.resumed: dict[int, str | None] = {}
         """Per fragment: None where the saved progress was resumed, else why Θ was taken."""
         self.optimizer = optimizer
@@ -135,8 +128,7 @@ class Learner:
         self.ranks.core, self.ranks.fragments = self.core, self.fragments
         if self.link is not None:
             self.link.start(LinkHandlers(encode=self.core.encode, anchors=lambda p: self.core.anchors[p],
-                                         refused=self._refused.put, stop=self.request_stop, beat=self._beat,
-                                         release=self.push_gate.wait),
+                                         refused=self._refused.put, stop=self.request_stop, beat=self._beat),
                             name="learner")
         self.started = self._last_step_end = clock.monotonic()
 
@@ -254,8 +246,6 @@ class Learner:
         self._carry_out(self._feed(StepDone(tokens, step_time)))
         self._hand_over()
         if self._carry_out(self._feed(Advance(last=self._stop_requested))):
-            if self.before_waiting is not None and self.push_gate.pending(self.core.seq):
-                self.before_waiting()
             self._wait()
 
     def _lead(self, sequence: Callable[[], None]) -> None:
@@ -336,7 +326,6 @@ class Learner:
         self._closed = True
         self.wall_s = clock.monotonic() - self.started
         BOUND.relax()  # leaving, the last evaluation and checkpoint may part the ranks for longer than a step
-        self.push_gate.lift()  # the last pushes go at once; the last checkpoint follows them
         if isinstance(self.ranks, ShardedRanks):  # one fragment gathered at rank 0 at a time, each sent first
             self.ranks.leaving(self._settle if self.link is not None else None)
         if self.ranks.leader:  # may merge answers that have arrived
@@ -365,7 +354,6 @@ class Learner:
                 "bytes_up": self.up.bytes_sent, "bytes_down": self.down.bytes_sent,
                 "messages_up": self.up.messages, "messages_down": self.down.messages,
                 "peak_message_bytes_up": self.up.peak_message_bytes, "join_s": getattr(self, "join_s", None),
-                "pushes_let_go_by_gate_bound": self.push_gate.let_go,
                 **by_home,
                 "bytes_between_ranks": getattr(self.ranks, "bytes_between_ranks", 0),
                 "peak_staging_bytes": getattr(self.ranks, "peak_staging_bytes", 0),

@@ -171,8 +171,6 @@ class LinkHandlers:
     beat: Callable[[], list[UpEvent]]
     """What the client says on its heartbeat timer."""
     failed: Callable[[BaseException], None] = lambda exc: None
-    release: Callable[[int], None] = lambda seq: None
-    """Returns once push `seq` may leave (a learner holds it until its checkpoint records it: `push_gate.py`)."""
     answer: Callable[[Arrival], None] | None = None
     """Given: each arrival is handed to it on a link thread; None: the client takes them from `arrivals`."""
     ordered_beats: bool = False
@@ -277,7 +275,6 @@ class ClientLink:
         """When `event` arrives over its way, and what is delivered then: a push encoded, without its tensors."""
         if isinstance(event, PushOut):
             push = event.push
-            self.handlers.release(push.seq)
             with self.landing.side(event.ready):  # encoded on the device, then copied to the host
                 encoded = self.handlers.encode(push.deltas)
             header = push_header(self.sender, push, encoded)

@@ -248,10 +248,9 @@ class ShardedWriter:
     """The built-in learner's checkpoints when its model is sharded: every rank writes its rows (`every_rank`),
     at the same steps as the others, off the training step. As `checkpoints.CheckpointWriter`: at most one
     write at a time (a due checkpoint is skipped while one is on its way), the period the fewest steps
-    that keep the training thread's share within `COST_SHARE`, a checkpoint due at once when a push waits
-    for one (`push_gate.py`; only where pushes are held: `gated`). Every rank decides alike: from the
-    step, the push counter its core shares with the others, and the costs the ranks agree on at each
-    checkpoint."""
+    that keep the training thread's share within `COST_SHARE` (pushes never make one due:
+    `core/own_progress.py`). Every rank decides alike: from the step and the costs the ranks agree on at
+    each checkpoint."""
 
     every_rank = True
 
@@ -267,16 +266,11 @@ class ShardedWriter:
         self.copy_s = self.copy_total_s = self.write_s = 0.0
         self.written = self.skipped = 0
         self.saved_step: int | None = None
-        self.saved_seq, self.period = 0, 1
-        self.gated = False
-        """Rank 0's pushes wait for a checkpoint recording them (`builtin_loop.hold_pushes`, on every rank):
-        a new push makes one due at once. Else pushes go at once and checkpoints keep their period."""
+        self.period = 1
 
     def maybe_save(self, model: nn.Module, replica: Any, step_s: float) -> bool:
         """At the end of a step (every rank): save if one is due and every rank's last write is done."""
-        seq = self._seq()
-        if self.saved_step is not None and replica.steps - self.saved_step < self.period and not (
-                self.gated and seq > self.saved_seq):
+        if self.saved_step is not None and replica.steps - self.saved_step < self.period:
             return False
         shared = torch.tensor([float(self._writing()), self.copy_s, step_s], dtype=torch.float64)
         dist.all_reduce(shared, op=dist.ReduceOp.MAX)
@@ -296,29 +290,22 @@ class ShardedWriter:
                             replica.sampler.state_dict(), self.key, progress, self.group, self.stager)
         self.copy_s = clock.monotonic() - began
         self.copy_total_s += self.copy_s
-        self.saved_step, self.saved_seq = replica.steps, self._seq()
+        self.saved_step = replica.steps
         self.slot = SLOTS[1] if self.slot == SLOTS[0] else SLOTS[0]
-        self._thread = threading.Thread(target=self._finish, args=(finish, progress and progress["seq"]),
-                                        name="learner-checkpoint", daemon=True)
+        self._thread = threading.Thread(target=self._finish, args=(finish,), name="learner-checkpoint", daemon=True)
         self._thread.start()
         if wait:
             self.wait()
 
-    def _finish(self, finish: Callable[[], None], seq: int | None) -> None:
+    def _finish(self, finish: Callable[[], None]) -> None:
         began = clock.monotonic()
         try:
             finish()
-        except Exception as exc:  # a full disk, a rank gone: training goes on, pushes wait out their gate
+        except Exception as exc:  # a full disk, a rank gone: training goes on, the last checkpoint stands
             log.warning("checkpoint %s was not written: %s", self.folder, str(exc).splitlines()[0] if str(exc) else exc)
             return
         self.write_s = clock.monotonic() - began
         self.written += 1
-        if seq is not None and dist.get_rank() == 0:
-            self.learner.push_gate.written(seq)
-
-    def _seq(self) -> int:
-        core = getattr(self.learner, "core", None)
-        return core.seq if core is not None else 0
 
     def _writing(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -146,7 +146,7 @@ class Admission:
         if push.seq <= entry.last_seq:
             entry.duplicates += 1
             return None
-        entry.last_seq = push.seq
+        entry.last_seq = entry.fragment_seqs[push.fragment] = push.seq
         entry.pushes += 1
         covered = self.claims.accept(push.learner, push.step, now).covered
         covered[push.fragment] = max(covered.get(push.fragment, push.step), push.step)

@@ -9,11 +9,15 @@ next push of the fragment carries it with its tokens. The one decision, per frag
 sharded learner's ranks each take it on their own rows of that progress (`client/sharded_progress.py`)
 and agree (`agreed`): a fragment is resumed only where every rank can resume it.
 
-The push in flight when the checkpoint was taken is carried again only if its shard never took it (the
-shard's last push from this learner is numbered below it). A push sent after the checkpoint that the
-syncer took would be carried twice: a fragment whose shard saw a push numbered above the checkpoint's
-takes Θ (`client/push_gate.py` keeps pushes from leaving before a checkpoint records them, so this is
-the exception).
+The check is per fragment: each shard says, per fragment it owns, the newest push of this learner of
+that fragment it counted (`JoinReply.fragment_last_seq`; an older shard's last push of any fragment
+stands for each). A fragment pushed after the checkpoint (a counted push numbered above the checkpoint's)
+takes Θ: that push carried everything the checkpoint saved of it, so resuming it would count it twice,
+and only what was trained since that push is lost (at most the steps since the checkpoint). Every other
+fragment resumes its own progress, whatever its shard took of the others. Pushes therefore go as soon as
+they are made: checkpoints keep the period their cost allows (`client/checkpoints.py`). The push in
+flight when the checkpoint was taken is carried again only if its shard never counted it (that
+fragment's newest counted push is numbered below it).
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ def usable(saved: Mapping[str, Any], p: int, version: int, shard_last_seq: int, 
            policy: ResumePolicy, max_age: int = MAX_AGE_VERSIONS) -> str | None:
     """Why fragment p's saved progress must not be resumed (the learner takes Θ for it), or None.
 
-    `version`: Θ's version of p now; `shard_last_seq`: the last push of this learner that p's shard took."""
+    `version`: Θ's version of p now; `shard_last_seq`: the newest push of this learner of p that p's shard
+    counted."""
     if policy != "own":
         return "the policy takes Θ"
     fragments = saved.get("fragments")
@@ -70,7 +75,7 @@ def usable(saved: Mapping[str, Any], p: int, version: int, shard_last_seq: int, 
         return "the checkpoint holds no progress for it"
     entry = fragments[p]
     if shard_last_seq > saved.get("seq", 0):
-        return f"its shard took push {shard_last_seq}, sent after the checkpoint (push {saved.get('seq')})"
+        return f"its shard counted its push {shard_last_seq}, sent after the checkpoint (push {saved.get('seq')})"
     if not isinstance(entry.get("version"), int) or not 0 <= entry["version"] <= version:
         return f"its anchor version {entry.get('version')!r} is not one Θ has had (now {version})"
     if version - entry["version"] > max_age:
@@ -104,8 +109,8 @@ def resume_progress(core: LearnerCore, saved: Mapping[str, Any] | None, last_seq
                     policy: ResumePolicy, max_age: int = MAX_AGE_VERSIONS,
                     agree: Callable[[dict[int, Decision]], dict[int, Decision]] = dict) -> dict[int, str | None]:
     """Put each usable fragment's saved progress back on top of Θ (the core holds Θ at its versions);
-    per fragment, None where it was resumed, else why it takes Θ. `last_seqs`: per fragment, the last
-    push of this learner its shard took. `agree`: makes the decisions every rank's (a sharded learner)."""
+    per fragment, None where it was resumed, else why it takes Θ. `last_seqs`: per fragment, the newest
+    push of this learner of that fragment its shard counted. `agree`: makes the decisions every rank's (a sharded learner)."""
     decided: dict[int, Decision] = {}
     for p, fragment in enumerate(core.fragments):
         shapes = {n: core.params[n].shape for n in fragment.names}
@@ -135,8 +140,8 @@ def resume_progress(core: LearnerCore, saved: Mapping[str, Any] | None, last_seq
 
 
 def _lost_in_flight(sent: Any, shard_last_seq: int, shapes: Mapping[str, torch.Size]) -> dict[str, Any] | None:
-    """The push in flight at the checkpoint, if its shard never took it (a shard takes a learner's pushes
-    in order: a last push numbered below it means it was lost with the process): resumed too."""
+    """The push in flight at the checkpoint, if its shard never counted it (the fragment's newest counted
+    push is numbered below it: it was lost with the process): resumed too."""
     if not isinstance(sent, dict) or not isinstance(sent.get("seq"), int) or shard_last_seq >= sent["seq"]:
         return None
     deltas = sent.get("deltas")

@@ -52,6 +52,12 @@ class LedgerEntry:
     steps_merged: int = 0
     duplicates: int = 0
     last_seq: int = 0
+    fragment_seqs: dict[int, int] = field(default_factory=dict)
+    """Per fragment, the newest push of it counted: a restarted learner resumes its own progress of every
+    fragment not pushed after its checkpoint (`core/own_progress.usable`), not only of whole shards."""
+    fragment_floor: int = 0
+    """Pushes up to it were counted before this entry kept `fragment_seqs` (a state an older shard wrote):
+    any fragment's newest may be that late."""
     clipped: int = 0
     """Pushes the outlier rule scaled down to its bound before they were merged."""
 
@@ -63,6 +69,7 @@ class LedgerEntry:
     def plain(self) -> dict:
         return {"pushes": self.pushes, "merged": dict(self.merged), "stale": dict(self.stale),
                 "steps_merged": self.steps_merged, "duplicates": self.duplicates, "last_seq": self.last_seq,
+                "fragment_seqs": dict(self.fragment_seqs), "fragment_floor": self.fragment_floor,
                 "clipped": self.clipped}
 
     def copy(self) -> LedgerEntry:
@@ -74,7 +81,13 @@ class LedgerEntry:
                     last_seq=plain["last_seq"], clipped=plain.get("clipped", 0))
         entry.merged.update(plain["merged"])
         entry.stale.update(plain["stale"])
+        entry.fragment_seqs.update(plain.get("fragment_seqs", {}))
+        entry.fragment_floor = plain.get("fragment_floor", 0 if "fragment_seqs" in plain else entry.last_seq)
         return entry
+
+    def pushed(self, fragment: int) -> int:
+        """The newest push of `fragment` this entry may have counted."""
+        return max(self.fragment_seqs.get(fragment, 0), self.fragment_floor)
 
 
 @dataclass(frozen=True)

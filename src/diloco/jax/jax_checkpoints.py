@@ -1,7 +1,7 @@
 """A JAX learner's own checkpoint, in the torch learner's format: the boundary where optax meets it.
 
 The built-in torch learner's checkpoint machinery (`client/checkpoints.py`: sealing, digests, the
-plausibility checks, the writer thread and its period rule; `core/own_progress.py`; the push gate)
+plausibility checks, the writer thread and its period rule; `core/own_progress.py`)
 is the JAX learner's too. Only two things differ, and they are converted here:
 
 - the inner optimizer is an optax state pytree, not a torch optimizer. `OptaxOptimizer` shows it as

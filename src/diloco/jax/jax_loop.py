@@ -122,8 +122,6 @@ def start_jax_learner(config: Config, *, syncer: str | None, learner: int | None
         log.info("JAX learner %d resumes at step %d from %s (own progress: fragments %s)", m, replica.steps,
                  checkpoint, [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
     writer = _writer_for(checkpoint, seal, config, sync, sharded=False)
-    if isinstance(writer, CheckpointWriter) and isinstance(sync, JaxLearner):
-        sync.push_gate.hold()  # a push leaves once a checkpoint records it: its progress is never resumed twice
     return JaxLife(config, materials, replica, sync, plan, checkpoint, writer,  # type: ignore[arg-type]
                    replica.steps, loss_fn)
 

@@ -96,12 +96,14 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
             self.joined.add(learner)
             self.left.discard(learner)
             self.hosts[learner] = request.host or context.peer()
-            last_seq = self.core.ledger[learner].last_seq if self.core and learner in self.core.ledger else 0
+            entry = self.core.ledger.get(learner) if self.core is not None else None
+            last_seq = entry.last_seq if entry is not None else 0
+            pushed = {p: entry.pushed(p) if entry is not None else 0 for p in self.owned}
             log.info("learner %d joined from %s", learner, request.host or context.peer())
             shards = [pb.ShardInfo(index=i, address=a, fragments=self.plan.owned_by(i, self.spec.fragments))
                       for i, a in enumerate(self.plan.addresses)]
             return pb.JoinReply(learner=learner, settings=self.settings, shard=self.plan.index, shards=shards,
-                                layout=self.layout, last_seq=last_seq)
+                                layout=self.layout, last_seq=last_seq, fragment_last_seq=pushed)
 
     def Init(self, request_iterator, context: grpc.ServicerContext) -> pb.InitReply:
         if self.core is not None:

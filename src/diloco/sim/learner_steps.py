@@ -105,8 +105,6 @@ class LearnerSteps(SimState):
     def _send_push(self, learner: SimLearner, push: Push) -> None:
         learner.last_seq = push.seq
         learner.sent_seqs[push.fragment] = push.seq
-        if self.crash_plan.any:  # a push leaves once a checkpoint records it, as `client/push_gate.py` holds it
-            self._save_checkpoint(learner)
         if self._home(learner) is None:
             self._in_order.sent(learner.index, push.seq)
         arrival = learner.link.up.send(self.now, push.wire_bytes(), push.fragment)

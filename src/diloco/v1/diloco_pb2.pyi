@@ -171,20 +171,29 @@ class JoinRequest(_message.Message):
     def __init__(self, learner: _Optional[int] = ..., host: _Optional[str] = ..., tokens_per_step: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("learner", "settings", "shard", "shards", "layout", "last_seq")
+    __slots__ = ("learner", "settings", "shard", "shards", "layout", "last_seq", "fragment_last_seq")
+    class FragmentLastSeqEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     LEARNER_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     learner: int
     settings: Settings
     shard: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     layout: _containers.RepeatedCompositeFieldContainer[FragmentLayout]
     last_seq: int
-    def __init__(self, learner: _Optional[int] = ..., settings: _Optional[_Union[Settings, _Mapping]] = ..., shard: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., layout: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    fragment_last_seq: _containers.ScalarMap[int, int]
+    def __init__(self, learner: _Optional[int] = ..., settings: _Optional[_Union[Settings, _Mapping]] = ..., shard: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., layout: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., last_seq: _Optional[int] = ..., fragment_last_seq: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class InitReply(_message.Message):
     __slots__ = ("accepted",)
