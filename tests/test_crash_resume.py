@@ -1,7 +1,8 @@
 """A learner SIGKILLed at a known step loses at most what it trained since its last checkpoint: its
 restart puts its own unpushed progress back on top of Θ and pushes it, and nothing is counted twice.
-Pushes do not wait for a checkpoint: the learner is killed after a push that followed its last one, and
-only the fragments pushed after it take Θ (their shard counted that progress); the others resume."""
+Pushes do not wait for a checkpoint: the learner is killed after a push that followed its last one where
+the period leaves such a moment, and only the fragments pushed after it take Θ (their shard counted that
+progress); the others resume."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ SETTINGS = ("learners.count=1", "outer.H=8", "outer.fragments=2", "train.tokens=
             "metrics.every_steps=1")
 TOKENS_PER_STEP = 4 * 16  # TINY's batch × sequence
 KILL_AT_STEP = 30
+FALLBACK_STEPS = 10
+"""Steps past KILL_AT_STEP after which the learner is killed even if no push has followed its last checkpoint
+(a checkpoint period of one step leaves almost no such moment): then every fragment resumes."""
 
 
 def _learner_argv(address: str, out, *extra: str) -> list[str]:
@@ -86,7 +90,7 @@ def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_chec
         children.start("learner-0", _learner_argv(address, tmp_path, f"failures.resume={resume}"), env)
         first = children.children["learner-0"].process
         freeze_when([first.pid], lambda: _steps(tmp_path) >= KILL_AT_STEP or first.poll() is not None,
-                    lambda: first.poll() is not None or pushed_after(
+                    lambda: first.poll() is not None or _steps(tmp_path) >= KILL_AT_STEP + FALLBACK_STEPS or pushed_after(
                         counted_seqs_now(shard), saved_seq(tmp_path / "checkpoints" / "learner-0.pt")),
                     120, lambda: out_tail(tmp_path))
         children.kill("learner-0")  # frozen after a push that followed the last checkpoint
@@ -115,5 +119,4 @@ def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_chec
         assert lost >= -1e-6  # never more merged than trained
         if resume == "own":
             assert lost <= since_checkpoint + 1e-6, (p, lost, since_checkpoint)
-    assert after  # the kill followed a push made after the checkpoint
     assert start["resumed_fragments"] == (2 - len(after) if resume == "own" else 0)  # the others resumed

