@@ -1,7 +1,8 @@
 """Elastic capacity on a multi-node Ray cluster on this machine: `diloco run --ray` with nodes coming
 and going, against the same run on a cluster that does not change.
 
-The cluster (Ray's own `ray.cluster_utils.Cluster`: one raylet per node, all on this host): a head node
+The cluster (Ray's own `Cluster` utility in a process of its own, `diloco.cluster.local_nodes`: one raylet
+per node, all on this host): a head node
 for the syncer, and one learner node (1 CPU: one learner) per learner, in two regions, `east` and
 `west`. The config is the built-in default (4 learners at speeds 1, 1, 0.5, 0.25) with
 `learners.min = 2`, `learners.max = 4`.
@@ -38,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.cluster_utils import Cluster
 from rich.console import Console
 from rich.table import Table
 
+from diloco.cluster.local_nodes import LocalCluster, NodeRef
 from diloco.cluster.ray_launcher import RayLauncher
 from diloco.config import load_config
 from diloco.launch.chaos import account
@@ -57,11 +58,11 @@ JOIN_AFTER_S = 2.0
 
 
 class Nodes:
-    """The learner nodes of the cluster, by region; added and removed from the main thread (Ray's rule)."""
+    """The learner nodes of the cluster, by region."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: LocalCluster) -> None:
         self.cluster = cluster
-        self.live: dict[str, list] = {"east": [], "west": []}
+        self.live: dict[str, list[NodeRef]] = {"east": [], "west": []}
         self.arrivals: list[dict[str, Any]] = []
 
     def add(self, region: str, launcher: RayLauncher | None = None) -> None:
@@ -71,11 +72,11 @@ class Nodes:
             self.arrivals.append({"node": node.node_id, "region": region,
                                   "arrival_s": time.monotonic() - launcher.origin_monotonic})
 
-    def remove(self, node) -> None:
+    def remove(self, node: NodeRef) -> None:
         for nodes in self.live.values():
             if node in nodes:
                 nodes.remove(node)
-        self.cluster.remove_node(node, allow_graceful=False)
+        self.cluster.remove_node(node)
 
 
 def share(launcher: RayLauncher) -> float:
@@ -175,7 +176,7 @@ def measure(out: Path, summary: dict[str, Any], arrivals: list[dict[str, Any]], 
 
 
 def one_run(out: Path, overrides: list[str], seed: int, with_churn: bool) -> dict[str, Any]:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "labels": {"role": "syncer"}})
+    cluster = LocalCluster(head_cpus=1, head_labels={"role": "syncer"})
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     try:
         nodes = Nodes(cluster)

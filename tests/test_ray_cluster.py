@@ -1,5 +1,5 @@
-"""`diloco run --ray` on a real multi-node Ray cluster on this machine (Ray's own `Cluster` test utility:
-a head and several raylet nodes, with labels standing for regions, prices and roles).
+"""`diloco run --ray` on a real multi-node Ray cluster on this machine (Ray's own `Cluster` utility, in a
+process of its own: a head and several raylet nodes, with labels standing for regions, prices and roles).
 
 Nodes join and leave while a run trains; every test asserts on the run's end state: it completed, where
 its learners ran, and every token accounted for (trained = merged + stale + lost, none counted twice),
@@ -21,9 +21,9 @@ from typing import Callable
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import TINY, child_env, tiny_config, wait_for  # noqa: E402
+from diloco.cluster.local_nodes import LocalCluster, NodeRef  # noqa: E402
 from diloco.core.accounting import ledger_of  # noqa: E402
 from diloco.launch.chaos import account  # noqa: E402
 from test_runtime import sets  # noqa: E402
@@ -36,14 +36,14 @@ RUN = [*TINY, "learners.speeds=[0.1, 0.1]", "metrics.every_steps=1", "outer.frag
 step recorded (tokens are then accounted exactly); shards on the head node."""
 
 
-def learner_node(cluster: Cluster, region: str, price: float, cpus: int = 1):
+def learner_node(cluster: LocalCluster, region: str, price: float, cpus: int = 1) -> NodeRef:
     return cluster.add_node(num_cpus=cpus, labels={"role": "learner", "region": region,
                                                    "price_per_hour": str(price)})
 
 
 @pytest.fixture
 def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "labels": {"role": "syncer"}})
+    cluster = LocalCluster(head_cpus=2, head_labels={"role": "syncer"})
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     yield cluster
     ray.shutdown()
@@ -164,7 +164,7 @@ def test_a_region_outage_mid_run_the_others_train_on_and_the_region_comes_back(c
     def outage(launcher) -> None:
         wait_for(lambda: trained_share(launcher) > 0.2, 120, "20% of the run")
         for node in east:
-            cluster.remove_node(node, allow_graceful=False)
+            cluster.remove_node(node)
         wait_for(lambda: len(launcher.fleet.running) == 1, 60, "the region's learners counted lost")
         time.sleep(2.0)
         back["node"] = learner_node(cluster, "b", 1.0)
@@ -188,7 +188,7 @@ def test_a_shard_whose_node_dies_is_resumed_on_another_node_from_its_journal(clu
     def kill_the_shard(launcher) -> None:
         wait_for(lambda: trained_share(launcher) > 0.25, 120, "25% of the run")
         cluster.add_node(num_cpus=1, labels={"role": "shard"})  # where it can go next
-        cluster.remove_node(shard_home, allow_graceful=False)
+        cluster.remove_node(shard_home)
 
     summary, _ = run(tmp_path, "train.tokens=61440", "cluster.syncer_labels={role = 'shard'}", during=kill_the_shard)
     shards = placements(summary, "syncer")
@@ -220,3 +220,12 @@ def test_ctrl_c_stops_the_run_and_leaves_no_actor_and_no_process(cluster, tmp_pa
                 if a.get("State") == "ALIVE" and a.get("ActorClassName", "").endswith("ProcessHost")]
 
     wait_for(lambda: not ours_alive(), 30, lambda: f"no actor of the run alive: {ours_alive()}")
+
+
+def test_the_local_cluster_refuses_an_unknown_node_in_one_line_and_stays_usable(cluster):
+    with pytest.raises(RuntimeError, match="could not remove: KeyError"):
+        cluster.remove_node(NodeRef("f" * 56))
+    node = learner_node(cluster, "a", 1.0)
+    assert node.node_id in {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    cluster.remove_node(node)
+    wait_for(lambda: node.node_id not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}, 60, "the node gone")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from diloco.clock import SYSTEM_CLOCK as clock
@@ -95,8 +95,8 @@ class RayChild(Started):
             self.polled_s = clock.monotonic()
             try:
                 self.finish(ray.get(self.actor.poll.remote(), timeout=CALL_TIMEOUT_S))
-            except GetTimeoutError:
-                pass  # a busy node: ask again next time
+            except (GetTimeoutError, ActorUnavailableError):
+                pass  # a busy node, or one Ray cannot reach for now (not dead: it says so when it is)
             except RayError as exc:
                 log.warning("%s lost on node %s: %s", self.name, self.node.id[:8], type(exc).__name__)
                 self.finish(LOST)

@@ -162,11 +162,11 @@ class RayLauncher(Launcher):
     def may_vanish(self, learner: int) -> bool:
         return learner in self.fleet.vacant
 
-    def _failed(self, child: RayChild) -> bool:
+    def _failed(self, child: RayChild, code: int | None) -> bool:
         """A learner taken away with its node is a loss the run survives, not a failure (a shard's is
         one while its restarts last: `expected_down`)."""
-        lost_learner = child.name.startswith("learner") and child.returncode in GONE
-        return not lost_learner and super()._failed(child)
+        lost_learner = child.name.startswith("learner") and code in GONE
+        return not lost_learner and super()._failed(child, code)
 
     def stop(self) -> None:
         try:

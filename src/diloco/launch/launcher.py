@@ -264,13 +264,13 @@ class Launcher:
     def _check_children(self) -> None:
         """A child that failed ends the run with its name, exit code and last log lines."""
         for child in self.children.children.values():
-            if self._failed(child):
-                code = child.returncode
+            code = child.returncode  # read once: a cluster child's code is asked of its node and may change
+            if self._failed(child, code):
                 raise DilocoError(f"{child.name} exited with code {code}; its log ({child.log_path}) ends:\n"
                                   f"{child.log_tail()}")
 
-    def _failed(self, child: Child) -> bool:
-        return child.returncode not in (None, 0) and child.name not in self.expected_down
+    def _failed(self, child: Child, code: int | None) -> bool:
+        return code not in (None, 0) and child.name not in self.expected_down
 
     def _watch(self, on_progress: Callable[[Progress], None] | None) -> None:
         while True:
