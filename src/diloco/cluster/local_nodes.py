@@ -88,7 +88,8 @@ def _serve(conn: Connection, head_cpus: int, head_labels: dict[str, str]) -> Non
                 nodes[node.node_id] = node
                 reply = node.node_id
             elif op == "remove":
-                cluster.remove_node(nodes.pop(args["node_id"]), allow_graceful=False)
+                cluster.remove_node(nodes[args["node_id"]], allow_graceful=False)
+                del nodes[args["node_id"]]  # only once it is gone: a refused removal changes nothing
                 reply = None
             elif op == "shutdown":
                 cluster.shutdown()
