@@ -78,6 +78,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--checkpoints", action="store_true",
                    help="sharded, syncing: own-progress checkpoints as the built-in learner keeps them")
+    p.add_argument("--checkpoint-every", type=int, default=25,
+                   help="the longest checkpoint period in steps (failures.checkpoint_every)")
     p.add_argument("--meta-init", action="store_true",
                    help="sharded: build on the meta device, fill own rows only (client/sharded_build.py)")
     args = p.parse_args()
@@ -109,7 +111,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1000 * args.id + rank)
     replica = _Replica(optimizer, args.id)
     sharded = distributed and args.sharding != "ddp"
-    writer = ShardedWriter(args.out / f"learner-{args.id}.dcp", None, learner) \
+    writer = ShardedWriter(args.out / f"learner-{args.id}.dcp", None, learner, args.checkpoint_every) \
         if args.checkpoints and learner is not None and sharded else None
     rss_floor, step_times = 0, []
     started = time.monotonic()
@@ -154,7 +156,9 @@ def main() -> None:
               "bytes_up": report.get("bytes_up", 0), "bytes_down": report.get("bytes_down", 0),
               "merges": report.get("merges", 0), "pushes": report.get("pushes", 0),
               **({"checkpoints_written": writer.written, "checkpoints_skipped": writer.skipped,
-                  "checkpoint_copy_total_s": writer.copy_total_s} if writer is not None else {})}
+                  "checkpoint_copy_total_s": writer.copy_total_s, "checkpoint_period": writer.pacer.period,
+                  "checkpoint_cost_s": writer.pacer.cost_s, "checkpoint_cost_total_s": writer.pacer.cost_total_s}
+               if writer is not None else {})}
     module = getattr(model, "module", model)
     whole = {}
     for n, t in module.named_parameters():  # one tensor whole at a time on the ranks that do not keep it

@@ -11,14 +11,15 @@ import pytest
 import torch
 
 from diloco.client import sharded_checkpoints
-from diloco.client.checkpoints import CheckpointWriter
+from diloco.client.checkpoints import BASELINE_STEPS, CheckpointPacer, CheckpointWriter
 from diloco.client.sharded_checkpoints import ShardedWriter
 
 
 def _sharded_writer(seq: int) -> ShardedWriter:
     writer = object.__new__(ShardedWriter)  # no process group: its collective is stood in for below
     writer.learner = SimpleNamespace(core=SimpleNamespace(seq=seq))
-    writer.saved_step, writer.period = 5, 10
+    writer.pacer = CheckpointPacer(most_every=25)
+    writer.pacer.saved_step, writer.pacer.period = 5, 10
     writer.copy_s, writer.skipped, writer._thread = 0.0, 0, None
     return writer
 
@@ -43,4 +44,35 @@ def test_an_unsharded_writer_saves_at_its_period_only(tmp_path) -> None:
         if writer.maybe_save(step, 1e-9, lambda: {"steps": step}):
             saved.append(step)
         writer.wait()  # each write done before the next step: none is skipped
-    assert saved == [1, 5, 9]  # the first at once, then every `most_every` steps (steps cost ~nothing)
+    # the first once a plain step's time is known, then every `most_every` steps (steps cost ~nothing)
+    assert saved == [BASELINE_STEPS, BASELINE_STEPS + 4, BASELINE_STEPS + 8]
+
+
+def _paced(step_s_while_writing: float, copy_s: float) -> CheckpointPacer:
+    """A pacer through its first checkpoint: plain steps of 1 s, a copy of `copy_s`, then two steps written
+    beside (each taking `step_s_while_writing`), the write done at the end of the second."""
+    pacer = CheckpointPacer(most_every=1000)
+    for step in range(1, BASELINE_STEPS + 1):
+        pacer.step(1.0, writing=False)
+    assert pacer.may_be_due(BASELINE_STEPS) and pacer.due(BASELINE_STEPS, *pacer.figures())
+    pacer.saved(BASELINE_STEPS, copy_s)
+    pacer.step(step_s_while_writing, writing=True)
+    pacer.step(step_s_while_writing, writing=False)
+    return pacer
+
+
+def test_the_time_steps_lose_while_a_checkpoint_is_written_spaces_the_next():
+    pacer = _paced(step_s_while_writing=1.5, copy_s=0.01)  # a write on the cores training uses: 1 s lost
+    cost_s, step_s = pacer.figures()
+    assert cost_s == pytest.approx(1.01) and step_s == 1.0
+    assert not pacer.due(BASELINE_STEPS + 2, cost_s, step_s)
+    assert pacer.period == 101  # 1.01 s within 1% of 1 s steps
+    assert not pacer.may_be_due(BASELINE_STEPS + 100) and pacer.may_be_due(BASELINE_STEPS + 101)
+
+
+def test_a_write_that_slows_no_step_costs_its_copy_only():
+    pacer = _paced(step_s_while_writing=0.9, copy_s=0.05)  # beside a GPU's steps: none slower (one faster)
+    cost_s, step_s = pacer.figures()
+    assert cost_s == pytest.approx(0.05)  # a step faster than usual is no credit
+    pacer.due(BASELINE_STEPS + 2, cost_s, step_s)
+    assert pacer.period == 5

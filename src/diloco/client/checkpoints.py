@@ -2,10 +2,13 @@
 carried yet: `core/own_progress.py`): written off the training step, with its digest; read back only
 once it is checked.
 
-How often: as often as its measured cost allows. The training thread pays only for the copy
-(`CheckpointWriter.save`); the write runs on a background thread. The period is the fewest steps that
-keep that copy within `COST_SHARE` of step time (and at most `failures.checkpoint_every` steps), and a
-checkpoint whose predecessor is still being written is skipped, never waited for.
+How often: as often as its measured cost allows (`CheckpointPacer`). The training thread takes a copy
+(`CheckpointWriter.save`); the write runs on a background thread. A checkpoint costs that copy plus
+whatever the steps lost while it was being written: a write on cores the training shares (a learner on
+CPUs) slows its steps, one beside a GPU's steps mostly does not, so the slowdown is measured, not assumed.
+The period is the fewest steps that keep that cost within `COST_SHARE` of their time (and at most
+`failures.checkpoint_every` steps), and a checkpoint whose predecessor is still being written is
+skipped, never waited for.
 
 The file is a `state_files.py` file (torch.save plus a BLAKE2b trailer, keyed with the run's secret or
 the learner's own credential when it holds one). Reading refuses, in one line
@@ -18,7 +21,9 @@ learner from the syncer's current Θ without its own state, which is always safe
 from __future__ import annotations
 
 import math
+import statistics
 import threading
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +38,10 @@ from diloco.state_files import file_key, load_checked, save_checked
 ADVICE = "delete it to restart this learner from the current Θ without its own state"
 
 COST_SHARE = 0.01
-"""The share of step time the training thread may spend copying checkpoints."""
+"""The share of step time checkpoints may cost training."""
+
+BASELINE_STEPS = 3
+"""Steps timed with no write on its way before the first checkpoint: what a step takes without one."""
 
 
 def write_checkpoint(state: dict[str, Any], path: Path, key: bytes | None = None) -> None:
@@ -110,11 +118,64 @@ def snapshot(value: Any) -> Any:
     return value
 
 
-def checkpoint_period(copy_s: float, step_s: float, most: int) -> int:
-    """Steps between checkpoints so that copying one costs at most `COST_SHARE` of the steps between."""
+def checkpoint_period(cost_s: float, step_s: float, most: int) -> int:
+    """Steps between checkpoints so that one costing `cost_s` costs at most `COST_SHARE` of the steps between."""
     if step_s <= 0:
         return most
-    return max(1, min(most, math.ceil(copy_s / (COST_SHARE * step_s))))
+    return max(1, min(most, math.ceil(cost_s / (COST_SHARE * step_s))))
+
+
+class CheckpointPacer:
+    """When a learner's next checkpoint is due, from what the last one cost: its copy on the training thread
+    plus the time its steps lost while it was written (their time above the median step with no write on
+    its way). Fed every step (`step`); the caller agrees the figures with its other ranks, if any, before
+    it uses them (`figures`, `due`)."""
+
+    def __init__(self, most_every: int) -> None:
+        self.most_every = most_every
+        self.period = 1
+        self.saved_step: int | None = None
+        self.copy_s = 0.0
+        self.cost_s = 0.0
+        """The latest finished checkpoint's cost (0 until one has finished)."""
+        self.cost_total_s = 0.0
+        """Every finished checkpoint's cost, summed."""
+        self._plain: deque[float] = deque(maxlen=32)
+        self._lost_s: float | None = None
+        """While a write is on its way: the time its steps lost so far."""
+
+    def step(self, step_s: float, writing: bool) -> None:
+        """One inner step took `step_s`; `writing`: this process's write is still on its way at its end."""
+        if self._lost_s is None:
+            self._plain.append(step_s)
+            return
+        self._lost_s += step_s - self.plain_step_s()
+        if not writing:
+            self.cost_s, self._lost_s = self.copy_s + max(0.0, self._lost_s), None
+            self.cost_total_s += self.cost_s
+
+    def plain_step_s(self) -> float:
+        return statistics.median(self._plain) if self._plain else 0.0
+
+    def may_be_due(self, step: int) -> bool:
+        """Worth asking (and agreeing) whether a checkpoint is due at `step`: its period is up, or the first
+        one's step time is known."""
+        if self.saved_step is None:
+            return len(self._plain) >= BASELINE_STEPS
+        return step - self.saved_step >= self.period
+
+    def figures(self) -> tuple[float, float]:
+        """The cost of the latest checkpoint and the plain step time (what ranks agree on, by maximum)."""
+        return self.cost_s, self.plain_step_s()
+
+    def due(self, step: int, cost_s: float, step_s: float) -> bool:
+        """With no write on its way anywhere: the period those (agreed) figures give, and whether `step` is past it."""
+        if self.saved_step is not None:
+            self.period = checkpoint_period(cost_s, step_s, self.most_every)
+        return self.saved_step is None or step - self.saved_step >= self.period
+
+    def saved(self, step: int, copy_s: float) -> None:
+        self.saved_step, self.copy_s, self._lost_s = step, copy_s, 0.0
 
 
 class CheckpointWriter:
@@ -122,7 +183,8 @@ class CheckpointWriter:
     takes a copy, then trains on while it reaches the disk. `most_every`: the longest period in steps."""
 
     def __init__(self, path: Path, key: bytes | None = None, most_every: int = 25) -> None:
-        self.path, self.key, self.most_every = path, key, most_every
+        self.path, self.key = path, key
+        self.pacer = CheckpointPacer(most_every)
         self._thread: threading.Thread | None = None
         self.copy_s = 0.0
         """The latest copy's time on the training thread."""
@@ -130,23 +192,25 @@ class CheckpointWriter:
         """Every copy's time on the training thread, summed."""
         self.write_s = 0.0
         """The latest write's time on the background thread."""
-        self.saved_step: int | None = None
         self.written = self.skipped = 0
 
-    def period(self, step_s: float) -> int:
-        return 1 if self.saved_step is None else checkpoint_period(self.copy_s, step_s, self.most_every)
-
     def maybe_save(self, step: int, step_s: float, state: Callable[[], dict[str, Any]]) -> bool:
-        """At the end of inner step `step` (steps take `step_s`): save `state()` if one is due and the
+        """At the end of inner step `step` (which took `step_s`): save `state()` if one is due and the
         previous write is done (pushes never make one due: `core/own_progress.py`). True if it saved."""
-        if self.saved_step is not None and step - self.saved_step < self.period(step_s):
+        self.pacer.step(step_s, self._writing())
+        if not self.pacer.may_be_due(step):
             return False
-        if self._thread is not None and self._thread.is_alive():
+        if self._writing():
             self.skipped += 1
             return False
+        if not self.pacer.due(step, *self.pacer.figures()):
+            return False
         self.save(state)
-        self.saved_step = step
+        self.pacer.saved(step, self.copy_s)
         return True
+
+    def _writing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def save(self, state: Callable[[], dict[str, Any]], wait: bool = False) -> None:
         self.wait()  # one write at a time, in order

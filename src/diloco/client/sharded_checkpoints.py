@@ -36,7 +36,7 @@ from torch import nn
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.client.collective_bound import BOUND, floor_s
 from diloco.client.checkpoint_staging import KeptStaging
-from diloco.client.checkpoints import ADVICE, check_checkpoint, checkpoint_period, write_checkpoint
+from diloco.client.checkpoints import ADVICE, CheckpointPacer, check_checkpoint, write_checkpoint
 from diloco.client.sharded_progress import joined_progress, progress_target, split_progress
 from diloco.errors import DilocoError
 from diloco.state_files import load_checked
@@ -248,15 +248,16 @@ class ShardedWriter:
     """The built-in learner's checkpoints when its model is sharded: every rank writes its rows (`every_rank`),
     at the same steps as the others, off the training step. As `checkpoints.CheckpointWriter`: at most one
     write at a time (a due checkpoint is skipped while one is on its way), the period the fewest steps
-    that keep the training thread's share within `COST_SHARE` (pushes never make one due:
-    `core/own_progress.py`). Every rank decides alike: from the step and the costs the ranks agree on at
-    each checkpoint."""
+    that keep a checkpoint's measured cost within `COST_SHARE` (pushes never make one due:
+    `core/own_progress.py`). Every rank decides alike: from the step and the figures the ranks agree on
+    (by maximum) whenever one may be due."""
 
     every_rank = True
 
     def __init__(self, folder: Path, key: bytes | None = None, learner: Any = None, most_every: int = 25) -> None:
         """`learner`: the `Learner` whose own progress each checkpoint keeps (None: none)."""
-        self.folder, self.key, self.learner, self.most_every = folder, key, learner, most_every
+        self.folder, self.key, self.learner = folder, key, learner
+        self.pacer = CheckpointPacer(most_every)
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=floor_s()))
         self.stager = KeptStaging()
         box = [_next_slot(folder, key)]
@@ -265,20 +266,22 @@ class ShardedWriter:
         self._thread: threading.Thread | None = None
         self.copy_s = self.copy_total_s = self.write_s = 0.0
         self.written = self.skipped = 0
-        self.saved_step: int | None = None
-        self.period = 1
 
     def maybe_save(self, model: nn.Module, replica: Any, step_s: float) -> bool:
-        """At the end of a step (every rank): save if one is due and every rank's last write is done."""
-        if self.saved_step is not None and replica.steps - self.saved_step < self.period:
+        """At the end of a step that took `step_s` (every rank): save if one is due and every rank's last
+        write is done."""
+        self.pacer.step(step_s, self._writing())
+        if not self.pacer.may_be_due(replica.steps):
             return False
-        shared = torch.tensor([float(self._writing()), self.copy_s, step_s], dtype=torch.float64)
+        shared = torch.tensor([float(self._writing()), *self.pacer.figures()], dtype=torch.float64)
         dist.all_reduce(shared, op=dist.ReduceOp.MAX)
         if shared[0]:
             self.skipped += 1
             return False
-        self.period = checkpoint_period(float(shared[1]), float(shared[2]), self.most_every)
+        if not self.pacer.due(replica.steps, float(shared[1]), float(shared[2])):
+            return False
         self.save(model, replica)
+        self.pacer.saved(replica.steps, self.copy_s)
         return True
 
     def save(self, model: nn.Module, replica: Any, wait: bool = False) -> None:
@@ -290,7 +293,6 @@ class ShardedWriter:
                             replica.sampler.state_dict(), self.key, progress, self.group, self.stager)
         self.copy_s = clock.monotonic() - began
         self.copy_total_s += self.copy_s
-        self.saved_step = replica.steps
         self.slot = SLOTS[1] if self.slot == SLOTS[0] else SLOTS[0]
         self._thread = threading.Thread(target=self._finish, args=(finish,), name="learner-checkpoint", daemon=True)
         self._thread.start()
