@@ -10,7 +10,7 @@ from conftest import tiny_config
 from diloco.clock import ManualClock
 from diloco.core import Push, SyncerCore, Timer
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
-                                SyncerResumed, TimerFired)
+                                StreamLost, SyncerResumed, TimerFired)
 from diloco.core.liveness import Liveness
 from diloco.core.messages import Progress
 from diloco.core.recovery import restore_plan
@@ -62,6 +62,33 @@ def test_a_silent_learner_is_dead_once_its_allowance_has_passed_and_alive_again_
     assert timers(actions) == [pytest.approx(4.95 + 5 * 3.95)]
     syncer.handle(beat(0), 7.0)  # a partition healed: it counts again, with its anchors as they were
     assert syncer.alive == {0, 1} and syncer.lost == set()
+
+
+def test_a_learner_whose_connection_ended_is_dead_at_once_and_counts_again_when_it_speaks():
+    syncer = core(quorum=1)
+    for m in (0, 1):
+        syncer.handle(beat(m), 0.0)
+    actions = syncer.handle(StreamLost(1), 0.5)  # killed: its connection ends long before 5 s of silence
+    (found,) = [a for a in actions if isinstance(a, LearnerDead)]
+    assert found.learner == 1 and found.connection_lost and syncer.alive == {0} and syncer.lost == {1}
+    syncer.handle(PushArrived(Push(0, 0, 0, 1, {"w": torch.ones(2)}, 10, 1)), 1.0)
+    assert syncer.fragments[0].version == 1  # nobody else is waited for, and the round is all of the fleet
+    syncer.handle(beat(1), 2.0)  # restarted (or its link came back): it counts again
+    assert syncer.alive == {0, 1} and syncer.lost == set()
+
+
+@pytest.mark.parametrize("gone", ["left", "lost", "never joined"])
+def test_a_connection_ending_for_a_learner_not_alive_changes_nothing(gone):
+    syncer = core()
+    syncer.handle(beat(0), 0.0)
+    if gone == "left":
+        syncer.handle(LearnerLeft(1, finished=True), 0.5)
+    elif gone == "lost":
+        syncer.handle(StreamLost(1), 0.5)
+    before = (set(syncer.alive), set(syncer.lost), dict(syncer.liveness.heard))
+    learner = 7 if gone == "never joined" else 1
+    assert not dead(syncer.handle(StreamLost(learner), 1.0))
+    assert (set(syncer.alive), set(syncer.lost), dict(syncer.liveness.heard)) == before
 
 
 def test_the_allowance_follows_a_learner_that_beats_slowly():
@@ -142,7 +169,7 @@ def test_every_event_survives_the_journal_as_it_was():
                            tensors=[tensor_header(n, e) for n, e in encoded.items()])
     events = [ProgressArrived(Progress(1, 5, 320, 0.05, (0.2, 1.5))), beat(2, tokens=64), TimerFired(),
               LearnerLeft(1, finished=True), LearnerRejoined(2, 7, (0,)), LearnerRejoined(2, 7, None),
-              SyncerResumed()]
+              SyncerResumed(), StreamLost(3)]
     for event in events:
         assert decode_event(*encode_event(event, 42.25)) == (event, 42.25)
     got, now = decode_event(*encode_event(PushArrived(push), 42.25, push_payload(header, encoded)))
@@ -173,6 +200,25 @@ def test_the_real_shard_finds_a_silent_learner_dead_on_its_clock_without_waiting
     assert shard.snapshot()["learners"]["1"]["state"] == "lost"
 
 
+def test_the_real_shard_finds_a_learner_dead_when_its_newest_update_stream_ends_without_a_goodbye():
+    clock = ManualClock()
+    shard = SyncerShard(tiny_config("learners.count=2"), ShardPlan(0, 1, ("",)), clock=clock)
+    with shard.lock:
+        shard.core = shard._make_core({"w": torch.zeros(2)}, FRAGMENT, set())
+        shard.joined |= {0, 1}
+        for m in (0, 1):
+            shard.apply(beat(m), clock.now())
+        shard.streams.update({0: 2, 1: 1})
+    shard._stream_ended(0, 1)  # a stream its newer one retired: the learner reconnected, nothing is said
+    assert shard.lost == set()
+    with shard.lock:
+        shard.apply(LearnerLeft(1, finished=True), clock.now())
+    shard._stream_ended(1, 1)  # it said goodbye first
+    assert shard.lost == set() and shard.core.alive == {0}
+    shard._stream_ended(0, 2)  # killed: its newest stream ended
+    assert shard.lost == {0} and shard.core.alive == set()
+
+
 def test_the_shard_waker_thread_fires_the_cores_timers_on_an_injected_clock():
     clock = ManualClock()
     fired = []
@@ -195,10 +241,12 @@ def test_the_shard_waker_thread_fires_the_cores_timers_on_an_injected_clock():
         waker.stop()
 
 
-@pytest.mark.integration  # a whole training run in the simulator
-def test_the_simulator_finds_a_crashed_learner_dead_a_detect_s_after_its_last_word():
-    crash = "failures.crashes=[{learner = 1, at_s = 2.0}]"
-    sim = Simulation(tiny_config("strategy=diloco", "outer.H=4", crash, "failures.detect_s=1.5",
+@pytest.mark.integration  # whole training runs in the simulator
+@pytest.mark.parametrize("fault", ["crash", "outage"])
+def test_the_simulator_finds_a_crashed_learner_dead_at_once_and_a_silent_one_a_detect_s_after_its_last_word(fault):
+    plan = ("failures.crashes=[{learner = 1, at_s = 2.0}]" if fault == "crash"
+            else "failures.outages=[{learner = 1, at_s = 2.0, duration_s = 1000}]")
+    sim = Simulation(tiny_config("strategy=diloco", "outer.H=4", plan, "failures.detect_s=1.5",
                                  "failures.recovery_s=1000", "train.tokens=10240"))
     deaths = []
     original = sim._handle
@@ -210,4 +258,8 @@ def test_the_simulator_finds_a_crashed_learner_dead_a_detect_s_after_its_last_wo
     sim._handle = spy
     sim.run()
     (at, learner), = deaths
-    assert learner == 1 and 2.0 + 1.5 - 1.0 <= at <= 2.0 + 1.5 + 1e-9  # its last heartbeat came at most 1 s before
+    assert learner == 1
+    if fault == "crash":  # its connection ends with it: one trip later
+        assert 2.0 <= at <= 2.0 + 0.5
+    else:  # its link is cut: nothing ends, silence tells (its last heartbeat came at most 1 s before)
+        assert 2.0 + 1.5 - 1.0 <= at <= 2.0 + 1.5 + 1e-9

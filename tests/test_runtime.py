@@ -184,15 +184,20 @@ def test_separate_syncer_shards_and_torchrun_learners_on_loopback(tmp_path):
     finally:
         for proc in procs:
             proc.kill()
+    merged = {"0": 0, "1": 0}
     for i in range(2):
         report = json.loads((tmp_path / "syncer" / f"shard-{i}.json").read_text())
         assert report["finished"] and report["rounds"]
         assert set(report["ledger"]) == {"0", "1"}
-    # Every learner pushed; answers were merged. Not every learner must have merged one: under load one
-    # torchrun may start so late that the other has trained most of the budget by then.
+        for m, entry in report["ledger"].items():
+            merged[m] += sum(entry["merged"].values()) + sum(entry["stale"].values())
+    # Every learner pushed, and each shard merged what both pushed of its fragments. Whether a learner
+    # merged an answer before it finished is timing, not correctness: this tiny model trains its share in
+    # well under a second, and under load one torchrun may start so late that the other has trained most
+    # of the budget (and left) by then (seen in CI: both learners ended with 0 merges, every push merged).
     learners = [json.loads((tmp_path / "learners" / f"learner-{m}.json").read_text()) for m in range(2)]
     assert all(report["pushes"] > 0 for report in learners)
-    assert sum(report["merges"] for report in learners) > 0
+    assert all(merged[str(m)] > 0 for m in range(2)), merged
 
 
 # ---------------------------------------------------------------- bad input

@@ -15,7 +15,7 @@ from rich.console import Console
 from diloco import __version__
 from diloco.config import load_config
 from diloco.console import learners_table, print_table, progress_bars, results_table, show_outputs
-from diloco.errors import DilocoError
+from diloco.errors import DilocoError, print_error
 from diloco.goodput.goodput_cli import add_arguments as add_goodput_arguments
 from diloco.outputs import output_folder, write_output, writing
 from diloco.plan.plan_cli import add_arguments as add_plan_arguments
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except DilocoError as exc:
         if args.verbose:
             traceback.print_exc()
-        print(f"diloco: error: {exc}", file=sys.stderr)
+        print_error(exc)
         return 2
     except OSError as exc:  # a file or folder the system refused: the path and why; other errors are bugs
         if args.verbose:

@@ -59,6 +59,11 @@ def finish_distributed(failed: bool = False) -> None:
         dist.destroy_process_group()
 
 
+def dist_world() -> int:
+    """Ranks in this learner's torchrun process group (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def init_distributed() -> bool:
     """Join the torchrun process group of this learner, when there is one."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():

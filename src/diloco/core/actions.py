@@ -46,12 +46,15 @@ class Stop:
 
 @dataclass(frozen=True)
 class LearnerDead:
-    """A learner was silent past its allowance (`liveness.py`): rounds no longer count on it."""
+    """A learner was silent past its allowance (`liveness.py`), or its connection ended without a goodbye:
+    rounds no longer count on it."""
 
     learner: int
     silent_s: float
     joined: bool
     """False: it was never heard from at all."""
+    connection_lost: bool = False
+    """Found dead by its connection ending (`events.StreamLost`), not by its silence."""
 
 
 @dataclass(frozen=True)

@@ -95,18 +95,28 @@ class StreamOpened:
 
 
 @dataclass(frozen=True)
+class StreamLost:
+    """`learner`'s update stream ended without its goodbye while it was its newest: its process died or its
+    connection broke. It counts as dead now rather than after its allowance of silence (`liveness.py`),
+    so that rounds stop waiting for it and their shares stop counting it; if it speaks again, it counts
+    again. Not a sign of life: nothing of the learner arrived."""
+
+    learner: int
+
+
+@dataclass(frozen=True)
 class SyncerResumed:
     """The syncer restarted from its saved state: every learner gets a fresh allowance of silence,
     since none could reach it while it was down."""
 
 
 SyncerEvent = Union[PushArrived, PushesArrived, ProgressArrived, HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
-                    AnswerTaken, StreamOpened, SyncerResumed]
+                    AnswerTaken, StreamOpened, StreamLost, SyncerResumed]
 
 
 def sender(event: SyncerEvent) -> int | None:
     """The learner an event came from, if any (an answer taken comes from the driver)."""
-    if isinstance(event, (AnswerTaken, PushesArrived)):  # a group is heard from push by push
+    if isinstance(event, (AnswerTaken, PushesArrived, StreamLost)):  # a group is heard from push by push
         return None
     if isinstance(event, PushArrived):
         return event.push.learner

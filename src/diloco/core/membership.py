@@ -153,6 +153,15 @@ class Membership:
             self.lost.add(m)
         return dead
 
+    def lose(self, learner: int) -> bool:
+        """Its connection ended without a goodbye: lost now, as if silent past its allowance. True if it was
+        alive (a learner already lost, gone or never joined changes nothing)."""
+        if learner not in self.alive or learner in self.lost:
+            return False
+        self.undo.keep_member(self.lost, learner)
+        self.lost.add(learner)
+        return True
+
     def next_check(self) -> Timer | None:
         """A Timer for the next liveness check, unless one as early is already asked for."""
         due = self.liveness.next_check(self.alive)

@@ -60,7 +60,8 @@ from diloco.core.checks import Admission
 from diloco.core.claims import MAX_SEQ_JUMP, MAX_TOKENS_PER_STEP
 from diloco.core.closing import all_finite
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived, PushArrived,
-                                PushesArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired, sender)
+                                PushesArrived, StreamLost, StreamOpened, SyncerEvent, SyncerResumed, TimerFired,
+                                sender)
 from diloco.core.membership import Membership
 from diloco.core.merging import Merging
 from diloco.core.parts import Of
@@ -296,13 +297,21 @@ class SyncerCore:
     def _on_stream_opened(self, event: StreamOpened, now: float) -> list[Action]:
         return self.merging.answering.answers_lost(event.learner, event.holds, self.fragments, self.theta)
 
+    def _on_stream_lost(self, event: StreamLost, now: float) -> list[Action]:
+        """Found dead by its connection ending: what its silence would have told later (`events.StreamLost`)."""
+        m = event.learner
+        if not self.membership.lose(m):
+            return []
+        return [LearnerDead(m, self.liveness.silence(m, now), True, connection_lost=True), *self.leave(m, now)]
+
     def _on_resumed(self, event: SyncerResumed, now: float) -> list[Action]:
         self.membership.resumed(now)
         return []
 
     _dispatch = {PushArrived: _on_push_event, PushesArrived: _on_pushes, ProgressArrived: _on_progress_event, HeartbeatArrived: _on_heartbeat,
                  TimerFired: _on_timer_event, LearnerLeft: _on_leave, LearnerRejoined: _on_rejoin,
-                 AnswerTaken: _on_answer_taken, StreamOpened: _on_stream_opened, SyncerResumed: _on_resumed}
+                 AnswerTaken: _on_answer_taken, StreamOpened: _on_stream_opened, StreamLost: _on_stream_lost,
+                 SyncerResumed: _on_resumed}
 
     # ------------------------------------------------------------ moves decided elsewhere
 

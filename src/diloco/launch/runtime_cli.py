@@ -7,9 +7,11 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +21,7 @@ from rich.console import Console
 from diloco.config import Config, load_config
 from diloco.config.learners_section import FRAMEWORKS
 from diloco.console import learners_table, print_table, progress_bars, results_table, show_outputs
-from diloco.errors import DilocoError
+from diloco.errors import DilocoError, print_error
 from diloco.outputs import output_folder, write_output
 from diloco.launch.ignored_keys import warn_ignored
 from diloco.status.endpoint import HttpExposure, credentials_for
@@ -287,7 +289,7 @@ def add_learner_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_learner(args: argparse.Namespace, console: Console) -> int:
-    from diloco.client.builtin_loop import finish_distributed, init_distributed, run_learner
+    from diloco.client.builtin_loop import dist_world, finish_distributed, init_distributed, run_learner
     from diloco.launch.processes import die_with_parent
 
     die_with_parent()
@@ -314,6 +316,14 @@ def cmd_learner(args: argparse.Namespace, console: Console) -> int:
                              emulate_link=args.emulate_link, stop=stop, connect_timeout_s=args.connect_timeout,
                              metrics_port=args.metrics_port, metrics_port_file=args.metrics_port_file,
                              security=security, metrics_http=http)
+    except DilocoError as exc:
+        if dist_world() > 1:  # a rank may be gone mid-collective: the group cannot be torn down safely
+            if args.verbose:
+                traceback.print_exc()
+            print_error(exc)  # gloo's threads can abort the teardown (SIGABRT instead of this line's exit 2)
+            os._exit(2)
+        finish_distributed(failed=True)
+        raise
     except BaseException:
         finish_distributed(failed=True)
         raise

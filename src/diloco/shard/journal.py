@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
-                                PushArrived, PushesArrived, StreamOpened, SyncerEvent, SyncerResumed, TimerFired)
+                                PushArrived, PushesArrived, StreamLost, StreamOpened, SyncerEvent, SyncerResumed,
+                                TimerFired)
 from diloco.core.messages import Progress
 from diloco.errors import DilocoError
 from diloco.transport.frames import read_message
@@ -243,7 +244,7 @@ def _next_header(view: memoryview, start: int) -> int | None:
 NOW = struct.Struct("<d")
 GROUP_LENGTH = struct.Struct("<Q")
 PLAIN_EVENTS = {cls.__name__: cls for cls in (HeartbeatArrived, TimerFired, LearnerLeft, LearnerRejoined,
-                                              AnswerTaken, StreamOpened, SyncerResumed)}
+                                              AnswerTaken, StreamOpened, StreamLost, SyncerResumed)}
 QUIET_EVENTS = (ProgressArrived, HeartbeatArrived)
 """Events that need not be on disk before they are answered: the next event that is (every event that
 decides something) makes them durable too, being later in the same file."""

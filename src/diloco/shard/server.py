@@ -14,7 +14,7 @@ import grpc
 
 from diloco.core.checks import theta_problem
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
-                                PushArrived, StreamOpened, SyncerEvent)
+                                PushArrived, StreamLost, StreamOpened, SyncerEvent)
 from diloco.core.messages import Push, Update
 from diloco.core.syncer_core import Action, ProtocolError, Publish, SendState, SendUpdate, SyncerCore
 from diloco.shard import serving
@@ -241,7 +241,12 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
         def open_() -> bool:
             return context.is_active() and not self._stopping and self.streams.get(learner) == stream_id
         taken: list[Slot] = []
-        context.add_callback(lambda: taken and taken[-1].release())  # the RPC ended mid-answer
+
+        def ended() -> None:
+            if taken:
+                taken[-1].release()  # the RPC ended mid-answer
+            self._stream_ended(learner, stream_id)
+        context.add_callback(ended)
         while open_():
             try:
                 notice = outbox.get(timeout=OUTBOX_POLL_S)
@@ -257,6 +262,19 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
             finally:
                 slot.release()
                 frames = []  # a stream waiting for its next notice keeps nothing of the last answer alive
+
+    def _stream_ended(self, learner: int, stream_id: int) -> None:
+        """The learner's newest update stream ended and it has not said goodbye: its process died or its
+        connection broke (`StreamLost`). A stream a newer one retired, or one ended by this shard stopping,
+        says nothing of the learner."""
+        with self.lock:
+            if self._stopping or self.streams.get(learner) != stream_id or self.core is None \
+                    or learner not in self.joined or learner in self.left:
+                return
+            try:
+                self.apply(StreamLost(learner), self.clock.now())
+            except (ProtocolError, JournalError) as exc:
+                log.warning("learner %d's update stream ended: %s", learner, exc)
 
     def _whole_answer(self, learner: int, notice: Update, slot: Slot, context: grpc.ServicerContext
                       ) -> list[pb.Frame]:

@@ -185,8 +185,12 @@ class ShardState:
             elif isinstance(action, Timer):
                 self.waker.wake_at(action.at)
             elif isinstance(action, LearnerDead) and not self._replaying:
-                log.warning("learner %d %s for %.1f s: rounds stop counting on it", action.learner,
-                            "silent" if action.joined else "never joined,", action.silent_s)
+                if action.connection_lost:
+                    log.warning("learner %d's connection ended without a goodbye: rounds stop counting on it",
+                                action.learner)
+                else:
+                    log.warning("learner %d %s for %.1f s: rounds stop counting on it", action.learner,
+                                "silent" if action.joined else "never joined,", action.silent_s)
             elif isinstance(action, Stop):
                 self.stop_said = True
                 if not self._replaying:

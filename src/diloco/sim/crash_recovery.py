@@ -9,7 +9,7 @@ import copy
 
 import torch
 
-from diloco.core.events import LearnerRejoined
+from diloco.core.events import LearnerRejoined, StreamLost
 from diloco.core.own_progress import export_progress, resume_progress
 from diloco.core.recovery import restore_plan
 from diloco.sim.learners import Checkpoint, SimLearner
@@ -31,8 +31,8 @@ class CrashRecovery(SimState):
 
     def _on_crash(self, event: Crash) -> None:
         """The process dies: its step in progress and its unpushed progress are gone. The syncer finds
-        out from its silence (`core/liveness.py`), as it would for real. One already down when its region
-        goes down is back no earlier than the region."""
+        out as it would for real: its connection ends (`StreamLost`, one trip later), as a killed process's
+        does. One already down when its region goes down is back no earlier than the region."""
         learner = self.learners[event.learner]
         if learner.finished:
             return
@@ -52,6 +52,8 @@ class CrashRecovery(SimState):
                 learner.lost_tokens[p] += tokens
             learner.core = None
         self._gradients_in.pop(learner.index, None)
+        if self.syncer is not None:
+            self.queue.schedule(learner.link.up.signal(self.now), self._to_syncer(learner, StreamLost(learner.index)))
         self._recover_at(learner, back_at)
 
     def _recover_at(self, learner: SimLearner, at: float) -> None:
