@@ -24,9 +24,10 @@ this process (or its own process: --syncer-process). Parts, all in one invocatio
   checkpoint  the synced W = 2 FSDP learner with its own-progress checkpoints on (as the built-in learner
           keeps them: DCP async_save every rank at its cost-derived period; pushes go at once) and off,
           --repeats runs each taking turns: tokens/s of the medians and
-          checkpoint_cost_fraction = 1 − on / off, target ≤ 0.01 (issue 31); with each run's measured cost
-          of one checkpoint and the period it gave. --checkpoint-every: the longest period
-          (failures.checkpoint_every, default 25); where it binds, a checkpoint costs more than 1%.
+          checkpoint_cost_fraction = 1 − on / off, target ≤ 0.01 (issue 31); with each run's period (from
+          the copy) and the cost of its checkpoints as the learner measured them (the copy plus what the
+          steps lost while the write ran beside them) over its training time. --checkpoint-every: the
+          longest period (failures.checkpoint_every, default 25).
   equal   2 learners of 2 ranks each, FSDP against DDP, synchronous DiLoCo, Decoupled DiLoCo, and Decoupled
           DiLoCo with quorum = all learners (round membership not left to timing): the final Θ's loss on
           held-out batches; target |relative difference| ≤ 1e-3; and DDP against DDP again in the same

@@ -2,13 +2,11 @@
 carried yet: `core/own_progress.py`): written off the training step, with its digest; read back only
 once it is checked.
 
-How often: as often as its measured cost allows (`CheckpointPacer`). The training thread takes a copy
-(`CheckpointWriter.save`); the write runs on a background thread. A checkpoint costs that copy plus
-whatever the steps lost while it was being written: a write on cores the training shares (a learner on
-CPUs) slows its steps, one beside a GPU's steps mostly does not, so the slowdown is measured, not assumed.
-The period is the fewest steps that keep that cost within `COST_SHARE` of their time (and at most
-`failures.checkpoint_every` steps), and a checkpoint whose predecessor is still being written is
-skipped, never waited for.
+How often: the training thread takes a copy (`CheckpointWriter.save`); the write runs on a background
+thread. The period is the fewest steps that keep that copy within `COST_SHARE` of their time (and at
+most `failures.checkpoint_every` steps), and a checkpoint whose predecessor is still being written is
+skipped, never waited for. What a checkpoint costs in all, the copy plus the time steps lose while the
+write runs beside them, is measured and reported (`CheckpointPacer`).
 
 The file is a `state_files.py` file (torch.save plus a BLAKE2b trailer, keyed with the run's secret or
 the learner's own credential when it holds one). Reading refuses, in one line
@@ -118,18 +116,22 @@ def snapshot(value: Any) -> Any:
     return value
 
 
-def checkpoint_period(cost_s: float, step_s: float, most: int) -> int:
-    """Steps between checkpoints so that one costing `cost_s` costs at most `COST_SHARE` of the steps between."""
+def checkpoint_period(copy_s: float, step_s: float, most: int) -> int:
+    """Steps between checkpoints so that copying one costs at most `COST_SHARE` of the steps between."""
     if step_s <= 0:
         return most
-    return max(1, min(most, math.ceil(cost_s / (COST_SHARE * step_s))))
+    return max(1, min(most, math.ceil(copy_s / (COST_SHARE * step_s))))
 
 
 class CheckpointPacer:
-    """When a learner's next checkpoint is due, from what the last one cost: its copy on the training thread
-    plus the time its steps lost while it was written (their time above the median step with no write on
-    its way). Fed every step (`step`); the caller agrees the figures with its other ranks, if any, before
-    it uses them (`figures`, `due`)."""
+    """When a learner's next checkpoint is due: the period that keeps the copy on the training thread within
+    `COST_SHARE` of the median step taken with no write on its way. It also measures what each checkpoint
+    cost in all (`cost_s`): the copy plus the time the steps lost while it was written (their time above
+    that median), which the learner reports. The period does not count that slowdown: on a GPU it is
+    about nothing, and on CPUs shared with other processes it is mostly their noise; counted, it spaced
+    the chaos runs' checkpoints to the 25-step bound and tripled the work a kill loses (docs/runtime.md).
+    Fed every step (`step`); the caller agrees the figures with its other ranks, if any, before it uses
+    them (`figures`, `due`)."""
 
     def __init__(self, most_every: int) -> None:
         self.most_every = most_every
@@ -165,13 +167,13 @@ class CheckpointPacer:
         return step - self.saved_step >= self.period
 
     def figures(self) -> tuple[float, float]:
-        """The cost of the latest checkpoint and the plain step time (what ranks agree on, by maximum)."""
-        return self.cost_s, self.plain_step_s()
+        """The latest copy's time and the plain step time (what ranks agree on, by maximum)."""
+        return self.copy_s, self.plain_step_s()
 
-    def due(self, step: int, cost_s: float, step_s: float) -> bool:
+    def due(self, step: int, copy_s: float, step_s: float) -> bool:
         """With no write on its way anywhere: the period those (agreed) figures give, and whether `step` is past it."""
         if self.saved_step is not None:
-            self.period = checkpoint_period(cost_s, step_s, self.most_every)
+            self.period = checkpoint_period(copy_s, step_s, self.most_every)
         return self.saved_step is None or step - self.saved_step >= self.period
 
     def saved(self, step: int, copy_s: float) -> None:
