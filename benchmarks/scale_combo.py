@@ -126,7 +126,8 @@ class Run:
                     "warmup_s": self.args.warmup,
                     "go_file": str(self.work / "go"), "ready_file": str(self.work / f"ready-{m}"),
                     "stop_file": str(self.work / "stop"), "progress_file": str(self.work / f"progress-{m}"),
-                    "report_file": str(self.work / f"report-{m}.json")}
+                    "report_file": str(self.work / f"report-{m}.json"),
+                    "release_file": str(self.work / "release")}
             path = self.work / f"learner-{m}.json"
             path.write_text(json.dumps(spec))
             self.learner_procs.append(self.procs.start(
@@ -198,6 +199,7 @@ class Run:
                                      "report": json.loads(status.report_json)})
                 except Exception as exc:  # noqa: BLE001 — the figures stand without it
                     statuses.append({"error": str(exc)})
+        (self.work / "release").write_text("read\n")  # the learners may disconnect now
         return {"window": (w0, w1), "reports": reports, "statuses": statuses,
                 "cpu_s": [b - a for a, b in zip(cpu0, cpu1)], "join": self.join()}
 

@@ -21,6 +21,8 @@ from children import PARENT_ENV  # benchmarks/children.py
 from scale_model import (DRAIN_S, HEARTBEAT_S, PR_SET_PDEATHSIG, PUSH_BOUND_S, STARTUP_S, STEPS_PER_PUSH,
                          STEP_TIME_S)
 
+RELEASE_BOUND_S = 300.0
+"""The longest a worker stays connected after its report, waiting for the parent to have read Status."""
 
 
 def die_with_parent() -> None:
@@ -245,4 +247,7 @@ def worker(spec_path: str) -> None:
     tmp = Path(spec["report_file"] + ".tmp")
     tmp.write_text(json.dumps(report))
     tmp.rename(spec["report_file"])
+    release, until = Path(spec["release_file"]), time.monotonic() + RELEASE_BOUND_S
+    while not release.is_file() and time.monotonic() < until:  # connected until the shards' Status is read:
+        time.sleep(0.05)  # a learner whose connection ends without a goodbye counts dead at once
     os._exit(0)  # no waiting on gRPC's teardown or the update streams
