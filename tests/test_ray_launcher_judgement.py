@@ -29,10 +29,12 @@ class RemoteChild:
         return "its last line"
 
 
-def launcher_with(*children: RemoteChild, expected_down: set[str] | None = None) -> RayLauncher:
+def launcher_with(*children: RemoteChild, expected_down: set[str] | None = None, seen: bool = True) -> RayLauncher:
+    """`seen`: `_tend` has already looked at the children's ends (and restarted or replaced what it could)."""
     launcher = RayLauncher.__new__(RayLauncher)  # no cluster: only the judgement is under test
     launcher.children = SimpleNamespace(children={c.name: c for c in children})
     launcher.expected_down = expected_down or set()
+    launcher.handled = {id(c) for c in children} if seen else set()
     return launcher
 
 
@@ -49,3 +51,7 @@ def test_a_learner_that_fails_or_a_shard_that_is_lost_ends_the_run_with_its_log(
     with pytest.raises(DilocoError, match=f"syncer-0 exited with code {LOST}"):
         launcher_with(RemoteChild("syncer-0", [LOST, LOST]))._check_children()
     launcher_with(RemoteChild("syncer-0", [LOST]), expected_down={"syncer-0"})._check_children()  # restarting
+
+
+def test_a_shard_lost_after_tend_looked_is_left_to_tend_not_ended_on() -> None:
+    launcher_with(RemoteChild("syncer-0", [LOST]), seen=False)._check_children()  # `_tend` restarts it next turn

@@ -164,7 +164,11 @@ class RayLauncher(Launcher):
 
     def _failed(self, child: RayChild, code: int | None) -> bool:
         """A learner taken away with its node is a loss the run survives, not a failure (a shard's is
-        one while its restarts last: `expected_down`)."""
+        one while its restarts last: `expected_down`). An ending `_tend` has not seen yet is judged there
+        first, next turn: a code can appear between its look and this one (a shard found lost here ended
+        the run before `_tend` could restart it)."""
+        if code is not None and id(child) not in self.handled:
+            return False
         lost_learner = child.name.startswith("learner") and code in GONE
         return not lost_learner and super()._failed(child, code)
 
