@@ -77,6 +77,23 @@ def test_a_learner_whose_connection_ended_is_dead_at_once_and_counts_again_when_
     assert syncer.alive == {0, 1} and syncer.lost == set()
 
 
+def test_a_push_that_arrives_after_its_learners_connection_ended_is_merged_but_does_not_revive_it():
+    """A killed learner's last push can land after its connection's end was seen: it carries work done
+    before the kill, not a sign of life, so rounds do not wait for that learner again until it beats."""
+    syncer = core(quorum=None)
+    for m in (0, 1):
+        syncer.handle(beat(m), 0.0)
+    syncer.handle(StreamLost(1), 0.5)
+    syncer.handle(PushArrived(Push(1, 0, 0, 1, {"w": torch.ones(2)}, 10, 1, step=1)), 0.6)  # sent before the kill
+    assert syncer.alive == {0} and syncer.lost == {1}
+    syncer.handle(PushArrived(Push(0, 0, 0, 1, {"w": torch.ones(2)}, 10, 1, step=1)), 1.0)
+    assert syncer.fragments[0].version == 1 and syncer.ledger[1].last_seq == 1  # its work is merged
+    syncer.handle(PushArrived(Push(0, 0, 1, 2, {"w": torch.ones(2)}, 10, 1, step=2)), 1.5)
+    assert syncer.fragments[0].version == 2  # the next round: nobody waits for the dead learner
+    syncer.handle(beat(1), 2.0)  # restarted, or its link came back: it counts again
+    assert syncer.alive == {0, 1} and syncer.lost == set()
+
+
 @pytest.mark.parametrize("gone", ["left", "lost", "never joined"])
 def test_a_connection_ending_for_a_learner_not_alive_changes_nothing(gone):
     syncer = core()

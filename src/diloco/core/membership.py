@@ -27,6 +27,9 @@ class Membership:
         """Learners that left having trained their share."""
         self.lost: set[int] = set()
         """Learners found dead by silence (not announced): they count again when they speak."""
+        self.cut: set[int] = set()
+        """Those of `lost` found dead by their connection ending: a push they sent before it ended may still
+        arrive, and is no sign of life; a heartbeat or a new join is."""
         self.over = False
         """Every learner has left and the last rounds are merged."""
         self.ledger = {m: LedgerEntry() for m in self.alive}
@@ -109,12 +112,13 @@ class Membership:
 
     def join(self, learner: int, now: float) -> None:
         """It counts for rounds again."""
-        for members in (self.alive, self.finished, self.lost):
+        for members in (self.alive, self.finished, self.lost, self.cut):
             self.undo.keep_member(members, learner)
         self.undo.keep_attrs(self, "over")
         self.alive.add(learner)
         self.finished.discard(learner)
         self.lost.discard(learner)
+        self.cut.discard(learner)
         self.over = False
         self.liveness.hear(learner, now)
 
@@ -137,8 +141,11 @@ class Membership:
     # ------------------------------------------------------------ liveness
 
     def heard(self, learner: int, now: float, heartbeat: bool) -> bool:
-        """Something of it arrived; True when it was lost and now counts again."""
+        """Something of it arrived; True when it was lost and now counts again (one whose connection ended:
+        only on a heartbeat, which a killed process no longer sends)."""
         self.liveness.hear(learner, now, heartbeat=heartbeat)
+        if learner in self.cut and not heartbeat:
+            return False
         return learner in self.lost and self.holds_state(learner) and not self.over
 
     def found_dead(self, now: float) -> list[int]:
@@ -158,8 +165,9 @@ class Membership:
         alive (a learner already lost, gone or never joined changes nothing)."""
         if learner not in self.alive or learner in self.lost:
             return False
-        self.undo.keep_member(self.lost, learner)
-        self.lost.add(learner)
+        for members in (self.lost, self.cut):
+            self.undo.keep_member(members, learner)
+            members.add(learner)
         return True
 
     def next_check(self) -> Timer | None:
@@ -181,7 +189,7 @@ class Membership:
 
     def state_dict(self) -> dict:
         return {"alive": sorted(self.alive), "finished": sorted(self.finished), "lost": sorted(self.lost),
-                "over": self.over, "ledger": {m: e.plain() for m, e in self.ledger.items()},
+                "cut": sorted(self.cut), "over": self.over, "ledger": {m: e.plain() for m, e in self.ledger.items()},
                 "held_versions": {m: dict(v) for m, v in self.held_versions.items()},
                 "session_start": dict(self.session_start), "tokens": dict(self.tokens),
                 "tokens_banked": dict(self.tokens_banked), "stopped": self.stopped,
@@ -189,6 +197,7 @@ class Membership:
 
     def load_state_dict(self, state: dict) -> None:
         self.alive, self.finished, self.lost = set(state["alive"]), set(state["finished"]), set(state["lost"])
+        self.cut = set(state.get("cut", ()))  # a state saved before connections were watched has none
         self.over, self.stopped = state["over"], state["stopped"]
         self.ledger = {m: LedgerEntry.of(e) for m, e in state["ledger"].items()}
         self.held_versions = {m: dict(v) for m, v in state["held_versions"].items()}
