@@ -253,10 +253,13 @@ EQUIVALENCE_RUNS = {
     "diloco": ("diloco", ()),
     "decoupled": ("decoupled", ()),
     "decoupled_quorum_all": ("decoupled", ("outer.quorum=0", "outer.grace=0")),
+    "decoupled_reproducible": ("decoupled", ("outer.reproducible=true",)),
 }
 """Synchronous DiLoCo; Decoupled DiLoCo as configured by default (a round takes the pushes that have
 arrived: which round a push joins is timing); and Decoupled DiLoCo whose every round waits for every
-learner (quorum = all), so round membership no longer depends on timing (when an answer lands still does)."""
+learner (quorum = all), so round membership no longer depends on timing (when an answer lands still does);
+and Decoupled DiLoCo with nothing left to timing (`outer.reproducible`: answers merged exactly τ steps
+after sending, pushes on the step schedule, equal shares), where only the sharding's arithmetic can differ."""
 
 
 def equivalence(args: argparse.Namespace) -> dict[str, Any]:

@@ -102,3 +102,10 @@ def test_examples_load():
     assert examples, "examples/ holds no configs"
     for path in examples:
         load_config(path)
+
+
+def test_reproducible_is_refused_for_a_strategy_it_does_not_apply_to():
+    with pytest.raises(ConfigError, match="'outer.reproducible'.*decoupled only") as err:
+        load_config(None, ["strategy=diloco", "outer.reproducible=true"])
+    assert "\n" not in str(err.value)
+    assert load_config(None, ["strategy=decoupled", "outer.reproducible=true"]).outer.reproducible

@@ -212,6 +212,20 @@ def test_decoupled_learners_never_wait_and_faster_ones_train_more():
 
 
 @pytest.mark.integration  # a whole training run in the simulator
+def test_a_reproducible_decoupled_run_leaves_nothing_to_timing():
+    """Every round holds every learner and none is stale, faster learners wait for their answers rather
+    than train more, and the learners' speeds change nothing that is computed."""
+    result = Simulation(tiny_config("strategy=decoupled", "outer.reproducible=true", *HETERO)).run()
+    equal = Simulation(tiny_config("strategy=decoupled", "outer.reproducible=true", *HETERO,
+                                   "learners.speeds=[1, 1, 1, 1]")).run()
+    assert result.tokens_stale == 0 and result.round_stats["participants_mean"] == len(result.per_learner)
+    assert len({r.tokens for r in result.per_learner}) == 1
+    assert result.per_learner[0].waiting_s > 0
+    # Equal but for the order a round's sums take its pushes in (their arrival): float rounding.
+    assert result.final_eval_loss == pytest.approx(equal.final_eval_loss, rel=1e-6)
+
+
+@pytest.mark.integration  # a whole training run in the simulator
 @pytest.mark.parametrize("strategy", ["async", "async-dn", "decoupled"])
 def test_every_trained_token_is_merged_late_or_lost(strategy):
     crash = "failures.crashes=[{learner = 1, at_s = 4.0}]"

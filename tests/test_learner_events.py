@@ -60,7 +60,7 @@ def test_an_answer_that_comes_while_the_learner_trains_on_changes_nothing_until_
 
 def test_the_last_step_only_reports_and_finished_pushes_the_rest_once():
     params = make_params()
-    core = learner(0, params, H=2)
+    core = learner(0, params, H=2, wait=False)
     train(params, 0.1)
     core.handle(StepDone(8))
     actions = core.handle(Advance(last=True))
@@ -68,6 +68,38 @@ def test_the_last_step_only_reports_and_finished_pushes_the_rest_once():
     final = pushes_of(core.handle(Finished()))
     assert final and all(p.final for p in final)
     assert sum(p.tokens for p in final) == 8 * len(final)
+
+
+def _finishing_with_a_push_in_flight(tau: int):
+    """A waiting learner that trained a step since it pushed a fragment whose answer has not come."""
+    params = make_params()
+    core = learner(0, params, H=4, tau=tau)
+    sent = []
+    while not sent:
+        train(params, 0.1)
+        sent = pushes_of(core.handle(StepDone(8)))
+        core.handle(Advance())
+    train(params, 0.1)
+    assert not pushes_of(core.handle(StepDone(8)))
+    core.handle(Advance(last=True))
+    return core, sent
+
+
+def test_a_waiting_learner_takes_its_last_answers_before_its_last_pushes():
+    """Its last pushes are then the same whenever those answers land: timing decides nothing."""
+    core, (push,) = _finishing_with_a_push_in_flight(tau=2)
+    assert core.handle(Finished()) == [WaitFor((push.fragment,))] and core.waiting
+    final = pushes_of(core.handle(UpdateArrived(answer(push, 2.0))))
+    assert final and all(p.final for p in final) and not core.waiting and core.finished
+    assert core.anchor_versions[push.fragment] == push.base_version + 1  # merged, then pushed from there
+    assert [p.base_version for p in final if p.fragment == push.fragment] == [push.base_version + 1]
+
+
+def test_a_learner_told_to_stop_while_it_waits_to_finish_pushes_at_once():
+    core, (push,) = _finishing_with_a_push_in_flight(tau=2)
+    assert core.handle(Finished()) == [WaitFor((push.fragment,))]
+    final = pushes_of(core.handle(Finished(wait=False)))
+    assert final and all(p.final for p in final) and not core.waiting and core.finished
 
 
 def test_a_refused_push_is_carried_by_the_next_one():

@@ -329,13 +329,21 @@ class Learner:
         if isinstance(self.ranks, ShardedRanks):  # one fragment gathered at rank 0 at a time, each sent first
             self.ranks.leaving(self._settle if self.link is not None else None)
         if self.ranks.leader:  # may merge answers that have arrived
-            self._lead(lambda: self._carry_out(self._feed(Finished())))
+            self._lead(self._finish_sequence)
         else:
             self._follow()
         if self.link is not None:
             self.link.send(LeaveOut(finished))
             self.link.close()
         return self.report()
+
+    def _finish_sequence(self) -> None:
+        """The last pushes (`Finished`): a learner that waits for its answers takes its last ones first,
+        unless it was told to stop."""
+        if self._carry_out(self._feed(Finished())):
+            self._wait()
+            if self.core.waiting:  # told to stop while it waited: it pushes without them
+                self._carry_out(self._feed(Finished(wait=False)))
 
     def _settle(self) -> None:
         """Leaving: the last push sent has left (for at most what the other ranks wait at a gather)."""

@@ -40,6 +40,11 @@ class OuterConfig:
     divided by 1 + the versions it is behind (`inverse`)."""
     consolidate: bool = True
     """Decoupled: the run's last round of each fragment sets Θ to the learners' weighted mean."""
+    reproducible: bool = False
+    """Decoupled: a run whose result does not depend on timing, to compare one build or kind of learner
+    with another (a sharded learner with a DDP one, say): every round waits for every learner alive
+    (quorum all, no pacing), a learner waits at τ for its answer, and each trains its equal share of the
+    budget. The stragglers then set everyone's pace: a check, not a way to train."""
     merge: Literal["mean", "weighted", "rda"] = "rda"
     """How the decoupled syncer merges a round (DiLoCo and Streaming DiLoCo use the mean)."""
     dn_buffer: int = 0
@@ -70,3 +75,6 @@ def check_outer(o: OuterConfig, strategy: Strategy, learners: int) -> None:
     require(o.grace_cap_steps >= 0, "outer.grace_cap_steps", "must be zero or positive", o.grace_cap_steps)
     require(o.dn_buffer >= 0, "outer.dn_buffer", "must be zero or positive", o.dn_buffer)
     require(o.outlier_factor > 1, "outer.outlier_factor", "must be above 1", o.outlier_factor)
+    require(not o.reproducible or strategy == "decoupled", "outer.reproducible",
+            f"applies to strategy = decoupled only (strategy {strategy} does not depend on timing, or is "
+            f"asynchronous by design)", o.reproducible)

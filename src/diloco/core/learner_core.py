@@ -120,6 +120,8 @@ class LearnerCore:
         self.answers_given_up = 0
         self.waiting = False
         """The last `Advance` said to wait: an answer that arrives now may let the learner go on."""
+        self.closing = False
+        """`Finished` came: what it waits for, if anything, is its last answers (then it pushes the rest)."""
 
     # ------------------------------------------------------------ the driver's entry
 
@@ -133,16 +135,36 @@ class LearnerCore:
             return actions + [SendProgress(self.progress())]
         if isinstance(event, UpdateArrived):
             self.on_update(event.update, now)
-            return self._advance(now) if self.waiting else []
+            return self._go_on(now) if self.waiting else []
         if isinstance(event, Tick):
-            return self._advance(now) if self.waiting else []
+            return self._go_on(now) if self.waiting else []
         if isinstance(event, PushRefused):
             self.on_refused(event.push)
             return []
         if isinstance(event, Finished):
-            self.waiting = False
-            return [SendPush(p) for p in self.finish(now)]
+            self.closing = True
+            return self._close(now, wait=event.wait)
         raise TypeError(f"a learner core takes no {type(event).__name__}")
+
+    def _go_on(self, now: float | None) -> list[LearnerAction]:
+        """While waiting: a step's wait (merge and step on when its answers are in), or the close's."""
+        return self._close(now) if self.closing else self._advance(now)
+
+    def _close(self, now: float | None, wait: bool = True) -> list[LearnerAction]:
+        """The last pushes, where the strategy waits for answers once the answers in flight that a last push
+        would follow are in: the same pushes whenever those answers land (at τ or later), so that timing
+        decides nothing. A fragment with no progress since its push in flight has no last push to wait for."""
+        if wait and self.wait_for_updates:
+            if now is not None:
+                self.now = now
+            self._give_up_late_answers()
+            unanswered = tuple(p for p, flight in sorted(self.in_flight.items())
+                               if flight.update is None and self.steps_since[p] > 0)
+            if unanswered:
+                self.waiting = True
+                return [WaitFor(unanswered)]
+        self.waiting = False
+        return [SendPush(p) for p in self.finish(now)]
 
     def _advance(self, now: float | None) -> list[LearnerAction]:
         poll = self.poll(now)

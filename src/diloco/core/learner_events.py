@@ -47,7 +47,11 @@ class PushRefused:
 
 @dataclass(frozen=True)
 class Finished:
-    """No more inner steps: push what no push has carried yet."""
+    """No more inner steps: push what no push has carried yet. A learner that waits for its answers (a
+    waiting strategy) takes its last ones first, so that its last pushes follow them whatever the timing;
+    `wait=False`: push now (it was told to stop while waiting)."""
+
+    wait: bool = True
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ class LearnerSteps(SimState):
     def _on_beat(self, event: Beat) -> None:
         """A learner alive says so every HEARTBEAT_S, training or waiting, until it has left."""
         learner = self.learners[event.learner]
-        if event.incarnation != learner.incarnation or learner.finished or not learner.alive:
+        if event.incarnation != learner.incarnation or learner.gone:
             return
         report = learner.core.progress()
         beat = HeartbeatArrived(learner.index, step=report.step, tokens=report.tokens)
@@ -92,11 +92,18 @@ class LearnerSteps(SimState):
             self._finish(learner)
 
     def _finish(self, learner: SimLearner) -> None:
-        """The learner trains no more: push what it has not pushed yet, then leave the syncer."""
+        """The learner trains no more: push what it has not pushed yet (a learner that waits for its answers
+        takes its last ones first: `_on_update` goes on), then leave the syncer."""
         learner.finished = True
         learner.resume(self.now)
         if learner.core is not None and learner.alive:
-            self._carry_out(learner, learner.core.handle(Finished(), self.now))
+            self._carry_out(learner, learner.core.handle(Finished(wait=not learner.stop_requested), self.now))
+            if learner.closing:
+                return
+        self._leave(learner)
+
+    def _leave(self, learner: SimLearner) -> None:
+        learner.resume(self.now)
         if self.syncer is not None:
             # Announced on the same link, so it lands after the last pushes.
             arrival = learner.link.up.send(self.now, MESSAGE_HEADER_BYTES)
@@ -112,9 +119,11 @@ class LearnerSteps(SimState):
 
     def _on_update(self, event: UpdateArrives) -> None:
         learner = self.learners[event.learner]
-        if event.incarnation != learner.incarnation or learner.finished or not learner.alive:
+        if event.incarnation != learner.incarnation or learner.gone:
             return  # meant for a learner that crashed or stopped since
         self._carry_out(learner, learner.core.handle(UpdateArrived(event.update), self.now))  # merges if it waited
+        if learner.finished and not learner.closing:  # its last answers came: its last pushes went
+            self._leave(learner)
 
     def _meter(self, learner: SimLearner, final: bool = False) -> None:
         r = learner.replica

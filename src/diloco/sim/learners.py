@@ -54,6 +54,16 @@ class SimLearner(Waiting):
     lost_tokens: list[int] = field(default_factory=list)
     checkpoint: Checkpoint | None = None
 
+    @property
+    def closing(self) -> bool:
+        """Trains no more, and waits for its last answers before its last pushes (a waiting strategy)."""
+        return self.finished and self.core is not None and self.core.waiting
+
+    @property
+    def gone(self) -> bool:
+        """Takes no more answers: finished and not closing, or down."""
+        return (self.finished and not self.closing) or not self.alive
+
     def abort_step(self, now: float) -> None:
         """A step in progress is cut short: the time it would still have taken was never spent."""
         if self.step_ends_at is not None:

@@ -69,7 +69,7 @@ class SyncerShell(SimState):
                 self.last_event_s = max(self.last_event_s, self.now)
                 for m, update in action.updates.items():
                     learner = self.learners[m]
-                    if learner.finished or not learner.alive:
+                    if learner.gone:
                         continue
                     arrival = learner.link.down.send(self.now, update.wire_bytes(), update.fragment)
                     self.queue.schedule(arrival, UpdateArrives(m, learner.incarnation, update))
