@@ -5,15 +5,12 @@ sharded one."""
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from diloco.client import checkpoints, sharded_checkpoints
+from diloco.client import sharded_checkpoints
 from diloco.client.checkpoints import BASELINE_STEPS, CheckpointPacer, CheckpointWriter
 from diloco.client.sharded_checkpoints import ShardedWriter
 
@@ -77,31 +74,3 @@ def test_a_checkpoint_measures_the_time_steps_lose_while_it_is_written_and_its_c
 def test_a_write_that_slows_no_step_costs_its_copy_only():
     pacer = _paced(step_s_while_writing=0.9, copy_s=0.05)  # beside a GPU's steps: none slower (one faster)
     assert pacer.cost_s == pytest.approx(0.05)  # a step faster than usual is no credit
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
-def test_a_checkpoint_is_written_at_the_lowest_cpu_priority_and_training_keeps_its_own(tmp_path,
-                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[int] = []
-
-    def write(state: dict, path, key=None) -> None:
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        written(state, path, key)
-
-    written = checkpoints.write_checkpoint
-    monkeypatch.setattr(checkpoints, "write_checkpoint", write)
-    training = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    writer = CheckpointWriter(tmp_path / "learner.pt")
-    writer.save(lambda: {"steps": 1}, wait=True)
-    writer.save(lambda: {"steps": 2}, wait=True)
-    assert seen == [checkpoints.WRITER_NICE] * 2 and writer.written == 2
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == training  # the caller's is untouched
-    assert (tmp_path / "learner.pt").is_file()
-
-    sharded = _sharded_writer(seq=0)  # a sharded checkpoint's write (DCP's save, digests, sidecar) alike
-    sharded.written, sharded.folder = 0, tmp_path
-    thread = threading.Thread(target=sharded._finish,
-                              args=(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())),))
-    thread.start()
-    thread.join()
-    assert seen[-1] == checkpoints.WRITER_NICE and sharded.written == 1

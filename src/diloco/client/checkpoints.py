@@ -5,9 +5,8 @@ once it is checked.
 How often: the training thread takes a copy (`CheckpointWriter.save`); the write runs on a background
 thread. The period is the fewest steps that keep that copy within `COST_SHARE` of their time (and at
 most `failures.checkpoint_every` steps), and a checkpoint whose predecessor is still being written is
-skipped, never waited for. The write's thread runs at the lowest CPU priority (`give_way_to_training`),
-so on cores training keeps busy it takes only what training leaves. What a checkpoint costs in all, the
-copy plus the time steps lose while the write runs beside them, is measured and reported (`CheckpointPacer`).
+skipped, never waited for. What a checkpoint costs in all, the copy plus the time steps lose while the
+write runs beside them, is measured and reported (`CheckpointPacer`).
 
 The file is a `state_files.py` file (torch.save plus a BLAKE2b trailer, keyed with the run's secret or
 the learner's own credential when it holds one). Reading refuses, in one line
@@ -20,9 +19,7 @@ learner from the syncer's current Θ without its own state, which is always safe
 from __future__ import annotations
 
 import math
-import os
 import statistics
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -43,25 +40,6 @@ COST_SHARE = 0.01
 
 BASELINE_STEPS = 3
 """Steps timed with no write on its way before the first checkpoint: what a step takes without one."""
-
-WRITER_NICE = 19
-"""The nice value of a checkpoint's writing thread: the lowest priority, so that beside a busy nice-0
-training thread it gets about 1.5% of the core (CFS weights 15 against 1024), the share a checkpoint may cost."""
-
-
-def give_way_to_training() -> None:
-    """Lower the calling thread's CPU priority to `WRITER_NICE` (Linux, where a thread has its own nice value;
-    elsewhere `setpriority` would lower the whole process, so nothing is done). Serialising, hashing and
-    fsyncing a checkpoint then run on what CPU training leaves: on a host whose cores training keeps
-    busy, the write slows the steps by about the nice share rather than by its whole CPU time. Threads it
-    starts inherit the priority; it cannot be raised back without privileges, so call it on a thread that
-    only writes."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-    except OSError:  # a sandbox that forbids it: the write just runs at training's priority
-        pass
 
 
 def write_checkpoint(state: dict[str, Any], path: Path, key: bytes | None = None) -> None:
@@ -248,7 +226,6 @@ class CheckpointWriter:
             self.wait()
 
     def _write(self, state: dict[str, Any]) -> None:
-        give_way_to_training()
         began = clock.monotonic()
         write_checkpoint(state, self.path, self.key)
         self.write_s = clock.monotonic() - began

@@ -6,11 +6,9 @@ read back before it is checked: the sidecar's seal, its steps and data position,
 then the loaded optimizer state with `checkpoints.py`'s checks on each rank's rows; a refusal on any rank
 is every rank's, in one line.
 
-Written off the training step (`ShardedWriter`): the state is copied on the training thread
-(`checkpoint_staging.py`) and `dcp.save` writes it on a background thread of the lowest CPU priority
-(`checkpoints.give_way_to_training`), over a process group of its own (its collectives never interleave
-with the training thread's). DCP's `async_save` would write on an executor thread of its own, whose
-priority cannot be set. Checkpoints alternate between two slots (`a/`, `b/`) and a sealed
+Written off the training step (`ShardedWriter`): DCP's `async_save` copies the state on the training
+thread and writes it on a background thread over a process group of its own (its collectives never
+interleave with the training thread's). Checkpoints alternate between two slots (`a/`, `b/`) and a sealed
 `latest` file, replaced atomically once every rank's files and sidecar are on disk, names the complete
 one: a kill mid-write leaves the one before it whole.
 
@@ -38,8 +36,7 @@ from torch import nn
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.client.collective_bound import BOUND, floor_s
 from diloco.client.checkpoint_staging import KeptStaging
-from diloco.client.checkpoints import (ADVICE, CheckpointPacer, check_checkpoint, give_way_to_training,
-                                       write_checkpoint)
+from diloco.client.checkpoints import ADVICE, CheckpointPacer, check_checkpoint, write_checkpoint
 from diloco.client.sharded_progress import joined_progress, progress_target, split_progress
 from diloco.errors import DilocoError
 from diloco.state_files import load_checked
@@ -70,9 +67,9 @@ def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
 def _start(folder: Path, slot: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
            data: dict[str, Any], key: bytes | None, progress: dict[str, Any] | None,
            group: dist.ProcessGroup | None, stager: KeptStaging | None = None) -> Callable[[], None]:
-    """Start writing a checkpoint into `slot` (with a `group`: copied here by `stager`, written by what this
-    returns, on the caller's background thread; None: written here, now); returns what completes it: the
-    write, the sidecar, then, once every rank's is written, `latest`."""
+    """Start writing a checkpoint into `slot` (on `group` in the background, copied by `stager`, else by DCP's
+    own; None: here, now); returns what completes it: the sidecar, then, once every rank's is written,
+    `latest`."""
     rank, place = dist.get_rank(), folder / slot
     place.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -82,13 +79,13 @@ def _start(folder: Path, slot: str, model: nn.Module, optimizer: torch.optim.Opt
     writer = dcp.FileSystemWriter(place, overwrite=True)  # a slot is rewritten every other checkpoint
     if group is None:
         dcp.save(state, storage_writer=writer)
-        staged = None
+        written = None
     else:
-        staged = (stager or KeptStaging()).stage(state)
+        written = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=stager)
 
     def finish() -> None:
-        if staged is not None:
-            dcp.save(staged, storage_writer=writer, process_group=group)
+        if written is not None:
+            written.result()
         files = {f.name: _digest(f) for f in _own_files(place, rank)}
         write_checkpoint({"steps": steps, "data": data, "world": dist.get_world_size(), "files": files,
                           "progress": counters}, sidecar(place, rank), key)
@@ -303,7 +300,6 @@ class ShardedWriter:
             self.wait()
 
     def _finish(self, finish: Callable[[], None]) -> None:
-        give_way_to_training()
         began = clock.monotonic()
         try:
             finish()
