@@ -3,7 +3,8 @@ cores, step timers (`virtual_run/step_timer.py`), links (`network/links.py`) and
 (`virtual_run/event_queue.py`).
 
 Most of a run's bytes follow from the schedule alone (every push, every progress report). Which answers
-are sent does not: an answer goes only to a learner that has not finished, and near the end of a run
+are sent does not: an answer goes only to a learner that has not left (one that waits for its answers
+takes the last ones before its last pushes), and near the end of a run
 whether a round closes before its learners finish depends on the links' timing. So the replay walks the
 run in virtual time, as the simulator does, with messages as byte counts instead of tensors, and the
 strategy's own learner and syncer cores (`spec.learner_core`, `spec.syncer_core`) decide every push,
@@ -30,6 +31,7 @@ import torch
 from diloco.core.events import (HeartbeatArrived, LearnerLeft, ProgressArrived, PushArrived, SyncerEvent,
                                 TimerFired)
 from diloco.core.learner_core import LearnerCore
+from diloco.core.learner_events import Finished, LearnerAction, SendPush, UpdateArrived
 from diloco.core.liveness import HEARTBEAT_S
 from diloco.core.messages import Push, Update
 from diloco.core.syncer_core import Action, Publish, Timer
@@ -214,7 +216,7 @@ class _CoreReplay:
         self.queue.schedule(self.now + learner.timer.next(), ("step", learner.index, None))
 
     def _on_beat(self, learner: _Learner, _: None) -> None:
-        if learner.finished:
+        if learner.finished and not learner.core.waiting:
             return
         report = learner.core.progress()
         beat = HeartbeatArrived(learner.index, step=report.step, tokens=report.tokens)
@@ -253,16 +255,25 @@ class _CoreReplay:
             self._start_step(learner)
 
     def _finish(self, learner: _Learner) -> None:
-        """The last step: push what no push carried yet, then leave."""
+        """The last step: push what no push carried yet (a learner that waits for its answers takes its last
+        ones first, as its core decides), then leave."""
         learner.finished = True
         learner.resume(self.now)
-        for push in learner.core.finish(self.now):
-            self._send_push(learner, push)
+        self._closing(learner, learner.core.handle(Finished(), self.now))
+
+    def _closing(self, learner: _Learner, actions: list[LearnerAction]) -> None:
+        for action in actions:
+            if isinstance(action, SendPush):
+                self._send_push(learner, action.push)
+        if learner.core.waiting:  # not a wait of training (there is none left): not in `waiting_s`
+            return
         arrival = learner.link.up.send(self.now, LEAVE_BYTES)
         self.queue.schedule(arrival, ("syncer", None, LearnerLeft(learner.index, finished=True)))
 
     def _on_update(self, learner: _Learner, update: Update) -> None:
         if learner.finished:
+            if learner.core.waiting:  # its last answers, before its last pushes
+                self._closing(learner, learner.core.handle(UpdateArrived(update), self.now))
             return
         learner.core.on_update(update)
         if learner.waiting_since is not None:
@@ -284,6 +295,6 @@ class _CoreReplay:
                 self.last_event = max(self.last_event, self.now)
                 for m, update in action.updates.items():
                     learner = self.learners[m]
-                    if not learner.finished:
+                    if not learner.finished or learner.core.waiting:
                         arrival = learner.link.down.send(self.now, self.update[update.fragment], update.fragment)
                         self.queue.schedule(arrival, ("update", m, update))

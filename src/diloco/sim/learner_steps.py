@@ -72,7 +72,8 @@ class LearnerSteps(SimState):
             elif isinstance(action, SendProgress):
                 self._send_progress(learner, action.progress)
             elif isinstance(action, WaitFor):
-                learner.wait(self.now)
+                if not learner.finished:  # a closing learner's wait is not training's: not in `waiting_s`
+                    learner.wait(self.now)
             else:
                 learner.resume(self.now)
                 self._start_step(learner)
