@@ -255,7 +255,7 @@ def test_a_syncer_on_a_port_in_use_fails_in_one_line():
     (["syncer", "--shard", "2/2"], "need 0 <= i < N"),
     (["syncer", "--shard", "0/2"], "--shards lists 1 address(es)"),
     (["learner"], "give --syncer"),
-    (["run", "--out", "{tmp}/a,b"], "a folder whose path holds a comma cannot be used"),
+    (["run", "--out", "{tmp}/a,b"], "a path with a comma cannot be used"),
 ])
 def test_impossible_requests_fail_in_one_line(args, message, tmp_path):
     done = diloco(*[a.replace("{tmp}", str(tmp_path)) for a in args], timeout=60)

@@ -73,8 +73,7 @@ class Launcher:
         """Where the children write (state, journals, checkpoints, reports, logs, ports): the output folder
         itself on one machine; a folder every node sees on a cluster."""
         if "," in str(self.shared):
-            raise DilocoError(f"--out {self.shared}: a folder whose path holds a comma cannot be used (each "
-                              f"shard is told where the others report their ports as a comma-separated list)")
+            raise DilocoError(f"--out {self.shared}: a path with a comma cannot be used")
         self.security = security or PLAINTEXT
         self.http_args = ["--http-bind", "127.0.0.1", *(["--http-auth"] if http_auth else [])]
         self.config_args = [*config_args, *(["--verbose"] if verbose else []), *self.security.argv]
