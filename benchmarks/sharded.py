@@ -28,6 +28,8 @@ this process (or its own process: --syncer-process). Parts, all in one invocatio
           the copy) and the cost of its checkpoints as the learner measured them (the copy plus what the
           steps lost while the write ran beside them) over its training time. --checkpoint-every: the
           longest period (failures.checkpoint_every, default 25).
+  speed and checkpoint also give what wall time cannot show on a shared host: the learner ranks' CPU seconds
+          per token (every thread of each rank) with and without syncing / checkpoints, and the shard's CPU.
   equal   2 learners of 2 ranks each, FSDP against DDP, synchronous DiLoCo, Decoupled DiLoCo, and Decoupled
           DiLoCo with quorum = all learners (round membership not left to timing): the final Θ's loss on
           held-out batches; target |relative difference| ≤ 1e-3; and DDP against DDP again in the same
@@ -58,14 +60,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from children import Processes, tail  # benchmarks/children.py
 from diloco.config import load_config
 from diloco.core.accounting import learner_tokens
 from diloco.models.gpt import GPT, GPTConfig
 from diloco.shard.server import ShardPlan, SyncerShard, serve
+from sharded_table import show  # benchmarks/sharded_table.py
 from sharded_worker import VOCAB, batch
 from syncer_process import syncer_process  # benchmarks/syncer_process.py
 
@@ -128,18 +129,23 @@ def run(learners: list[tuple[int, str]], strategy: str, fragments: int, args: ar
     """One run: learners as (ranks, sharding); returns every rank's report, the shard's, and Θ's loss (the
     last two None when the shard is a process of its own: `--syncer-process`, unless `served_here`)."""
     if sync and args.syncer_process and not served_here:
-        with syncer_process(syncer_settings(len(learners), strategy, fragments, extra)) as port:
-            return train(learners, args, width, layers, f"127.0.0.1:{port}", meta_init, checkpoints)
+        usage: dict[str, float] = {}
+        with syncer_process(syncer_settings(len(learners), strategy, fragments, extra), usage=usage) as port:
+            reports = train(learners, args, width, layers, f"127.0.0.1:{port}", meta_init, checkpoints)
+        return {**reports, "shard_cpu_s": usage["cpu_s"]}
     server, shard, address = start_syncer(len(learners), strategy, fragments, extra) if sync else (None, None, None)
     try:
+        cpu_began = time.process_time()  # this process: the shard (its server's threads), and waiting on the ranks
         reports = train(learners, args, width, layers, address, meta_init, checkpoints)
+        shard_cpu_s = time.process_time() - cpu_began if sync else 0.0
         theta = dict(shard.core.theta) if shard is not None else None
         shard_report = shard.report() if shard is not None else None
     finally:
         if server is not None:
             server.stop(0)
             shard.stop()
-    return {**reports, "shard": shard_report, "loss": loss_of(theta, width, layers) if theta else None}
+    return {**reports, "shard": shard_report, "shard_cpu_s": shard_cpu_s,
+            "loss": loss_of(theta, width, layers) if theta else None}
 
 
 def train(learners: list[tuple[int, str]], args: argparse.Namespace, width: int, layers: int, address: str | None,
@@ -210,10 +216,25 @@ def alternated(args: argparse.Namespace, variants: dict[str, dict[str, Any]]) ->
     names = list(variants)
     for i in range(args.repeats):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            reports = run([(2, "fsdp")], "decoupled", 8, args, args.width, args.layers, meta_init=args.meta_init,
-                          **variants[name])["reports"]
-            runs[name].append(next(r for r in reports if r["rank"] == 0))
+            r = run([(2, "fsdp")], "decoupled", 8, args, args.width, args.layers, meta_init=args.meta_init,
+                    **variants[name])
+            ranks = r["reports"]
+            runs[name].append({**next(x for x in ranks if x["rank"] == 0), "shard_cpu_s": r.get("shard_cpu_s", 0.0),
+                               "learner_cpu_s": sum(x["train_cpu_s"] for x in ranks),
+                               "learner_tokens": sum(x["tokens"] for x in ranks)})
     return runs
+
+
+def cpu_figures(runs: list[dict[str, Any]], baseline: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """What wall time cannot show on a shared host: the learner ranks' CPU seconds per token (every thread of
+    each rank) in `runs` against `baseline` (medians; `name`_cpu_ratio = baseline / runs, so ≥ 1 - x means
+    `runs` cost the ranks at most x more CPU per token), and the shard's CPU beside them."""
+    per_token = [r["learner_cpu_s"] / r["learner_tokens"] for r in runs]
+    base = [r["learner_cpu_s"] / r["learner_tokens"] for r in baseline]
+    return {f"{name}_cpu_ratio": statistics.median(base) / statistics.median(per_token),
+            f"learner_cpu_us_per_token_{name}": [1e6 * v for v in per_token],
+            "learner_cpu_us_per_token_baseline": [1e6 * v for v in base],
+            "shard_cpu_s": [r["shard_cpu_s"] for r in runs], "learner_cpu_s": [r["learner_cpu_s"] for r in runs]}
 
 
 def median_tokens_per_s(reports: list[dict[str, Any]]) -> float:
@@ -227,7 +248,8 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     return {"tokens_per_s_synced": synced, "tokens_per_s_unsynced": unsynced, "speed_ratio": synced / unsynced,
             "runs_synced": [r["tokens_per_s"] for r in runs["synced"]],
             "runs_unsynced": [r["tokens_per_s"] for r in runs["unsynced"]],
-            "merges": [r["merges"] for r in runs["synced"]], "pushes": [r["pushes"] for r in runs["synced"]]}
+            "merges": [r["merges"] for r in runs["synced"]], "pushes": [r["pushes"] for r in runs["synced"]],
+            **cpu_figures(runs["synced"], runs["unsynced"], "synced")}
 
 
 def checkpoint_cost(args: argparse.Namespace) -> dict[str, Any]:
@@ -246,7 +268,8 @@ def checkpoint_cost(args: argparse.Namespace) -> dict[str, Any]:
             "measured_cost_share": [r["checkpoint_cost_total_s"] / r["train_s"] for r in runs["on"]],
             "checkpoint_every": args.checkpoint_every,
             "train_s_on": [r["train_s"] for r in runs["on"]], "train_s_off": [r["train_s"] for r in runs["off"]],
-            "pushes_on": [r["pushes"] for r in runs["on"]], "pushes_off": [r["pushes"] for r in runs["off"]]}
+            "pushes_on": [r["pushes"] for r in runs["on"]], "pushes_off": [r["pushes"] for r in runs["off"]],
+            **cpu_figures(runs["on"], runs["off"], "checkpoints")}
 
 
 EQUIVALENCE_RUNS = {
@@ -327,58 +350,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     show(results)
-
-
-def show(results: dict[str, Any]) -> None:
-    table = Table(title="sharded learners")
-    for column in ("measure", "value", "target"):
-        table.add_column(column)
-    for key, row in results.get("memory_speed", {}).items():
-        mib = 2 ** 20
-        table.add_row(f"{key} params / fragments", f"{row['parameters'] / 1e6:.1f}M / {row['fragments']}", "≥20M / ≥8")
-        table.add_row(f"{key} staging peak / largest fragment", f"{row['staging_over_fragment']:.2f}", "≤ 1.5")
-        for phase, held in row.get("gathered_peak_rank0_bytes", {}).items():
-            table.add_row(f"{key} rank 0 gathered at once, {phase} / largest fragment",
-                          f"{held / row['largest_fragment_bytes']:.2f}", "≤ 1")
-        table.add_row(f"{key} RSS growth / largest fragment", f"{row['rss_growth_over_fragment']:.2f}", "")
-        table.add_row(f"{key} peak RSS per rank (MiB)", f"{row['peak_rss_max_bytes'] / mib:.0f}", "falls with W")
-        if "peak_rss_rank0_bytes" in row:
-            table.add_row(f"{key} peak RSS rank 0 / other ranks (MiB)", f"{row['peak_rss_rank0_bytes'] / mib:.0f} / "
-                          f"{row['peak_rss_other_ranks_bytes'] / mib:.0f}", "")
-        if row.get("peak_rss_joined_rank0_bytes"):
-            table.add_row(f"{key} peak RSS rank 0 through joining (MiB)",
-                          f"{row['peak_rss_joined_rank0_bytes'] / mib:.0f}", "")
-        table.add_row(f"{key} anchors per rank (MiB)", f"{row['anchor_bytes_per_rank'] / mib:.1f}", "")
-        table.add_row(f"{key} join s", f"{row['join_s']:.2f}", "")
-        if "speed_ratio" in row:
-            table.add_row(f"{key} tokens/s synced / unsynced", f"{row['speed_ratio']:.3f}", "≥ 0.95")
-    if "speed" in results:
-        row = results["speed"]
-        table.add_row("W2 tokens/s synced / unsynced (medians)", f"{row['tokens_per_s_synced']:.1f} / "
-                      f"{row['tokens_per_s_unsynced']:.1f} = {row['speed_ratio']:.3f}", "≥ 0.95")
-    if "checkpoint" in results:
-        row = results["checkpoint"]
-        table.add_row("W2 tokens/s checkpoints on / off (medians)", f"{row['tokens_per_s_checkpoints_on']:.1f} / "
-                      f"{row['tokens_per_s_checkpoints_off']:.1f}", "")
-        table.add_row("W2 checkpoint cost (1 − on / off)", f"{row['checkpoint_cost_fraction']:.3f}", "≤ 0.01")
-        table.add_row("W2 checkpoints written / skipped per run", f"{row['checkpoints_written']} / "
-                      f"{row['checkpoints_skipped']}", "")
-        table.add_row("W2 one checkpoint's cost (s) / period (steps, at most)", f"{row['checkpoint_cost_s']} / "
-                      f"{row['checkpoint_period']} ({row['checkpoint_every']})", "")
-        table.add_row("W2 checkpoints' cost as the learner measured it / train time",
-                      ", ".join(f"{v:.3f}" for v in row["measured_cost_share"]), "≤ 0.01")
-    for strategy, row in results.get("equivalence", {}).items():
-        table.add_row(f"{strategy}: FSDP vs DDP final loss", f"{row['fsdp_loss']:.6f} vs {row['ddp_loss']:.6f} "
-                      f"({row['relative_difference']:.2e})", "≤ 1e-3")
-        if "ddp_noise" in row:
-            table.add_row(f"{strategy}: DDP vs DDP again (noise)", f"{row['ddp_again_loss']:.6f} "
-                          f"({row['ddp_noise']:.2e})", "")
-    if "mixed" in results:
-        for m, v in results["mixed"]["learners"].items():
-            table.add_row(f"mixed run learner {m}: trained / merged / stale / lost",
-                          f"{v['trained']:.0f} / {v['merged']:.1f} / {v['stale']:.1f} / {v['lost']:.1f}", "lost 0")
-        table.add_row("mixed run: every token merged once", str(results["mixed"]["all_accounted"]), "True")
-    Console().print(table)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One rank of a learner for benchmarks/sharded.py (Gloo, CPU; RANK, WORLD_SIZE, MASTER_* in the
 environment). It builds the built-in GPT at --width × --layers, holds it as --sharding says, joins
 --syncer (or trains without syncing: --no-sync), trains --steps inner steps on seeded tokens (`batch`) and
-writes OUT/learner-ID-rank-R.json: tokens/s over its training steps, join seconds, its memory (peak RSS,
+writes OUT/learner-ID-rank-R.json: tokens/s over its training steps and the CPU seconds they took, join seconds, its memory (peak RSS,
 RSS growth after the first sync, the sync boundary's staging peak, anchors), bytes over the learner's
 group, and rank 0 its final parameters (params-ID.pt) for the run's final loss.
 """
@@ -114,7 +114,7 @@ def main() -> None:
     writer = ShardedWriter(args.out / f"learner-{args.id}.dcp", None, learner, args.checkpoint_every) \
         if args.checkpoints and learner is not None and sharded else None
     rss_floor, step_times = 0, []
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     for step in range(args.steps):
         t0 = time.monotonic()
         x = batch(generator, args.batch, args.seq)
@@ -132,6 +132,7 @@ def main() -> None:
         if step == 0:
             rss_floor = rss_bytes()  # model, optimizer state and anchors all exist: what grows now is syncing's
     train_s = time.monotonic() - started
+    train_cpu_s = time.process_time() - cpu_started  # every thread of this rank: training, link, collectives
     if writer is not None:
         writer.wait()  # the last write in flight ends before the learner leaves
     rss["trained"] = rss_bytes()
@@ -145,7 +146,7 @@ def main() -> None:
     fragment = max(f.numel for f in core.fragments) * 4 if core else 0
     result = {"learner": args.id, "rank": rank, "world": world, "sharding": args.sharding, "parameters": parameters,
               "fragments": len(core.fragments) if core else 0, "largest_fragment_bytes": fragment,
-              "steps": steps, "tokens": steps * args.batch * args.seq, "train_s": train_s,
+              "steps": steps, "tokens": steps * args.batch * args.seq, "train_s": train_s, "train_cpu_s": train_cpu_s,
               "tokens_per_s": steps * args.batch * args.seq * world / train_s if train_s else 0.0,
               "join_s": join_s, "peak_rss_bytes": peak, "peak_rss_joined_bytes": joined_peak, "rss_bytes": rss,
               "meta_init": meta,

@@ -18,8 +18,10 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 
 @contextlib.contextmanager
-def syncer_process(settings: list[str], start_timeout_s: float = 120.0) -> Iterator[int]:
-    """The port of a one-shard syncer started with `settings` (KEY=VALUE overrides); stopped on exit."""
+def syncer_process(settings: list[str], start_timeout_s: float = 120.0,
+                   usage: dict[str, float] | None = None) -> Iterator[int]:
+    """The port of a one-shard syncer started with `settings` (KEY=VALUE overrides); stopped on exit. With
+    `usage`, its `cpu_s` is set on exit to the CPU seconds the process spent (user + system, all threads)."""
     with tempfile.TemporaryDirectory(prefix="bench-syncer-") as folder:
         port_file = Path(folder) / "port"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
@@ -37,8 +39,20 @@ def syncer_process(settings: list[str], start_timeout_s: float = 120.0) -> Itera
                 time.sleep(0.05)
             yield int(port_file.read_text())
         finally:
+            if usage is not None:
+                usage["cpu_s"] = process_cpu_s(process.pid)  # before it is stopped: its work is done
             process.terminate()
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a live process has spent so far, from /proc (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import TINY, child_env, freeze_when, tiny_config, wait_for
+from diloco.client.packed_state import unpacked
 from diloco.launch.processes import Children
 from diloco.launch.spare import Spares
 from diloco.metrics.records import learner_lives, records_of
@@ -61,7 +62,7 @@ def counted_seqs(shard) -> dict[int, int]:
 
 def saved_seq(path) -> int:
     """The newest push a checkpoint on disk records (`sync.seq`; no checkpoint yet: above every push)."""
-    return load_checked(path, "checkpoint", "")["sync"]["seq"] if path.is_file() else 1 << 62
+    return unpacked(load_checked(path, "checkpoint", ""))["sync"]["seq"] if path.is_file() else 1 << 62
 
 
 def pushed_after(seqs: dict[int, int], checkpoint_seq: int) -> set[int]:
@@ -95,7 +96,7 @@ def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_chec
                     120, lambda: out_tail(tmp_path))
         children.kill("learner-0")  # frozen after a push that followed the last checkpoint
         killed_at = _steps(tmp_path)
-        saved = load_checked(tmp_path / "checkpoints" / "learner-0.pt", "checkpoint", "")
+        saved = unpacked(load_checked(tmp_path / "checkpoints" / "learner-0.pt", "checkpoint", ""))
         checkpointed, after = saved["steps"], pushed_after(counted_seqs(shard), saved["sync"]["seq"])
         waiting = [c.process.pid for c in spares.waiting()]
         second = spares.restart("learner-0")

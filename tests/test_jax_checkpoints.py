@@ -17,7 +17,8 @@ import torch
 
 from conftest import TINY, child_env, tiny_config, wait_for
 from diloco.client.builtin_loop import Standalone, _data_shard, _learner_state
-from diloco.client.checkpoints import read_checkpoint, snapshot, write_checkpoint
+from diloco.client.checkpoints import read_checkpoint, write_checkpoint
+from diloco.client.packed_state import packed_copy, unpacked
 from diloco.errors import DilocoError
 from diloco.materials import prepare
 from diloco.metrics.records import learner_lives, records_of
@@ -64,7 +65,7 @@ def test_a_checkpoint_restores_the_optax_state_step_and_data_position_bit_for_bi
     takes the next steps exactly as the one that saved it."""
     saving = replica(steps=3)
     key = file_key(b"run secret")
-    write_checkpoint(snapshot(_learner_state(saving.model, saving, Standalone(0))), tmp_path / "c.pt", key)
+    write_checkpoint(packed_copy(_learner_state(saving.model, saving, Standalone(0))), tmp_path / "c.pt", key)
     state = read_checkpoint(tmp_path / "c.pt", 1000, saving.optimizer, key)
     assert state["steps"] == 3 and state["data"] == saving.sampler.state_dict()
     restored = replica()
@@ -102,7 +103,7 @@ DAMAGES = {
 def saved_state() -> dict:
     """What a JAX learner's checkpoint holds after two steps (each test damages its own copy)."""
     saving = replica(steps=2)
-    return snapshot(_learner_state(saving.model, saving, Standalone(0)))
+    return copy.deepcopy(_learner_state(saving.model, saving, Standalone(0)))
 
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
@@ -158,7 +159,7 @@ def test_a_jax_learner_killed_mid_run_resumes_exactly_what_its_checkpoint_saved(
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
         killed_at = _steps(tmp_path)
-        saved = load_checked(tmp_path / "checkpoints" / "learner-0.pt", "checkpoint", "")
+        saved = unpacked(load_checked(tmp_path / "checkpoints" / "learner-0.pt", "checkpoint", ""))
         theta = {n: t.clone() for n, t in shard.core.theta.items()}
         # Per fragment, the newest push of it the shard counted: the kill may fall before or after a push
         # that followed the checkpoint (the period follows measured times), so each fragment's rule is checked.

@@ -369,4 +369,6 @@ def _checkpoint_report(writer: CheckpointWriter | sharded_checkpoints.ShardedWri
     return {"checkpoints_written": writer.written, "checkpoints_skipped": writer.skipped,
             "checkpoint_copy_s": writer.copy_s, "checkpoint_copy_total_s": writer.copy_total_s,
             "checkpoint_write_s": writer.write_s, "checkpoint_period": writer.pacer.period,
-            "checkpoint_cost_s": writer.pacer.cost_s, "checkpoint_cost_total_s": writer.pacer.cost_total_s}
+            "checkpoint_cost_s": writer.pacer.cost_s, "checkpoint_cost_total_s": writer.pacer.cost_total_s,
+            **({"checkpoint_write_cpu_total_s": writer.write_cpu_total_s} if isinstance(writer, CheckpointWriter)
+               else {})}

@@ -8,7 +8,7 @@ most `failures.checkpoint_every` steps), and a checkpoint whose predecessor is s
 skipped, never waited for. What a checkpoint costs in all, the copy plus the time steps lose while the
 write runs beside them, is measured and reported (`CheckpointPacer`).
 
-The file is a `state_files.py` file (torch.save plus a BLAKE2b trailer, keyed with the run's secret or
+The file is a `state_files.py` file (torch.save plus a SHA-256 trailer, keyed with the run's secret or
 the learner's own credential when it holds one). Reading refuses, in one line
 naming the file, anything a restarted learner should not build on: a damaged or foreign file, a step
 count above what the run could have taken, an optimizer state for other parameters (another number,
@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 
 from diloco.clock import SYSTEM_CLOCK as clock
 
+from diloco.client.packed_state import packed_copy, unpacked
 from diloco.errors import DilocoError
 from diloco.state_files import file_key, load_checked, save_checked
 
@@ -57,6 +59,10 @@ def read_checkpoint(path: Path, max_steps: int, optimizer: torch.optim.Optimizer
     """The checkpoint at `path`, checked against this run (`max_steps`: the most steps a learner of
     it can take) and this learner's `optimizer`; a one-line DilocoError for anything else."""
     state = load_checked(path, "learner checkpoint", ADVICE, key)
+    try:
+        state = unpacked(state)
+    except ValueError as exc:
+        raise DilocoError(f"learner checkpoint {path} {exc}: {ADVICE}") from None
     check_checkpoint(state, path, max_steps, optimizer)
     return state
 
@@ -103,17 +109,6 @@ def _check_optimizer(saved: Any, optimizer: torch.optim.Optimizer, refuse) -> No
                     raise refuse(f"holds NaN or Inf in optimizer state {key!r}")
             elif isinstance(value, float) and not math.isfinite(value):
                 raise refuse(f"holds a non-finite optimizer value {key!r}")
-
-
-def snapshot(value: Any) -> Any:
-    """A copy of a state dict that training can no longer change: tensors cloned, containers rebuilt."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: snapshot(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(snapshot(v) for v in value)
-    return value
 
 
 def checkpoint_period(copy_s: float, step_s: float, most: int) -> int:
@@ -194,6 +189,9 @@ class CheckpointWriter:
         """Every copy's time on the training thread, summed."""
         self.write_s = 0.0
         """The latest write's time on the background thread."""
+        self.write_cpu_s = self.write_cpu_total_s = 0.0
+        """The latest write's CPU time (serialising, digest, the kernel's copy; this thread's own), and every
+        write's, summed: where training runs on the same CPUs, what the writes took from it."""
         self.written = self.skipped = 0
 
     def maybe_save(self, step: int, step_s: float, state: Callable[[], dict[str, Any]]) -> bool:
@@ -217,7 +215,7 @@ class CheckpointWriter:
     def save(self, state: Callable[[], dict[str, Any]], wait: bool = False) -> None:
         self.wait()  # one write at a time, in order
         began = clock.monotonic()
-        copied = snapshot(state())
+        copied = packed_copy(state())
         self.copy_s = clock.monotonic() - began
         self.copy_total_s += self.copy_s
         self._thread = threading.Thread(target=self._write, args=(copied,), name="learner-checkpoint", daemon=True)
@@ -226,9 +224,11 @@ class CheckpointWriter:
             self.wait()
 
     def _write(self, state: dict[str, Any]) -> None:
-        began = clock.monotonic()
+        began, cpu_began = clock.monotonic(), time.thread_time()
         write_checkpoint(state, self.path, self.key)
         self.write_s = clock.monotonic() - began
+        self.write_cpu_s = time.thread_time() - cpu_began
+        self.write_cpu_total_s += self.write_cpu_s
         self.written += 1
 
     def wait(self) -> None:

@@ -1,0 +1,110 @@
+"""A learner's checkpoint state copied into one flat buffer per dtype, so that saving it costs about what
+its bytes cost.
+
+`torch.save` pays a fixed Python cost for every tensor it pickles: a learner's model and AdamW state are
+three tensors per parameter plus a step count each, and for the built-in model that fixed cost was three
+quarters of a checkpoint's serialisation (13.7 ms against 3.2 ms for the same bytes as one tensor). The
+training thread already copies the state once before the write (so training can go on); `packed_copy`
+makes that copy into one buffer per dtype and leaves, in the tensors' places, a reference (dtype,
+offset, shape). `unpacked` turns a loaded state back into the same nested values, each tensor a view of
+its buffer, after checking every reference against the buffers: a file is a claim to check, even a
+sealed one. A state saved before this layout (no `PACKED` key) loads as it was written.
+
+Tensors off the CPU (a GPU learner's) are cloned where they are, as before: copying them to the host
+would move the device-to-host transfer onto the training thread.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+PACKED = "diloco.packed_state"
+"""The key of a packed state's version; its value is `VERSION`."""
+VERSION = 1
+REF = "diloco.packed_tensor"
+"""The one key of the dict that stands in a tensor's place: [dtype name, offset, shape]."""
+
+_DTYPES = {str(t).removeprefix("torch."): t for t in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool)}
+_KEYS = {t: key for key, t in _DTYPES.items()}
+
+
+def packed_copy(state: Any) -> dict[str, Any]:
+    """A copy of `state` (nested dicts, lists, tuples; tensors and plain values) that training can no longer
+    change: every CPU tensor of a dtype in `_DTYPES` copied into that dtype's buffer (one `cat` each),
+    others cloned."""
+    tensors: dict[str, list[torch.Tensor]] = {}
+    filled: dict[str, int] = {}
+
+    def place(tensor: torch.Tensor) -> dict[str, list[Any]]:
+        key = _KEYS[tensor.dtype]
+        offset = filled.get(key, 0)
+        filled[key] = offset + tensor.numel()
+        tensors.setdefault(key, []).append(tensor.reshape(-1))
+        return {REF: [key, offset, list(tensor.shape)]}
+
+    tree = _rebuilt(state, place)
+    with torch.no_grad():  # a copy of values, never part of a graph
+        buffers = {key: torch.cat(ts) for key, ts in tensors.items()}
+    return {PACKED: VERSION, "buffers": buffers, "tree": tree}
+
+
+def unpacked(state: Any) -> Any:
+    """The nested state a `packed_copy` was made from, each tensor a view of its buffer; any other state as it
+    is. Raises ValueError, naming what is wrong, for a reference that its buffers do not hold."""
+    if not isinstance(state, dict) or PACKED not in state:
+        return state
+    if state[PACKED] != VERSION:
+        raise ValueError(f"is packed in an unknown layout (version {state[PACKED]!r})")
+    buffers = state.get("buffers")
+    if not isinstance(buffers, dict) or not all(
+            isinstance(k, str) and _DTYPES.get(k) is not None and isinstance(b, torch.Tensor) and b.dim() == 1
+            and b.dtype == _DTYPES[k] for k, b in buffers.items()):
+        raise ValueError("has packed buffers that are not one flat tensor of the dtype each names")
+
+    def view(ref: Any) -> torch.Tensor:
+        if not (isinstance(ref, list) and len(ref) == 3 and ref[0] in buffers and _is_count(ref[1])
+                and isinstance(ref[2], list) and all(_is_count(d) for d in ref[2])):
+            raise ValueError(f"has a malformed packed tensor reference {str(ref)[:80]!r}")
+        key, offset, shape = ref
+        n = math.prod(shape)
+        if offset + n > buffers[key].numel():
+            raise ValueError(f"has a packed tensor of {n} {key} values at offset {offset}, past its buffer's "
+                             f"{buffers[key].numel()}")
+        return buffers[key][offset:offset + n].view(shape)
+
+    return _restored(state.get("tree"), view)
+
+
+def _packs(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype in _KEYS and value.device.type == "cpu"
+
+
+def _rebuilt(value: Any, place: Any) -> Any:
+    if _packs(value):
+        return place(value)
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _rebuilt(v, place) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebuilt(v, place) for v in value)
+    return value
+
+
+def _restored(value: Any, view: Any) -> Any:
+    if isinstance(value, dict):
+        if REF in value and len(value) == 1:
+            return view(value[REF])
+        return {k: _restored(v, view) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_restored(v, view) for v in value)
+    return value
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 62
