@@ -74,3 +74,18 @@ def test_a_checkpoint_measures_the_time_steps_lose_while_it_is_written_and_its_c
 def test_a_write_that_slows_no_step_costs_its_copy_only():
     pacer = _paced(step_s_while_writing=0.9, copy_s=0.05)  # beside a GPU's steps: none slower (one faster)
     assert pacer.cost_s == pytest.approx(0.05)  # a step faster than usual is no credit
+
+
+@pytest.mark.parametrize("counts_write, period", [(False, 1), (True, 21)], ids=["beside a GPU", "on the CPUs"])
+def test_a_writer_on_the_cpus_training_uses_counts_its_writes_cpu_in_the_period(tmp_path, counts_write, period):
+    """Training on the CPU loses the write's CPU time to it, so the period keeps copy and write within 1%
+    of the steps; a GPU's step loses only the copy."""
+    writer = CheckpointWriter(tmp_path / "learner.pt", most_every=1000, counts_write=counts_write)
+    for step in range(1, BASELINE_STEPS + 1):
+        writer.maybe_save(step, 0.1, lambda: {"steps": step})
+    writer.wait()
+    assert writer.written == 1
+    writer.pacer.copy_s, writer.write_cpu_s = 0.001, 0.020  # 1 ms of copy, 20 ms of the write's CPU; 100 ms steps
+    saved = [step for step in range(BASELINE_STEPS + 1, BASELINE_STEPS + 30)
+             if writer.maybe_save(step, 0.1, lambda: {"steps": 0}) or writer.wait()]
+    assert writer.pacer.period == period and saved[0] == BASELINE_STEPS + period

@@ -137,7 +137,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         log.info("learner %d resumes at step %d from %s (own progress: fragments %s)", m, replica.steps, checkpoint,
                  [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
     resumed_from = replica.steps
-    writer = _writer_for(checkpoint, seal, config, sync, sharded)
+    writer = _writer_for(checkpoint, seal, config, sync, sharded, shares_cpu=replica.device.type == "cpu")
     if world > 1 and not sharded:
         replica.model = shard_model(model, "ddp", world)
     if t.compile:
@@ -174,14 +174,15 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
 
 
 def _writer_for(checkpoint: Path | None, seal: bytes | None, config: Config, sync: Learner | Standalone,
-                sharded: bool) -> CheckpointWriter | sharded_checkpoints.ShardedWriter | None:
-    """What writes this learner's checkpoints: DCP on every rank of a sharded learner, else rank 0's file."""
+                sharded: bool, shares_cpu: bool) -> CheckpointWriter | sharded_checkpoints.ShardedWriter | None:
+    """What writes this learner's checkpoints: DCP on every rank of a sharded learner, else rank 0's file.
+    `shares_cpu`: training computes on the CPU, so the file's write takes from it (`CheckpointWriter`)."""
     if checkpoint is None:
         return None
     learner = syncing_learner(sync)
     if sharded:
         return sharded_checkpoints.ShardedWriter(checkpoint, seal, learner, config.failures.checkpoint_every)
-    return CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every)
+    return CheckpointWriter(checkpoint, seal, config.failures.checkpoint_every, counts_write=shares_cpu)
 
 
 def syncing_learner(sync: Any) -> Learner | None:

@@ -2,9 +2,10 @@
 carried yet: `core/own_progress.py`): written off the training step, with its digest; read back only
 once it is checked.
 
-How often: the training thread takes a copy (`CheckpointWriter.save`); the write runs on a background
-thread. The period is the fewest steps that keep that copy within `COST_SHARE` of their time (and at
-most `failures.checkpoint_every` steps), and a checkpoint whose predecessor is still being written is
+How often: the training thread takes a copy (`CheckpointWriter.save`, packed: `packed_state.py`); the
+write runs on a background thread. The period is the fewest steps that keep that copy, and where training
+computes on the same CPUs the write's CPU time too, within `COST_SHARE` of their time (and at most
+`failures.checkpoint_every` steps), and a checkpoint whose predecessor is still being written is
 skipped, never waited for. What a checkpoint costs in all, the copy plus the time steps lose while the
 write runs beside them, is measured and reported (`CheckpointPacer`).
 
@@ -120,11 +121,13 @@ def checkpoint_period(copy_s: float, step_s: float, most: int) -> int:
 
 class CheckpointPacer:
     """When a learner's next checkpoint is due: the period that keeps the copy on the training thread within
-    `COST_SHARE` of the median step taken with no write on its way. It also measures what each checkpoint
-    cost in all (`cost_s`): the copy plus the time the steps lost while it was written (their time above
-    that median), which the learner reports. The period does not count that slowdown: on a GPU it is
-    about nothing, and on CPUs shared with other processes it is mostly their noise; counted, it spaced
-    the chaos runs' checkpoints to the 25-step bound and tripled the work a kill loses (docs/runtime.md).
+    `COST_SHARE` of the median step taken with no write on its way (the caller adds the write's own CPU
+    time to the copy where training shares the CPUs: `CheckpointWriter`). It also measures what each
+    checkpoint cost in all (`cost_s`): the copy plus the time the steps lost while it was written (their
+    time above that median), which the learner reports. The period does not count that slowdown: on a GPU
+    it is about nothing, and on CPUs shared with other processes it is mostly their noise (counted, it
+    spaced the chaos runs' checkpoints to the 25-step bound; docs/runtime.md); the write's CPU time is
+    what the write itself took.
     Fed every step (`step`); the caller agrees the figures with its other ranks, if any, before it uses
     them (`figures`, `due`)."""
 
@@ -179,8 +182,10 @@ class CheckpointWriter:
     """A learner's checkpoints, written atomically on a background thread: the training thread only
     takes a copy, then trains on while it reaches the disk. `most_every`: the longest period in steps."""
 
-    def __init__(self, path: Path, key: bytes | None = None, most_every: int = 25) -> None:
-        self.path, self.key = path, key
+    def __init__(self, path: Path, key: bytes | None = None, most_every: int = 25, counts_write: bool = False) -> None:
+        """`counts_write`: training computes on the CPUs the write runs on, so the period counts the write's CPU
+        time as well as the copy (a GPU's step loses nothing to it)."""
+        self.path, self.key, self.counts_write = path, key, counts_write
         self.pacer = CheckpointPacer(most_every)
         self._thread: threading.Thread | None = None
         self.copy_s = 0.0
@@ -203,7 +208,8 @@ class CheckpointWriter:
         if self._writing():
             self.skipped += 1
             return False
-        if not self.pacer.due(step, *self.pacer.figures()):
+        copy_s, step_s = self.pacer.figures()
+        if not self.pacer.due(step, copy_s + (self.write_cpu_s if self.counts_write else 0.0), step_s):
             return False
         self.save(state)
         self.pacer.saved(step, self.copy_s)

@@ -121,7 +121,7 @@ def start_jax_learner(config: Config, *, syncer: str | None, learner: int | None
         sync.resume(replica.steps)
         log.info("JAX learner %d resumes at step %d from %s (own progress: fragments %s)", m, replica.steps,
                  checkpoint, [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
-    writer = _writer_for(checkpoint, seal, config, sync, sharded=False)
+    writer = _writer_for(checkpoint, seal, config, sync, sharded=False, shares_cpu=jax.default_backend() == "cpu")
     return JaxLife(config, materials, replica, sync, plan, checkpoint, writer,  # type: ignore[arg-type]
                    replica.steps, loss_fn)
 
