@@ -20,10 +20,14 @@ def test_chunks_cover_every_element_once_in_multiples(numel, multiple, monkeypat
 
 
 @pytest.mark.parametrize("chunk", [None, 100, 7])
-@pytest.mark.parametrize("numel", [1, 1000, 3 * (1 << 20) + 5])
+@pytest.mark.parametrize("numel", [1, 1000, "3 chunks + 5"])
 def test_add_scaled_is_the_whole_tensor_ops_bit_for_bit(numel, chunk, monkeypatch):
+    """"3 chunks + 5" is several whole chunks and a ragged last one at every chunk size (3M elements at the
+    default), without 450k chunks of 7."""
     if chunk is not None:
         monkeypatch.setattr(cache_chunks, "CPU_CHUNK_ELEMENTS", chunk)
+    if numel == "3 chunks + 5":
+        numel = 3 * cache_chunks.CPU_CHUNK_ELEMENTS + 5
     generator = torch.Generator().manual_seed(numel)
     delta, old, mine = (torch.randn(numel, generator=generator) for _ in range(3))
     alphas = [0.37, 1.0, 3.1e-3]

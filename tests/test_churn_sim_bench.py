@@ -9,6 +9,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import churn_sim  # noqa: E402  (the benchmark itself)
 from conftest import TINY  # noqa: E402
@@ -31,6 +33,7 @@ def test_the_schedule_is_the_chaos_commands_for_the_same_seed():
     assert sum(k.victim.startswith("syncer-") for k in ours) == 2
 
 
+@pytest.mark.integration  # two whole simulated training runs: the clean one and its faulty twin
 def test_a_tiny_run_writes_its_comparison(tmp_path, monkeypatch):
     out = tmp_path / "churn.json"
     args = ["churn_sim.py", "--kill-learners", "2", "--kill-syncer", "1", "--json", str(out),

@@ -33,12 +33,16 @@ from diloco.jax.equivalence import flax_params_for  # noqa: E402
 from diloco.jax.flax_gpt import FlaxGPT  # noqa: E402
 from diloco.jax.jax_checkpoints import optax_state_dict  # noqa: E402
 from diloco.jax.jax_loop import _checked, start_jax_learner, train_jax_learner  # noqa: E402
-from diloco.jax.jax_training import JaxReplica  # noqa: E402
+from diloco.jax.jax_training import JaxReplica, JaxStep  # noqa: E402
 from diloco.jax.name_map import GPT_NAMES  # noqa: E402
 
 SETTINGS = ("learners.count=1", "outer.H=8", "outer.fragments=2", "train.tokens=6400", "metrics.every_steps=1")
 TOKENS_PER_STEP = 4 * 16  # TINY's batch × sequence
 KILL_AT_STEP = 30
+
+
+_JITTED: dict[str, JaxStep] = {}
+"""A config's `train` section (its repr) → the jitted step its replicas share."""
 
 
 def replica(config=None, steps: int = 0) -> JaxReplica:
@@ -49,6 +53,11 @@ def replica(config=None, steps: int = 0) -> JaxReplica:
     params = flax_params_for(model, {n: p.detach() for n, p in materials.model.named_parameters()})
     replica = JaxReplica(params, lambda p, x, y: model.apply({"params": p}, x, y), config.train,
                          _data_shard(config, materials.corpus.train, 0, 0, 1), planned_steps=100)
+    # Every replica of one training config runs the first one's jitted step (the same function of the
+    # same model): each JaxReplica jits a closure of its own, whose compilation (~4 s on two cores) was
+    # most of these tests' time.
+    jitted = _JITTED.setdefault(repr(config.train), replica.jitted)
+    replica.jitted, replica._step = jitted, jitted.step
     for _ in range(steps):
         replica.train_step()
     return replica

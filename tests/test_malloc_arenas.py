@@ -12,8 +12,11 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 
 THREADS_ALLOCATING = """
 import ctypes, sys, threading
-from diloco.shard.serving import limit_malloc_arenas
-print(limit_malloc_arenas() if sys.argv[1] == "limit" else "unlimited", flush=True)
+if sys.argv[1] == "limit":  # only then diloco (torch, grpc: ~2.7 s to import), as a shard's process does
+    from diloco.shard.serving import limit_malloc_arenas
+    print(limit_malloc_arenas(), flush=True)
+else:
+    print("unlimited", flush=True)
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]

@@ -89,6 +89,7 @@ def test_a_run_with_fsdp_ddp_and_single_process_learners_accounts_every_token(tm
     assert (tmp_path / "checkpoints" / "learner-1.pt").is_file()
 
 
+@pytest.mark.integration  # `diloco sim` as a process: a whole simulated training run
 def test_the_simulator_ignores_rank_groups_in_one_warning_line(tmp_path):
     done = diloco("sim", *sets(*TINY, *MIXED, "train.tokens=1920"), "--out", str(tmp_path), "-q")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -78,6 +78,8 @@ def test_a_regional_outage_kills_the_regions_syncer_and_learners_and_the_run_goe
     assert summary["duplicates"] == 0
 
 
+@pytest.mark.integration  # three `diloco syncer` processes (in this process its signal handlers and
+# parent-death signal would outlive the test)
 def test_a_regions_syncer_needs_its_upstream_and_a_region_with_learners(tmp_path):
     def syncer(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "diloco", "syncer", *args], capture_output=True, text=True,
