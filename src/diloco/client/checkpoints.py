@@ -112,11 +112,12 @@ def _check_optimizer(saved: Any, optimizer: torch.optim.Optimizer, refuse) -> No
                 raise refuse(f"holds a non-finite optimizer value {key!r}")
 
 
-def checkpoint_period(copy_s: float, step_s: float, most: int) -> int:
-    """Steps between checkpoints so that copying one costs at most `COST_SHARE` of the steps between."""
+def checkpoint_period(cost_s: float, step_s: float, most: int) -> int:
+    """Steps between checkpoints so that one's cost to training (its copy, and its write's CPU where training
+    shares the CPUs) is at most `COST_SHARE` of the steps between."""
     if step_s <= 0:
         return most
-    return max(1, min(most, math.ceil(copy_s / (COST_SHARE * step_s))))
+    return max(1, min(most, math.ceil(cost_s / (COST_SHARE * step_s))))
 
 
 class CheckpointPacer:
@@ -168,10 +169,11 @@ class CheckpointPacer:
         """The latest copy's time and the plain step time (what ranks agree on, by maximum)."""
         return self.copy_s, self.plain_step_s()
 
-    def due(self, step: int, copy_s: float, step_s: float) -> bool:
-        """With no write on its way anywhere: the period those (agreed) figures give, and whether `step` is past it."""
+    def due(self, step: int, cost_s: float, step_s: float) -> bool:
+        """With no write on its way anywhere: the period those (agreed) figures give (`cost_s`: a checkpoint's
+        cost to training), and whether `step` is past it."""
         if self.saved_step is not None:
-            self.period = checkpoint_period(copy_s, step_s, self.most_every)
+            self.period = checkpoint_period(cost_s, step_s, self.most_every)
         return self.saved_step is None or step - self.saved_step >= self.period
 
     def saved(self, step: int, copy_s: float) -> None:
