@@ -3,7 +3,7 @@ whole-run equivalence with DDP learners, and a mixed run.
 
     python benchmarks/sharded.py [--steps N] [--width W] [--layers L]
                                  [--parts memory,speed,checkpoint,equal,mixed] [--worlds 2,4] [--meta-init]
-                                 [--repeats R] [--syncer-process] [--out FILE]
+                                 [--repeats R] [--speed-h 8,50] [--syncer-process] [--out FILE]
 
 (the 101M-parameter memory measurement: --parts memory --width 1024 --layers 8 --steps 8 --meta-init)
 
@@ -20,7 +20,10 @@ this process (or its own process: --syncer-process). Parts, all in one invocatio
           its own rows only.
           It also times the W = 2 learner against the same loop without syncing, one run each (below).
   speed   the same W = 2 FSDP loop with syncing and without it (no Learner at all), --repeats runs of each
-          taking turns: tokens/s ratio of the medians, target ≥ 0.95 (issue 28).
+          taking turns: tokens/s ratio of the medians, target ≥ 0.95 (issue 28), at each --speed-h (default
+          8 and 50: with 8 fragments, a push every step or, at the config's default H, one every 6.25 steps;
+          give --steps ≥ 48 so that H = 50 reaches its steady rate), and the ranks' CPU per push or answer
+          (`cpu_s_per_sync_message`: what syncing costs at any H and step time).
   checkpoint  the synced W = 2 FSDP learner with its own-progress checkpoints on (as the built-in learner
           keeps them: DCP async_save every rank at its cost-derived period; pushes go at once) and off,
           --repeats runs each taking turns: tokens/s of the medians and
@@ -221,7 +224,9 @@ def alternated(args: argparse.Namespace, variants: dict[str, dict[str, Any]]) ->
             ranks = r["reports"]
             runs[name].append({**next(x for x in ranks if x["rank"] == 0), "shard_cpu_s": r.get("shard_cpu_s", 0.0),
                                "learner_cpu_s": sum(x["train_cpu_s"] for x in ranks),
-                               "learner_tokens": sum(x["tokens"] for x in ranks)})
+                               "learner_tokens": sum(x["tokens"] for x in ranks),
+                               "threads": {f"rank {x['rank']} {name}": cpu
+                                           for x in ranks for name, cpu in x.get("train_cpu_s_by_thread", {}).items()}})
     return runs
 
 
@@ -242,14 +247,42 @@ def median_tokens_per_s(reports: list[dict[str, Any]]) -> float:
 
 
 def speed(args: argparse.Namespace) -> dict[str, Any]:
-    """Issue 28: the synced W = 2 FSDP learner's tokens/s against the same loop with no Learner at all."""
-    runs = alternated(args, {"synced": {}, "unsynced": {"sync": False}})
-    synced, unsynced = median_tokens_per_s(runs["synced"]), median_tokens_per_s(runs["unsynced"])
-    return {"tokens_per_s_synced": synced, "tokens_per_s_unsynced": unsynced, "speed_ratio": synced / unsynced,
-            "runs_synced": [r["tokens_per_s"] for r in runs["synced"]],
-            "runs_unsynced": [r["tokens_per_s"] for r in runs["unsynced"]],
-            "merges": [r["merges"] for r in runs["synced"]], "pushes": [r["pushes"] for r in runs["synced"]],
-            **cpu_figures(runs["synced"], runs["unsynced"], "synced")}
+    """Issue 28: the synced W = 2 FSDP learner's tokens/s against the same loop with no Learner at all, at each
+    `--speed-h` (H = 8 with 8 fragments pushes a fragment every step; the config's default H one every
+    H / 8 steps), and what one sync message (a push or an answer) costs the ranks in CPU."""
+    variants: dict[str, dict[str, Any]] = {"unsynced": {"sync": False}}
+    variants.update({f"H{h}": {"extra": (f"outer.H={h}",)} for h in args.speed_h})
+    runs = alternated(args, variants)
+    unsynced = median_tokens_per_s(runs["unsynced"])
+    rows = {}
+    for h in args.speed_h:
+        synced = runs[f"H{h}"]
+        rows[str(h)] = {"tokens_per_s_synced": median_tokens_per_s(synced), "tokens_per_s_unsynced": unsynced,
+                        "speed_ratio": median_tokens_per_s(synced) / unsynced,
+                        "runs_synced": [r["tokens_per_s"] for r in synced],
+                        "merges": [r["merges"] for r in synced], "pushes": [r["pushes"] for r in synced],
+                        "merges_trained": [r["merges_trained"] for r in synced],
+                        "pushes_trained": [r["pushes_trained"] for r in synced],
+                        "cpu_s_per_sync_message": cpu_per_message(synced, runs["unsynced"]),
+                        "thread_cpu_s": thread_medians(synced),
+                        **cpu_figures(synced, runs["unsynced"], "synced")}
+    return {"runs_unsynced": [r["tokens_per_s"] for r in runs["unsynced"]],
+            "thread_cpu_s_unsynced": thread_medians(runs["unsynced"]), "by_H": rows}
+
+
+def thread_medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per rank and thread name, the median over runs of its CPU seconds in the training steps (0 in a run
+    that had no such thread)."""
+    names = sorted({name for r in runs for name in r["threads"]})
+    return {name: statistics.median(r["threads"].get(name, 0.0) for r in runs) for name in names}
+
+
+def cpu_per_message(synced: list[dict[str, Any]], unsynced: list[dict[str, Any]]) -> float:
+    """The ranks' CPU seconds that syncing added per push or answer (median over runs): each synced run's CPU
+    above what its tokens cost without syncing (the unsynced runs' median per token), over its messages."""
+    base = statistics.median(r["learner_cpu_s"] / r["learner_tokens"] for r in unsynced)
+    return statistics.median((r["learner_cpu_s"] - base * r["learner_tokens"])
+                             / max(1, r["pushes_trained"] + r["merges_trained"]) for r in synced)
 
 
 def checkpoint_cost(args: argparse.Namespace) -> dict[str, Any]:
@@ -326,6 +359,9 @@ def main() -> None:
     p.add_argument("--meta-init", action="store_true",
                    help="memory: build each rank's model on the meta device and fill its own rows only")
     p.add_argument("--repeats", type=int, default=3, help="speed, checkpoint: runs of each variant (medians)")
+    p.add_argument("--speed-h", default="8,50", type=lambda text: [int(h) for h in text.split(",")],
+                   help="speed: the outer H of each synced variant (8 fragments: H = 8 pushes one every step; 50 is "
+                        "the config's default)")
     p.add_argument("--checkpoint-every", type=int, default=25,
                    help="checkpoint: the longest checkpoint period in steps (failures.checkpoint_every)")
     p.add_argument("--syncer-process", action="store_true",

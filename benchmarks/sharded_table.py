@@ -31,12 +31,16 @@ def show(results: dict[str, Any]) -> None:
         table.add_row(f"{key} join s", f"{row['join_s']:.2f}", "")
         if "speed_ratio" in row:
             table.add_row(f"{key} tokens/s synced / unsynced", f"{row['speed_ratio']:.3f}", "≥ 0.95")
-    if "speed" in results:
-        row = results["speed"]
-        table.add_row("W2 tokens/s synced / unsynced (medians)", f"{row['tokens_per_s_synced']:.1f} / "
+    for h, row in results.get("speed", {}).get("by_H", {}).items():
+        table.add_row(f"W2 H={h} tokens/s synced / unsynced (medians)", f"{row['tokens_per_s_synced']:.1f} / "
                       f"{row['tokens_per_s_unsynced']:.1f} = {row['speed_ratio']:.3f}", "≥ 0.95")
-        if "synced_cpu_ratio" in row:
-            cpu_rows(table, row, "synced", "syncing")
+        table.add_row(f"W2 H={h} pushes / merges per run while training (and leaving)",
+                      f"{row['pushes_trained']} / {row['merges_trained']} ({row['pushes']} / {row['merges']})", "")
+        table.add_row(f"W2 H={h} ranks' CPU s per push or answer", f"{row['cpu_s_per_sync_message']:.3f}", "")
+        cpu_rows(table, row, "synced", f"syncing at H={h}")
+        without = results["speed"].get("thread_cpu_s_unsynced", {})
+        for name, cpu in sorted(row.get("thread_cpu_s", {}).items(), key=lambda kv: -kv[1])[:8]:
+            table.add_row(f"W2 H={h} CPU s of {name}, synced / unsynced", f"{cpu:.2f} / {without.get(name, 0.0):.2f}", "")
     if "checkpoint" in results:
         row = results["checkpoint"]
         table.add_row("W2 tokens/s checkpoints on / off (medians)", f"{row['tokens_per_s_checkpoints_on']:.1f} / "

@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +44,33 @@ def batch(generator: torch.Generator, size: int, seq: int) -> torch.Tensor:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of each live thread of this process, by name: a Python thread's own name, any other
+    (gRPC's, Gloo's, OpenMP's) the kernel's `comm`; threads of one name summed."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            comm = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = names.get(int(task.name), comm).rstrip("0123456789-_")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def cpu_by_thread(before: dict[str, float], after: dict[str, float], total_s: float) -> dict[str, float]:
+    """Each thread name's CPU seconds between two `thread_cpu_s` readings, and what threads that ended
+    meanwhile took ("ended": the process's total less the rest)."""
+    spent = {name: after[name] - before.get(name, 0.0) for name in after}
+    spent = {name: s for name, s in spent.items() if s > 0}
+    spent["ended"] = max(0.0, total_s - sum(spent.values()))
+    return spent
 
 
 def peak_rss_bytes() -> int:
@@ -114,7 +142,7 @@ def main() -> None:
     writer = ShardedWriter(args.out / f"learner-{args.id}.dcp", None, learner, args.checkpoint_every) \
         if args.checkpoints and learner is not None and sharded else None
     rss_floor, step_times = 0, []
-    started, cpu_started = time.monotonic(), time.process_time()
+    started, cpu_started, threads_started = time.monotonic(), time.process_time(), thread_cpu_s()
     for step in range(args.steps):
         t0 = time.monotonic()
         x = batch(generator, args.batch, args.seq)
@@ -133,6 +161,8 @@ def main() -> None:
             rss_floor = rss_bytes()  # model, optimizer state and anchors all exist: what grows now is syncing's
     train_s = time.monotonic() - started
     train_cpu_s = time.process_time() - cpu_started  # every thread of this rank: training, link, collectives
+    threads = cpu_by_thread(threads_started, thread_cpu_s(), train_cpu_s)
+    trained = learner.report() if learner is not None else {}  # pushes and merges of the training steps alone
     if writer is not None:
         writer.wait()  # the last write in flight ends before the learner leaves
     rss["trained"] = rss_bytes()
@@ -156,6 +186,7 @@ def main() -> None:
               "bytes_between_ranks": getattr(ranks, "bytes_between_ranks", 0), "anchor_bytes": anchors,
               "bytes_up": report.get("bytes_up", 0), "bytes_down": report.get("bytes_down", 0),
               "merges": report.get("merges", 0), "pushes": report.get("pushes", 0),
+              "train_cpu_s_by_thread": threads, "merges_trained": trained.get("merges", 0), "pushes_trained": trained.get("pushes", 0),
               **({"checkpoints_written": writer.written, "checkpoints_skipped": writer.skipped,
                   "checkpoint_copy_total_s": writer.copy_total_s, "checkpoint_period": writer.pacer.period,
                   "checkpoint_cost_s": writer.pacer.cost_s, "checkpoint_cost_total_s": writer.pacer.cost_total_s}
