@@ -1,7 +1,7 @@
 """The collective timeout of a multi-rank learner is derived from its measured steps: the floor before
 anything is measured, then FACTOR × the slowest step (at least the minimum), never above the floor; a
-rank that dies or hangs while rank 0 gathers a due push ends rank 0 with one line within that bound,
-and the syncer counts nothing twice."""
+rank that dies or hangs while rank 0 gathers a due push, or mid training step, ends rank 0 with one line
+within that bound, and the syncer counts nothing twice."""
 
 from __future__ import annotations
 
@@ -55,6 +55,19 @@ def test_the_bound_grows_with_a_slower_step_and_a_relaxed_stretch_is_no_step(mon
     assert bound.applied_s == collective_bound.floor_s()
 
 
+def test_only_the_process_groups_failures_are_taken_for_a_lost_rank():
+    """A training step's own error (a model's bug) keeps its traceback; Gloo's or torch's distributed
+    errors become the one line of a lost rank."""
+    from diloco.client.row_moves import collective_error, is_collective_failure
+
+    reset = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    assert is_collective_failure(reset) and is_collective_failure(dist.DistBackendError("NCCL watchdog timeout"))
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 7x8)"))
+    assert not is_collective_failure(ValueError("gloo"))
+    assert str(collective_error(reset, "training")).startswith("a rank of this learner stopped answering during "
+                                                               "training ([third_party/gloo")
+
+
 FRAGMENTS = 3
 MIN_S = 4.0
 BUILTIN = ["learners.count=1", "strategy=decoupled", "outer.H=4", f"outer.fragments={FRAGMENTS}",
@@ -64,10 +77,11 @@ BUILTIN = ["learners.count=1", "strategy=decoupled", "outer.H=4", f"outer.fragme
 @pytest.mark.integration  # two ranks of the built-in learner against a live shard
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed (Gloo)")
 @pytest.mark.parametrize("fault", ["exit", "hang"])
-def test_a_rank_lost_mid_gather_ends_rank_0_in_one_line_within_the_bound(fault, tmp_path: Path):
-    """Rank 1 dies (or stops, alive and silent) as rank 0 gathers its 6th push: rank 0 ends with exit code 2
-    and one line within the measured bound (far below the 600 s floor), and the syncer took each of
-    its pushes once."""
+@pytest.mark.parametrize("where", ["GATHER", "STEP"])
+def test_a_rank_lost_mid_collective_ends_rank_0_in_one_line_within_the_bound(where, fault, tmp_path: Path):
+    """Rank 1 dies (or stops, alive and silent) as rank 0 gathers its 6th push, or as it begins its 6th
+    training step (rank 0 then waits in the step's FSDP collectives): rank 0 ends with exit code 2 and one
+    line within the measured bound (far below the 600 s floor), and the syncer took each of its pushes once."""
     shard = SyncerShard(tiny_config(*BUILTIN), ShardPlan(0, 1, ("",)))
     server, port = serve(shard, "127.0.0.1:0", workers=8)
     address = f"127.0.0.1:{port}"
@@ -79,7 +93,7 @@ def test_a_rank_lost_mid_gather_ends_rank_0_in_one_line_within_the_bound(fault, 
             env = child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master), OMP_NUM_THREADS="1",
                             GLOO_SOCKET_IFNAME="lo", DILOCO_COLLECTIVE_MIN_S=str(MIN_S),
-                            DILOCO_FAULT_EXIT_AT_GATHER="1:6" + (":hang" if fault == "hang" else ""))
+                            **{f"DILOCO_FAULT_EXIT_AT_{where}": "1:6" + (":hang" if fault == "hang" else "")})
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "diloco.learner", "--syncer", address, "--id", "0", "--out", str(tmp_path),
                  "-q", *sets], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,

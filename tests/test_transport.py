@@ -212,3 +212,25 @@ def test_the_status_page_of_a_live_shard_shows_its_learners_by_name(shard):
     learners[1].close()
     assert syncer.snapshot()["learners"]["1"]["state"] == "left"
     learners[0].close()
+
+
+@pytest.mark.integration  # a live shard over real gRPC
+def test_a_heartbeat_in_the_middle_of_a_step_claims_no_tokens_ahead_of_its_step(shard, monkeypatch):
+    """The heartbeat thread may read the learner's progress at any moment of a step: what it claims is
+    never more tokens than its step allows (the syncer refuses that as tokens risen with no step)."""
+    syncer, address = shard
+    learner = Learner(tiny_model(), syncer=address, learner=0, tokens_per_step=16)
+    beats: list[tuple[int, int]] = []
+    sequence = learner._step_sequence
+
+    def beating(tokens: int, step_time: float) -> None:
+        beats.extend((b.tokens, b.step) for b in learner._beat())  # before the core has taken the step
+        sequence(tokens, step_time)
+        beats.extend((b.tokens, b.step) for b in learner._beat())  # after
+
+    monkeypatch.setattr(learner, "_step_sequence", beating)
+    for _ in range(6):
+        learner.step(tokens=16)
+    assert len(beats) == 12 and all(tokens <= 16 * step for tokens, step in beats), beats
+    assert [(b.tokens, b.step) for b in learner._beat()] == [(96, 6)]  # between steps: all of them
+    learner.close()

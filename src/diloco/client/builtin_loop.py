@@ -31,11 +31,12 @@ from diloco.errors import DilocoError
 from diloco.metrics import MetricsLog, open_metrics
 from diloco.metrics.records import LearnerMeter
 from diloco.materials import prepare
-from diloco.client import sharded_checkpoints
+from diloco.client import fault_injection, sharded_checkpoints
 from diloco.client.collective_bound import floor_s
 from diloco.client.checkpoints import CheckpointWriter, checkpoint_key, read_checkpoint
 from diloco.client.learner_client import HomeLink, Learner, LinkShape
 from diloco.client.param_shards import shard_model
+from diloco.client.row_moves import collective_error, is_collective_failure
 from diloco.client.sharded_build import build_sharded
 from diloco.models.factory import build_model
 from diloco.transport.ports import report_port
@@ -229,9 +230,19 @@ class _Training:
     started: float = field(default_factory=clock.monotonic)
 
     def run(self, last_step: int) -> None:
+        try:
+            self._run(last_step)
+        except RuntimeError as exc:  # torch's distributed errors are RuntimeErrors too
+            if self.world > 1 and is_collective_failure(exc):
+                raise collective_error(exc, "training") from exc
+            raise
+
+    def _run(self, last_step: int) -> None:
         replica, sync = self.replica, self.sync
+        first = replica.steps
         while replica.steps < last_step and not sync.should_stop:
             self.started = clock.monotonic()
+            fault_injection.maybe_fail(fault_injection.AT_STEP, self.rank, replica.steps - first + 1)
             tokens = replica.train_step()
             if self.speed < 1:  # a slower chip, emulated: the stretch counts as compute
                 clock.sleep((clock.monotonic() - self.started) * (1 / self.speed - 1))

@@ -233,12 +233,15 @@ class Learner:
         self.busy_s += now - self._last_step_end
         step_time = now - self._last_step_end
         tokens = self.ranks.total(tokens)
-        self.tokens += tokens
-        self.steps += 1
         if self.ranks.leader:  # the step sequence every learner follows (`LearnerCore.handle`)
             self._lead(lambda: self._step_sequence(tokens, step_time))
         else:
             self._follow()
+        # Counted once the core has the step: a heartbeat (its own thread) that read this step's tokens with
+        # the step before (a sharded leader's core takes the step only once its ranks hear of it) claims
+        # tokens risen with no step, which the syncer refuses.
+        self.tokens += tokens
+        self.steps += 1
         self._last_step_end = clock.monotonic()
 
     def _step_sequence(self, tokens: int, step_time: float) -> None:

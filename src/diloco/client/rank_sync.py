@@ -22,10 +22,7 @@ calls `follow` meanwhile. A failure on the leader is told to the followers, whic
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from diloco.client import fault_injection
 from diloco.client.collective_bound import BOUND
 from diloco.core.learner_core import LearnerCore
 from diloco.core.learner_events import LearnerAction, LearnerEvent, PushRefused, SendPush, UpdateArrived
@@ -55,10 +53,6 @@ def sharded_settings_problem(settings: Any) -> str | None:
 
 
 # ------------------------------------------------------------ plain and DDP models
-
-FAULT_AT_GATHER = os.environ.get("DILOCO_FAULT_EXIT_AT_GATHER", "")
-"""Fault injection for tests: "RANK:N" makes that rank exit (code 9) as it joins its N-th push's gather;
-"RANK:N:hang" stops it there (SIGSTOP: alive, its sockets open, silent)."""
 
 END, TICK, FAILED = 0, 1, 2
 """What rank 0 tells the other ranks of a replicated learner at the end of a step, or while it waits."""
@@ -323,9 +317,7 @@ class ShardedRanks:
         """Each rank's rows of the push's deltas, put together at rank 0 (a collective)."""
         push = action.push
         self.gathers += 1
-        if FAULT_AT_GATHER.split(":")[:2] == [str(self.rank), str(self.gathers)]:  # a test's rank dies or hangs
-            print(f"fault injected at {time.monotonic()}", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP) if FAULT_AT_GATHER.endswith(":hang") else os._exit(9)
+        fault_injection.maybe_fail(fault_injection.AT_GATHER, self.rank, self.gathers)  # a test's rank dies or hangs here
         whole = self._gather(list(push.deltas), push.deltas)
         if not self.leader:
             return action

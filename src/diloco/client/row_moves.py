@@ -21,10 +21,17 @@ from diloco.client.param_shards import padded_rows, row_pieces, rows_per_shard
 from diloco.errors import DilocoError
 
 
-def collective_error(exc: BaseException) -> DilocoError:
+def collective_error(exc: BaseException, during: str = "sync") -> DilocoError:
     """A collective of the learner's own process group failed (a rank died, or did not come in time)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return DilocoError(f"a rank of this learner stopped answering during sync ({first[:200]})")
+    return DilocoError(f"a rank of this learner stopped answering during {during} ({first[:200]})")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc`, raised by code that runs collectives among others (a training step's FSDP or DDP
+    communication, a DCP save), is the process group failing: torch's distributed errors, or a Gloo
+    transport's (a peer's connection reset, a timed-out receive) which torch raises as a RuntimeError."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower())
 
 
 class HeldBytes:
