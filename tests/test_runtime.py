@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,32 @@ def test_a_learner_pointed_at_nothing_fails_in_one_line():
         done = diloco("learner", "--syncer", address, "--connect-timeout", "2", timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "cannot reach the syncer at 127.0.0.1" in done.stderr
+
+
+def test_a_learner_told_to_stop_while_it_waits_for_the_syncer_ends_at_once_in_one_line():
+    """SIGTERM (torchrun's, a service manager's) while a learner waits for a syncer that does not answer
+    (a listener that never speaks gRPC) ends it in one line within a second or two, not at its connect
+    timeout (a launcher gives up on it after its own grace and kills it)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(120)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        proc = subprocess.Popen([sys.executable, "-m", "diloco", "learner", "--syncer", address, "--connect-timeout",
+                                 "120", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            conn, _ = silent.accept()  # its channel is connected, and waits for an answer that never comes
+            asked = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+            took = time.monotonic() - asked
+            conn.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 2 and took < 5, (proc.returncode, took, err[-2000:])
+    assert err.strip().count("\n") == 0 and "stopped while waiting for the syncer at 127.0.0.1" in err, err[-2000:]
 
 
 def test_a_syncer_on_a_port_in_use_fails_in_one_line():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
 import torch
 
@@ -57,6 +61,20 @@ def test_headers_that_lie_about_sizes_or_exceed_the_limit_are_refused_before_any
     unknown = pb.TensorHeader(name="w", codec="pickle", shape=[1])
     with pytest.raises(FrameError, match="unknown codec"):
         read_message(iter([pb.Frame(state=pb.StateHeader(tensors=[unknown]))]), "state", limit=1024)
+
+
+def test_waiting_for_a_shard_ends_in_one_line_once_told_to_give_up():
+    """A learner told to stop while it joins does not wait out its connect timeout."""
+    give_up = threading.Event()
+    give_up.set()
+    with socket.socket() as nothing:
+        nothing.bind(("127.0.0.1", 0))  # bound, never listening: nothing will answer
+        client = ShardClient(f"127.0.0.1:{nothing.getsockname()[1]}")
+        began = time.monotonic()
+        with pytest.raises(DilocoError, match="stopped while waiting for the syncer at 127.0.0.1"):
+            client.wait_ready(60, give_up)
+        assert time.monotonic() - began < 2
+        client.close()
 
 
 # ---------------------------------------------------------------- a live shard

@@ -122,7 +122,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     syncing = syncer is not None
     saved = _saved_state(_checkpoint_path(config, out, learner, sharded), config, learner, syncing, replica, seal)
     joining = clock.monotonic()
-    sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security, saved)
+    sync = _sync_for(config, replica, syncer, learner, emulate_link, connect_timeout_s, security, saved, stop)
     joined_s = clock.monotonic() - joining
     m, rank, world = sync.id, sync.rank, sync.world
     plan = learner_plan(config, m, syncing=syncing)
@@ -287,7 +287,7 @@ class _Training:
 
 def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int | None, emulate_link: bool,
               connect_timeout_s: float, security: TransportSecurity | None,
-              saved: dict[str, Any] | None = None) -> Learner | Standalone:
+              saved: dict[str, Any] | None = None, stop: threading.Event | None = None) -> Learner | Standalone:
     """The learner's side of syncing: joined to the run at `syncer`, or standing alone."""
     if syncer is None:
         if learner is None:
@@ -296,7 +296,7 @@ def _sync_for(config: Config, replica: Replica, syncer: str | None, learner: int
     return Learner(replica.model, replica.optimizer, syncer=syncer, learner=learner,
                    connect_timeout_s=connect_timeout_s, host=os.uname().nodename, security=security,
                    own_progress=saved.get("sync") if saved is not None else None, resume=config.failures.resume,
-                   **sync_options(config, learner, emulate_link))
+                   stop=stop, **sync_options(config, learner, emulate_link))
 
 
 def sync_options(config: Config, learner: int | None, emulate_link: bool) -> dict[str, Any]:

@@ -85,7 +85,7 @@ class PullBudget:
 def join_run(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
              partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
              tokens_per_step: int = 0, owners: Sequence[int] | None = None, take: Take | None = None,
-             track: Callable[[torch.Tensor], None] | None = None) -> Joined:
+             track: Callable[[torch.Tensor], None] | None = None, give_up: threading.Event | None = None) -> Joined:
     """Join every shard as `learner` (None: the syncer picks, or the one the learner's own credential
     names), declaring `tokens_per_step` (0: not known). Every call after the first join carries the
     joined learner's own credential: the shards bind learner calls to it. `owners`: per fragment, the
@@ -94,11 +94,12 @@ def join_run(address: str, learner: int | None, timeout_s: float, host: str, par
     Θ is handed to take(fragment, values) on this thread as it arrives (in any order), instead of being
     collected in `Joined.theta` (a sharded learner spreads it over its ranks: no rank holds Θ whole), and
     at most the largest fragment's bytes are pulled at once; `track` is shown each pulled tensor (a sharded
-    learner counts what rank 0 holds, `row_moves.HeldBytes`)."""
+    learner counts what rank 0 holds, `row_moves.HeldBytes`). `give_up`: once set (the learner was told to
+    stop), waiting for a shard ends in one line instead of lasting up to `timeout_s`."""
     joined: list[tuple[ShardClient, int]] = []
     try:
         return _join_all(address, learner, timeout_s, host, params, partition, security, joined, tokens_per_step,
-                         owners, take, track)
+                         owners, take, track, give_up)
     except DilocoError:
         for client, me in joined:  # a refused learner must not stay counted as alive
             try:
@@ -112,10 +113,11 @@ def join_run(address: str, learner: int | None, timeout_s: float, host: str, par
 def _join_all(address: str, learner: int | None, timeout_s: float, host: str, params: dict[str, torch.Tensor],
               partition: Callable[[int], list[Fragment]], security: TransportSecurity | None,
               joined: list[tuple[ShardClient, int]], tokens_per_step: int, owners: Sequence[int] | None,
-              take: Take | None, track: Callable[[torch.Tensor], None] | None) -> Joined:
+              take: Take | None, track: Callable[[torch.Tensor], None] | None,
+              give_up: threading.Event | None) -> Joined:
     first = ShardClient(address, security)
-    first.wait_ready(timeout_s)
-    reply = with_retries(lambda: first.join(learner, host, tokens_per_step), what="join")
+    first.wait_ready(timeout_s, give_up)
+    reply = with_retries(lambda: first.join(learner, host, tokens_per_step), what="join", give_up=give_up)
     me, settings = reply.learner, reply.settings
     joined.append((first, me))
     fragments = partition(settings.fragments)
@@ -127,9 +129,9 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
         if info.index in replies:
             continue
         client = ShardClient(info.address, security)
-        client.wait_ready(timeout_s)
+        client.wait_ready(timeout_s, give_up)
         replies[info.index] = (client, with_retries(lambda c=client: c.join(me, host, tokens_per_step),
-                                                    what="join"))
+                                                    what="join", give_up=give_up))
         joined.append((client, me))
     last_seq, last_seqs, shards = 0, {}, []
     for index, (client, shard_reply) in sorted(replies.items()):

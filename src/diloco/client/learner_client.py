@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,8 @@ class Learner:
                  host: str = "", security: TransportSecurity | None = None, tokens_per_step: int | None = None,
                  homes: Sequence[HomeLink] | None = None, owners: Sequence[int] | None = None,
                  host_params: Mapping[str, torch.Tensor] | None = None,
-                 own_progress: Mapping[str, Any] | None = None, resume: ResumePolicy = "own") -> None:
+                 own_progress: Mapping[str, Any] | None = None, resume: ResumePolicy = "own",
+                 stop: threading.Event | None = None) -> None:
         """Join the run served at `syncer` (any shard's HOST:PORT) and load its current Θ into `model`.
         `learner` asks for an id (a restart keeps its own); by default the syncer picks one, or the one
         named by the learner's own credential (`security`, or $DILOCO_LEARNER_TOKEN). `tokens_per_step`:
@@ -85,7 +87,9 @@ class Learner:
         own (the JAX learner's host mirror, which copies a tensor from its device when it is read).
         `own_progress`: what this learner's checkpoint saved of its unpushed progress (`export_progress`;
         a sharded learner: each rank its rows), resumed on top of Θ where `resume` and
-        `core/own_progress.usable` allow."""
+        `core/own_progress.usable` allow. `stop`: set while the learner still joins (SIGTERM, Ctrl-C), it
+        ends the wait for an unreachable syncer in one line rather than after `connect_timeout_s`."""
+        self._give_up = stop
         self.model = model
         self.own_progress, self.resume_policy = own_progress, resume
         self.resumed: dict[int, str | None] = {}
@@ -178,7 +182,8 @@ class Learner:
         """Join every shard, seed or check Θ's layout, take Θ, and open this learner's link."""
         joined = join_run(address, learner, timeout_s, host, params, self._partition, self.security,
                           self.declared_tokens_per_step, self.owners, take=take,
-                          track=self.ranks.rows.held.track if isinstance(self.ranks, ShardedRanks) else None)
+                          track=self.ranks.rows.held.track if isinstance(self.ranks, ShardedRanks) else None,
+                          give_up=self._give_up)
         self.id, self.settings, self.shards = joined.learner, joined.settings, joined.shards
         self.join_s = joined.pull_s
         if take is not None:

@@ -16,6 +16,7 @@ once they are); a merge's are copied when it reads them, and host → device onc
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ class JaxLearner:
                  connect_timeout_s: float = 30.0, host: str = "", security: TransportSecurity | None = None,
                  tokens_per_step: int | None = None, homes: Sequence[HomeLink] | None = None,
                  owners: Sequence[int] | None = None, own_progress: Mapping[str, Any] | None = None,
-                 resume: ResumePolicy = "own") -> None:
+                 resume: ResumePolicy = "own", stop: threading.Event | None = None) -> None:
         """Join the run at `syncer` with the model whose parameters are `params` (a pytree; its values
         seed Θ if this learner is the first to join). `names` maps its paths to Θ's names; `order` is
         Θ's tensor order (default the pytree's; the built-in GPT's is torch's: `flax_gpt.gpt_layout`);
@@ -42,7 +43,7 @@ class JaxLearner:
         self.learner = Learner(self.mirror.module, syncer=syncer, learner=learner, link=link,
                                connect_timeout_s=connect_timeout_s, host=host, security=security,
                                tokens_per_step=tokens_per_step, homes=homes, owners=owners, host_params=self.mirror,
-                               own_progress=own_progress, resume=resume)
+                               own_progress=own_progress, resume=resume, stop=stop)
         if self.learner.link is not None:  # its pushes' device → host copies are staged off the step
             self.mirror.stage_pushes(self.learner.core)
             self.learner.staging = self.learner.link.landing = self.mirror  # type: ignore[assignment]

@@ -76,7 +76,7 @@ class JaxLife:
 
 def start_jax_learner(config: Config, *, syncer: str | None, learner: int | None = None, out: Path | None = None,
                       emulate_link: bool = False, connect_timeout_s: float = 30.0,
-                      security: TransportSecurity | None = None) -> JaxLife:
+                      security: TransportSecurity | None = None, stop: threading.Event | None = None) -> JaxLife:
     """The built-in GPT in Flax, joined to the run at `syncer` (None: standing alone as `learner`), with
     its own checkpoint restored as the torch learner's is: inner optimizer (optax), data position and step
     from it; its unpushed progress on top of Θ (`core/own_progress.py`)."""
@@ -107,7 +107,7 @@ def start_jax_learner(config: Config, *, syncer: str | None, learner: int | None
                           embeddings=sorted(embedding_names(torch_model)), connect_timeout_s=connect_timeout_s,
                           host=os.uname().nodename, security=security,
                           own_progress=saved.get("sync") if saved is not None else None,
-                          resume=config.failures.resume, **sync_options(config, learner, emulate_link))
+                          resume=config.failures.resume, stop=stop, **sync_options(config, learner, emulate_link))
         replica.params = sync.params
     m = sync.id
     plan = learner_plan(config, m, syncing=syncer is not None)
@@ -134,7 +134,7 @@ def run_jax_learner(config: Config, *, syncer: str | None, learner: int | None =
     """`builtin_loop.run_learner` for a JAX learner: train to the end of the plan or the shared budget;
     the report also goes to OUT/learners/learner-ID.json, with a checkpoint as the torch learner's."""
     life = start_jax_learner(config, syncer=syncer, learner=learner, out=out, emulate_link=emulate_link,
-                             connect_timeout_s=connect_timeout_s, security=security)
+                             connect_timeout_s=connect_timeout_s, security=security, stop=stop)
     return train_jax_learner(life, out=out, stop=stop, metrics_port=metrics_port,
                              metrics_port_file=metrics_port_file, metrics_http=metrics_http)
 

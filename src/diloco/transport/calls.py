@@ -27,6 +27,8 @@ restarted shard's serving (measured in `diloco chaos`'s timeline of each shard k
 RETRY_MAX_S = 5.0
 """The longest `with_retries` waits between tries of a call a shard answered as unavailable (busy, or
 unable to journal): its own load is what the wait spares."""
+GIVE_UP_POLL_S = 0.2
+"""How often a wait for a shard looks whether it was told to give up (a learner stopping while it joins)."""
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
                    ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_permit_without_calls", 1),
                    # After a partition or a shard restart, try again within RECONNECT_MAX_S (gRPC's own
@@ -98,11 +100,16 @@ class ShardClient:
                     from None
             raise DilocoError(f"syncer at {self.address} refused {what}: {exc.details()}") from None
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Block until the shard answers; a one-line error if it does not within `timeout_s`."""
-        if not self.wait_connected(timeout_s):
-            raise DilocoError(f"cannot reach the syncer at {self.address} (nothing answered within "
-                              f"{timeout_s:g} s): check the address and that `diloco syncer` runs there")
+    def wait_ready(self, timeout_s: float, give_up: threading.Event | None = None) -> None:
+        """Block until the shard answers; a one-line error if it does not within `timeout_s`, or once
+        `give_up` is set (a learner told to stop while it joins)."""
+        deadline = clock.monotonic() + timeout_s
+        while not self.wait_connected(min(GIVE_UP_POLL_S, max(0.0, deadline - clock.monotonic()))):
+            if give_up is not None and give_up.is_set():
+                raise DilocoError(f"stopped while waiting for the syncer at {self.address}")
+            if clock.monotonic() >= deadline:
+                raise DilocoError(f"cannot reach the syncer at {self.address} (nothing answered within "
+                                  f"{timeout_s:g} s): check the address and that `diloco syncer` runs there")
 
     @property
     def own_learner(self) -> int | None:
