@@ -249,6 +249,8 @@ def test_a_heartbeat_in_the_middle_of_a_step_claims_no_tokens_ahead_of_its_step(
     monkeypatch.setattr(learner, "_step_sequence", beating)
     for _ in range(6):
         learner.step(tokens=16)
-    assert len(beats) == 12 and all(tokens <= 16 * step for tokens, step in beats), beats
-    assert [(b.tokens, b.step) for b in learner._beat()] == [(96, 6)]  # between steps: all of them
+    # every claim pairs tokens with the step they were trained by: a step's tokens never come before its
+    # step (refused as tokens risen with no step), nor after it (the next claim at that step would be)
+    assert len(beats) == 12 and all(tokens == 16 * step for tokens, step in beats), beats
+    assert [(b.tokens, b.step) for b in learner._beat()] == [(96, 6)]
     learner.close()

@@ -109,6 +109,8 @@ class Learner:
         self.up, self.down = (ShardWays(links, per_shard=self.homes is not None) for _ in range(2))
         self.owners = owners
         self.tokens = self.steps = self.merges = 0
+        self._claim = (0, 0)
+        """(tokens, the core's step) as of the last step's end: what a heartbeat claims (`_mark_claim`)."""
         self.busy_s = self.waiting_s = 0.0
         self._stop_requested = False
         self._stop_shared = False
@@ -130,6 +132,7 @@ class Learner:
         else:
             self._join_replicated(syncer, learner, connect_timeout_s, host)
         self.ranks.core, self.ranks.fragments = self.core, self.fragments
+        self._mark_claim()
         if self.link is not None:
             self.link.start(LinkHandlers(encode=self.core.encode, anchors=lambda p: self.core.anchors[p],
                                          refused=self._refused.put, stop=self.request_stop, beat=self._beat),
@@ -219,6 +222,7 @@ class Learner:
         continues from there. Call before the first `step()`."""
         if self.core is not None:
             self.core.resume_at(step)
+        self._mark_claim()
 
     def own_progress_state(self) -> dict[str, Any] | None:
         """What a checkpoint keeps to resume this learner's unpushed progress (None on a rank without a core:
@@ -242,11 +246,9 @@ class Learner:
             self._lead(lambda: self._step_sequence(tokens, step_time))
         else:
             self._follow()
-        # Counted once the core has the step: a heartbeat (its own thread) that read this step's tokens with
-        # the step before (a sharded leader's core takes the step only once its ranks hear of it) claims
-        # tokens risen with no step, which the syncer refuses.
         self.tokens += tokens
         self.steps += 1
+        self._mark_claim()
         self._last_step_end = clock.monotonic()
 
     def _step_sequence(self, tokens: int, step_time: float) -> None:
@@ -323,8 +325,15 @@ class Learner:
     def _send(self, push: Push) -> None:
         self.link.send(PushOut(push, self.staging.hand_off(push.deltas.values())))
 
+    def _mark_claim(self) -> None:
+        """What a heartbeat claims from now on, taken as one pair between steps: its thread reading the tokens
+        and the core's step apart could pair a step's tokens with the step before (a sharded leader's core
+        takes the step only once its ranks hear of it), which the syncer refuses as tokens risen with no step."""
+        self._claim = (self.tokens, self.core.step if self.core is not None else self.steps)  # resumed steps too
+
     def _beat(self) -> list[UpEvent]:
-        return [HeartbeatOut(self.tokens, self.core.step if self.core is not None else self.steps)]  # resumed steps
+        tokens, step = self._claim
+        return [HeartbeatOut(tokens, step)]
 
     def close(self, finished: bool = True) -> dict[str, Any]:
         """Push what no push has carried yet, leave, stop the threads; return this learner's report.
