@@ -3,6 +3,7 @@ processes; its agreement with the simulator; bad input; Ctrl-C and dying childre
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -240,7 +241,9 @@ def test_a_learner_pointed_at_nothing_fails_in_one_line():
     assert done.stderr.strip().count("\n") == 0 and "cannot reach the syncer at 127.0.0.1" in done.stderr
 
 
-def test_a_learner_told_to_stop_while_it_waits_for_the_syncer_ends_at_once_in_one_line():
+@pytest.mark.parametrize("framework", ["torch", pytest.param("jax", marks=pytest.mark.skipif(
+    importlib.util.find_spec("jax") is None, reason="the jax extra is not installed"))])
+def test_a_learner_told_to_stop_while_it_waits_for_the_syncer_ends_at_once_in_one_line(framework):
     """SIGTERM (torchrun's, a service manager's) while a learner waits for a syncer that does not answer
     (a listener that never speaks gRPC) ends it in one line within a second or two, not at its connect
     timeout (a launcher gives up on it after its own grace and kills it)."""
@@ -250,7 +253,8 @@ def test_a_learner_told_to_stop_while_it_waits_for_the_syncer_ends_at_once_in_on
         silent.settimeout(120)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         proc = subprocess.Popen([sys.executable, "-m", "diloco", "learner", "--syncer", address, "--connect-timeout",
-                                 "120", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 "120", "--framework", framework, "-q"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
         try:
             conn, _ = silent.accept()  # its channel is connected, and waits for an answer that never comes
             asked = time.monotonic()
