@@ -49,8 +49,11 @@ class Merging:
                  undo: UndoLog, optimizer: Callable[[], OuterOptimizer], merge_rule: MergeRule,
                  embeddings: Iterable[str], down_codec: Codec, quorum: int | None, grace: float,
                  grace_cap_steps: float, tau: int, participation: bool, pacing: bool, period: float,
-                 consolidate: bool, stale_weight: str) -> None:
+                 consolidate: bool, stale_weight: str, in_learner_order: bool = False) -> None:
         self.undo, self.membership = undo, membership
+        self.in_learner_order = in_learner_order
+        """Keep a round's pushes whole, then weigh and fold them in learner order as it closes: its float
+        sums do not depend on which push came first (a reproducible run; it holds the round's pushes)."""
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
         self.scratch = Scratch(ROUND_COPIES * max((4 * f.numel for f in fragments), default=0))
         """Where a round's fragment-sized tensors come from: buffers taken again once nobody holds them."""
@@ -100,11 +103,11 @@ class Merging:
             state.first_arrival = now
         held = state.pending.get(push.learner)
         if held is not None:
-            if state.unjudged is not None:  # more of the push kept whole
-                state.unjudged = {n: state.unjudged[n] + d for n, d in push.deltas.items()}
+            kept = state.whole.get(push.learner)
+            if kept is not None:  # more of a push kept whole
+                state.whole[push.learner] = {n: kept[n] + d for n, d in push.deltas.items()}
             else:
-                state.sums.fold(push.deltas, held.weight, radial=held.norms, weighted=self._keeps_weighted(),
-                                plain=self.merge_rule == "mean", new=False, add=self._add)
+                self._fold(state, push.deltas, held, new=False)
             held.add(push, now, state.sampler.sample(push.deltas))
             return self.evaluate(state, now)
         raw = token_weight(push.tokens, push.steps) or 1.0  # weightless pushes still average, as equals
@@ -112,33 +115,32 @@ class Merging:
                  if self.merge_rule == "rda" and n not in self.embeddings}
         contribution = Contribution(push.learner, push.base_version, push.tokens, push.steps, push.seq, raw, norms,
                                     state.sampler.sample(push.deltas), now, push.final, trip_of(push, now))
-        if not state.pending and not any(m != push.learner for m in self.last_weight):
+        alone = not state.pending and not any(m != push.learner for m in self.last_weight)
+        if alone or self.in_learner_order:
             state.pending[push.learner] = contribution
-            state.unjudged = dict(push.deltas)
+            state.whole[push.learner] = dict(push.deltas)
             return self.evaluate(state, now)
-        self.judge_unjudged(state, extra=raw)
+        self.judge_whole(state, extra=raw)
         contribution.weight = judged_weight(state, contribution, raw, self.last_weight, self.stale_weight)
         state.pending[push.learner] = contribution
         self._fold(state, push.deltas, contribution, own_norms=True)
         return self.evaluate(state, now)
 
-    def judge_unjudged(self, state: FragmentState, extra: float | None = None) -> None:
-        """Weigh and fold the push kept whole, now that there is something to judge it against (`extra`,
-        the raw weight of the push arriving) or the round closes."""
-        if state.unjudged is None:
-            return
-        (first,) = state.pending.values()
-        state.keep_contribution(self.undo, first.learner)
-        first = state.pending[first.learner]
-        first.weight = judged_weight(state, first, first.weight, self.last_weight, self.stale_weight,
-                                     () if extra is None else (extra,))
-        self._fold(state, state.unjudged, first)
-        state.unjudged = None
+    def judge_whole(self, state: FragmentState, extra: float | None = None) -> None:
+        """Weigh and fold the pushes kept whole, in learner order, now that there is something to judge them
+        against (`extra`, the raw weight of a push arriving) or the round closes."""
+        for learner in sorted(state.whole):
+            state.keep_contribution(self.undo, learner)
+            contribution = state.pending[learner]
+            contribution.weight = judged_weight(state, contribution, contribution.weight, self.last_weight,
+                                                self.stale_weight, () if extra is None else (extra,))
+            self._fold(state, state.whole[learner], contribution)
+        state.whole = {}
 
     def _fold(self, state: FragmentState, deltas: dict[str, torch.Tensor], contribution: Contribution,
-              own_norms: bool = False) -> None:
+              own_norms: bool = False, new: bool = True) -> None:
         state.sums.fold(deltas, contribution.weight, radial=contribution.norms, weighted=self._keeps_weighted(),
-                        plain=self.merge_rule == "mean", own_norms=own_norms, add=self._add)
+                        plain=self.merge_rule == "mean", own_norms=own_norms, new=new, add=self._add)
 
     def _add(self, totals: list[torch.Tensor | None], delta: torch.Tensor, alphas: list[float]) -> list[torch.Tensor]:
         """total + alpha·delta for each of a round's sums of one tensor, reading `delta` once for all
@@ -244,7 +246,7 @@ class Merging:
     def close(self, state: FragmentState, now: float, final: bool = False) -> Publish:
         """Merge the round, take the outer step (or consolidate), record it, answer its participants."""
         state.keep(self.undo)
-        self.judge_unjudged(state)
+        self.judge_whole(state)
         contributions = [state.pending[m] for m in sorted(state.pending)]
         staleness = tuple(state.version - c.base_version for c in contributions)
         members = self.membership

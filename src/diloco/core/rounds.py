@@ -148,9 +148,10 @@ class FragmentState:
     pending: dict[int, Contribution] = field(default_factory=dict)
     """Per learner in the open round, its counters and weight; its pushes are folded into `sums`."""
     sums: MergeSums = field(default_factory=MergeSums)
-    unjudged: dict[str, torch.Tensor] | None = None
-    """The round's only push so far, kept whole while there is no weight to judge its own against
-    (`Merging.join_round`)."""
+    whole: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Pushes kept whole, not yet weighed nor folded, by learner (its pushes summed): the round's only
+    learner so far, while there is no weight to judge its own against; in a reproducible run, all of them
+    until the round closes (`Merging.join_round`)."""
     first_arrival: float | None = None
     quorum_at: float | None = None
     deadline: float | None = None
@@ -166,8 +167,9 @@ class FragmentState:
     def keep(self, undo: UndoLog) -> None:
         """Its round is about to change: keep what it holds now (`undo.py`), a few fields and the sums'
         dicts (by tensor), none of it by learner. Contributions are kept one by one (`keep_contribution`)."""
-        undo.keep_attrs(self, "version", "optimizer", "correction", "target", "pending", "unjudged",
-                        "first_arrival", "quorum_at", "deadline")
+        undo.keep_attrs(self, "version", "optimizer", "correction", "target", "pending", "first_arrival",
+                        "quorum_at", "deadline")
+        undo.keep_attrs(self, "whole", copy=dict)
         undo.keep_attrs(self, "sums", copy=lambda s: replace(s, weighted=dict(s.weighted), plain_sum=dict(s.plain_sum),
                                                              directions=dict(s.directions), radius=dict(s.radius)))
 
@@ -178,14 +180,18 @@ class FragmentState:
 
     def reset(self) -> None:
         """The open round closed: the next one starts empty."""
-        self.pending, self.sums, self.unjudged = {}, MergeSums(), None
+        self.pending, self.sums, self.whole = {}, MergeSums(), {}
         self.first_arrival, self.quorum_at, self.deadline = None, None, None
+
+    def _whole_before_s46(self, plain: dict) -> dict[int, dict[str, torch.Tensor]]:
+        """A state saved with the round's single push kept whole under its older name."""
+        return {} if plain.get("unjudged") is None else {next(iter(self.pending)): plain["unjudged"]}
 
     def plain(self) -> dict:
         return {"version": self.version, "optimizer": self.optimizer.state_dict(),
                 "first_arrival": self.first_arrival, "quorum_at": self.quorum_at, "deadline": self.deadline,
                 "target": self.target, "pending": {m: c.plain() for m, c in self.pending.items()},
-                "sums": self.sums.plain(), "unjudged": self.unjudged, "downlink": self.downlink.plain(),
+                "sums": self.sums.plain(), "whole": dict(self.whole), "downlink": self.downlink.plain(),
                 "correction": self.correction, "deferred": {m: list(d) for m, d in self.deferred.items()}}
 
     def load(self, plain: dict) -> None:
@@ -195,7 +201,7 @@ class FragmentState:
         self.deadline, self.target = plain["deadline"], plain["target"]
         self.pending = {m: Contribution(**c) for m, c in plain["pending"].items()}
         self.sums = MergeSums.of(plain["sums"])
-        self.unjudged = plain["unjudged"]
+        self.whole = plain["whole"] if "whole" in plain else self._whole_before_s46(plain)
         self.downlink.load(plain["downlink"])
         self.correction = plain.get("correction")
         self.deferred = {m: (d[0], d[1]) for m, d in plain.get("deferred", {}).items()}

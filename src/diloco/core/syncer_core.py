@@ -83,11 +83,13 @@ class SyncerCore:
                  tau: int = 0, participation: bool = False, down_codec: Codec | None = None,
                  outlier: str = "off", outlier_factor: float = 5.0, pacing: bool = False, period: float = 1,
                  consolidate: bool = False, stale_weight: str = "full", budget: int | None = None,
-                 detect_s: float = 5.0, max_tokens_per_step: int = MAX_TOKENS_PER_STEP) -> None:
+                 detect_s: float = 5.0, max_tokens_per_step: int = MAX_TOKENS_PER_STEP,
+                 in_learner_order: bool = False) -> None:
         """`pacing`: wait for the learners about to push and align their next pushes (`period`: H, the
         fastest learner's steps per sync of a fragment). `budget`: the shared token budget, if any.
         `detect_s`: the silence after which a learner counts as dead (`liveness.py`).
-        `max_tokens_per_step`: the most a learner may declare (`claims.tokens_per_step_ceiling`)."""
+        `max_tokens_per_step`: the most a learner may declare (`claims.tokens_per_step_ceiling`).
+        `in_learner_order`: a round's sums do not depend on the order its pushes came in (`Merging`)."""
         self.undo = UndoLog()
         self.down_codec = down_codec or get_codec("fp32")
         self.membership = Membership(members, [f.index for f in fragments], budget=budget, detect_s=detect_s,
@@ -96,7 +98,8 @@ class SyncerCore:
                                merge_rule=merge_rule, embeddings=embeddings, down_codec=self.down_codec,
                                quorum=quorum, grace=grace, grace_cap_steps=grace_cap_steps, tau=tau,
                                participation=participation, pacing=pacing, period=period,
-                               consolidate=consolidate, stale_weight=stale_weight)
+                               consolidate=consolidate, stale_weight=stale_weight,
+                               in_learner_order=in_learner_order)
         self.admission = Admission(self.membership, self.merging, undo=self.undo, outlier=outlier,
                                    outlier_factor=outlier_factor, max_tokens_per_step=max_tokens_per_step)
 
@@ -137,14 +140,16 @@ class SyncerCore:
         return state.downlink.values(self.theta)
 
     def memory(self) -> dict[str, int]:
-        """Bytes of tensors the core holds, by what they are for: none of it grows with the learners."""
+        """Bytes of tensors the core holds, by what they are for: none of it grows with the learners but a
+        reproducible run's pushes kept whole (`Merging.in_learner_order`)."""
         def nbytes(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
         out = {"theta_bytes": nbytes(self.theta.values()),
                "optimizer_bytes": sum(nbytes(s.optimizer.tensors()) for s in self.fragments.values()),
                "accumulating_bytes": sum(s.sums.nbytes() + nbytes(s.sampler.indices.values())
                                          + nbytes(c.sample for c in s.pending.values())
-                                         + nbytes((s.unjudged or {}).values()) for s in self.fragments.values()),
+                                         + nbytes(t for w in s.whole.values() for t in w.values())
+                                         for s in self.fragments.values()),
                "downlink_bytes": sum(s.downlink.nbytes() for s in self.fragments.values()),
                "scratch_bytes": self.merging.scratch.nbytes()}
         out["total_bytes"] = sum(out.values())

@@ -12,7 +12,8 @@ corrects them from measured ones). A merge keeps what the learner trained since 
 (`outer.keep_progress`), and the run ends on the learners' average (`outer.consolidate`).
 
 With `outer.reproducible`, nothing is left to timing: rounds wait for every learner, pushes follow the
-step schedule, learners wait at τ for their answers and train equal shares (slower; for comparisons).
+step schedule, learners wait at τ for their answers and train equal shares, and the syncer sums each
+round's pushes in learner order, not as they came (slower, and it holds a round's pushes; for comparisons).
 
 Each round's step is scaled by the share of the learners it heard from, and the Nesterov momentum moves
 once those shares add up to a full round (delayed Nesterov, generalised to partial rounds): with every
@@ -38,5 +39,5 @@ def build(config: Config) -> StrategySpec:
                         wait_for_updates=False, shared_budget=True)
     if o.reproducible:
         spec = replace(spec, learner_H=(), quorum=None, grace=0.0, grace_cap_steps=0.0, pacing=False,
-                       wait_for_updates=True, shared_budget=False)
+                       wait_for_updates=True, shared_budget=False, in_learner_order=True)
     return spec

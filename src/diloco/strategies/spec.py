@@ -78,6 +78,8 @@ class StrategySpec:
     shared_budget: bool = False
     """False: every learner trains an equal share of the tokens. True: learners train at their own
     speed until the total budget is spent, so faster learners train more of it."""
+    in_learner_order: bool = False
+    """The syncer folds a round's pushes in learner order, whatever order they came in (reproducible runs)."""
     wiring: Wiring = field(default_factory=Wiring)
 
     def period(self, learner: int) -> int:
@@ -103,7 +105,8 @@ class StrategySpec:
                           outlier_factor=w.outlier_factor, pacing=self.pacing, period=period or self.H,
                           consolidate=self.consolidate, stale_weight=self.stale_weight,
                           budget=w.budget if self.shared_budget and counts_budget else None, detect_s=w.detect_s,
-                          max_tokens_per_step=tokens_per_step_ceiling(w.batch_tokens))
+                          max_tokens_per_step=tokens_per_step_ceiling(w.batch_tokens),
+                          in_learner_order=self.in_learner_order)
 
     def regional_syncer(self, region: int, params: dict[str, torch.Tensor], versions: list[int],
                         fragments: list[Fragment], members: Iterable[int], *, embeddings: Iterable[str],
