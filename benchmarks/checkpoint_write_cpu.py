@@ -1,11 +1,14 @@
 """CPU that one learner checkpoint of the default model costs: the copy on the training thread and the write on
-the writing thread (thread CPU time, fair on a busy host), the state copied a clone per tensor (as before
-`client/packed_state.py`) and packed into one buffer per dtype, taking turns in one process; and the
-digest of the written bytes with BLAKE2b (the state files' digest before) and SHA-256 (now).
+the writing thread (thread CPU time, fair on a busy host), taking turns in one process, for the state a
+syncing learner saved before (its parameters, inner optimizer and unpushed progress, with a push in flight)
+and saves now (the same without its parameters: Θ and the progress make them again), and a learner that
+does not sync (parameters and optimizer); and the digest of the written bytes with BLAKE2b (the state
+files' digest before) and SHA-256 (now).
 
     python benchmarks/checkpoint_write_cpu.py [--repeats 20] [--json benchmarks/results/checkpoint_write_cpu.json]
 
-Prints a table and writes JSON: copy_cpu_ms and write_cpu_ms per way (medians), digest_cpu_ms per digest.
+Prints a table and writes JSON: file_bytes, copy_cpu_ms and write_cpu_ms per state (medians), digest_cpu_ms
+per digest.
 """
 
 from __future__ import annotations
@@ -27,19 +30,11 @@ from rich.table import Table
 from diloco.client.checkpoints import write_checkpoint
 from diloco.client.packed_state import packed_copy
 from diloco.config import Config
+from diloco.core.own_progress import export_progress
+from diloco.fragments import embedding_names, partition
 from diloco.models import build_model
+from diloco.strategies import build_strategy
 from diloco.training import make_optimizer
-
-
-def clone_per_tensor(value: Any) -> Any:
-    """The copy as it was made before packing: every tensor cloned on its own."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: clone_per_tensor(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(clone_per_tensor(v) for v in value)
-    return value
 
 
 def cpu_ms(work: Callable[[], Any]) -> tuple[float, Any]:
@@ -61,37 +56,53 @@ def main() -> None:
     model(x, x).backward()
     optimizer.step()  # the optimizer holds its moments, as a learner's does after its first step
 
-    def state() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "steps": 1,
-                "data": {"learner": 0, "epoch": 0, "index": 0}}
+    core = build_strategy(config).learner_core(0, dict(model.named_parameters()),
+                                                partition(model, config.outer.fragments, embedding_names(model)))
+    while not core.in_flight:  # a push on its way, as most of a learner's checkpoints find one
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn_like(param), alpha=1e-3)
+        core.on_step(config.train.batch_size * config.train.seq_len)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param), alpha=1e-3)  # trained since that push: unpushed progress
+
+    def state(parameters: bool, progress: bool) -> dict[str, Any]:
+        return {**({"model": model.state_dict()} if parameters else {}),
+                **({"sync": export_progress(core)} if progress else {}),
+                "optimizer": optimizer.state_dict(), "steps": core.step, "data": {"learner": 0, "epoch": 0, "index": 0}}
 
     folder = Path(tempfile.mkdtemp(prefix="checkpoint-cpu-"))
-    ways = {"clone per tensor": clone_per_tensor, "packed": packed_copy}
-    copy: dict[str, list[float]] = {w: [] for w in ways}
-    write: dict[str, list[float]] = {w: [] for w in ways}
+    states = {"syncing, with its parameters (before)": (True, True), "syncing (now)": (False, True),
+              "not syncing": (True, False)}
+    copy: dict[str, list[float]] = {w: [] for w in states}
+    write: dict[str, list[float]] = {w: [] for w in states}
+    sizes: dict[str, int] = {}
     for _ in range(args.repeats):
-        for way, copier in ways.items():
-            ms, copied = cpu_ms(lambda: copier(state()))
+        for way, kept in states.items():
+            ms, copied = cpu_ms(lambda: packed_copy(state(*kept)))
             copy[way].append(ms)
             write[way].append(cpu_ms(lambda: write_checkpoint(copied, folder / "learner.pt", b"k" * 32))[0])
+            sizes[way] = (folder / "learner.pt").stat().st_size
     body = (folder / "learner.pt").read_bytes()
     digests = {name: statistics.median(cpu_ms(lambda: make(body).digest())[0] for _ in range(args.repeats))
                for name, make in (("blake2b", lambda b: hashlib.blake2b(b, digest_size=32)),
                                   ("sha256", hashlib.sha256))}
-    result = {"parameters": sum(t.numel() for t in model.parameters()), "file_bytes": len(body),
+    result = {"parameters": sum(t.numel() for t in model.parameters()), "file_bytes": sizes,
               "repeats": args.repeats,
               "copy_cpu_ms": {w: statistics.median(v) for w, v in copy.items()},
               "write_cpu_ms": {w: statistics.median(v) for w, v in write.items()},
               "digest_cpu_ms": digests}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    table = Table(title=f"one checkpoint of the default model ({len(body) / 1e6:.1f} MB), CPU ms, medians")
-    for column in ("copy", "training thread", "writing thread"):
+    table = Table(title="one checkpoint of the default model, CPU ms, medians")
+    for column in ("state", "MB", "copy: training thread", "write: writing thread", "both"):
         table.add_column(column)
-    for way in ways:
-        table.add_row(way, f"{result['copy_cpu_ms'][way]:.2f}", f"{result['write_cpu_ms'][way]:.2f}")
+    for way in states:
+        copy_ms, write_ms = result["copy_cpu_ms"][way], result["write_cpu_ms"][way]
+        table.add_row(way, f"{sizes[way] / 1e6:.2f}", f"{copy_ms:.2f}", f"{write_ms:.2f}", f"{copy_ms + write_ms:.2f}")
     for name, ms in digests.items():
-        table.add_row(f"of which the digest, {name}", "", f"{ms:.2f}")
+        table.add_row(f"the digest alone, {name} ({len(body) / 1e6:.2f} MB)", "", "", f"{ms:.2f}", "")
     Console().print(table)
 
 

@@ -98,6 +98,7 @@ def test_a_learner_killed_at_a_known_step_loses_at_most_the_steps_since_its_chec
         killed_at = _steps(tmp_path)
         saved = unpacked(load_checked(tmp_path / "checkpoints" / "learner-0.pt", "checkpoint", ""))
         checkpointed, after = saved["steps"], pushed_after(counted_seqs(shard), saved["sync"]["seq"])
+        assert "model" not in saved  # Θ and the saved unpushed progress make the parameters again
         waiting = [c.process.pid for c in spares.waiting()]
         second = spares.restart("learner-0")
         assert (second.process.pid in waiting) == spare  # the spare became the learner, in the same process

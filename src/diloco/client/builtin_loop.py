@@ -367,11 +367,13 @@ def _checkpoint_path(config: Config, out: Path | None, m: int | None, sharded: b
 
 
 def _learner_state(model: nn.Module, replica: Replica, sync: Learner | Standalone) -> dict[str, Any]:
-    """What a learner's checkpoint holds (not yet copied: `CheckpointWriter` copies it)."""
+    """What a learner's checkpoint holds (not yet copied: `CheckpointWriter` copies it). A syncing learner's
+    parameters are not in it: a restart takes Θ and puts its own unpushed progress back on top, so a copy of
+    them would be a quarter or more of every checkpoint's bytes that nothing reads."""
     learner = syncing_learner(sync)
     own = learner.own_progress_state() if learner is not None else None
-    return {"model": model.state_dict(), "optimizer": replica.optimizer.state_dict(),
-            "data": replica.sampler.state_dict(), "steps": replica.steps, **({"sync": own} if own else {})}
+    return {**({"model": model.state_dict()} if learner is None else {"sync": own} if own is not None else {}),
+            "optimizer": replica.optimizer.state_dict(), "data": replica.sampler.state_dict(), "steps": replica.steps}
 
 
 def _checkpoint_report(writer: CheckpointWriter | sharded_checkpoints.ShardedWriter | None) -> dict[str, Any]:

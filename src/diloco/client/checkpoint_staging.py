@@ -1,5 +1,5 @@
 """What a sharded learner's checkpoint copies on the training thread (`sharded_checkpoints.ShardedWriter`),
-and how: the model's and the inner optimizer's rows into CPU buffers kept from one checkpoint to the next,
+and how: the inner optimizer's rows (and the model's, for a learner that does not sync) into CPU buffers kept from one checkpoint to the next,
 each already wrapped as the DTensor DCP writes, so a checkpoint is one `copy_` per tensor.
 
 DCP's own stager deep-copies the state dict every time: each DTensor is rebuilt through `__deepcopy__`
@@ -7,7 +7,7 @@ and `from_local` (about 0.6 ms of Python per tensor, ~200 ms a checkpoint of the
 model at W = 2, against ~60 ms of copying), and a stager made per call allocates and faults in fresh
 buffers. The own progress is not copied again: `export_progress` made it a copy already. A buffer is
 rewritten only once the write that read it is done (the writer keeps one write at a time). The price: the
-buffers stay for the learner's life (one copy of its model and optimizer rows, which each checkpoint held
+buffers stay for the learner's life (one copy of its optimizer rows, which each checkpoint held
 while it was written anyway), where DCP's were freed after each write.
 """
 

@@ -72,10 +72,12 @@ def _start(folder: Path, slot: str, model: nn.Module, optimizer: torch.optim.Opt
     `latest`."""
     rank, place = dist.get_rank(), folder / slot
     place.mkdir(parents=True, exist_ok=True)
-    state: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    state: dict[str, Any] = {"optimizer": optimizer.state_dict()}
     counters = None
-    if progress is not None:
+    if progress is not None:  # a syncing learner's rows of Θ are not kept: a restart takes Θ (`_learner_state`)
         state["progress"], counters = split_progress(progress, dict(model.named_parameters()))
+    else:
+        state["model"] = model.state_dict()
     writer = dcp.FileSystemWriter(place, overwrite=True)  # a slot is rewritten every other checkpoint
     if group is None:
         dcp.save(state, storage_writer=writer)
