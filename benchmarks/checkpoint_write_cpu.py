@@ -1,14 +1,14 @@
 """CPU that one learner checkpoint of the default model costs: the copy on the training thread and the write on
-the writing thread (thread CPU time, fair on a busy host), taking turns in one process, for the state a
-syncing learner saved before (its parameters, inner optimizer and unpushed progress, with a push in flight)
-and saves now (the same without its parameters: Θ and the progress make them again), and a learner that
-does not sync (parameters and optimizer); and the digest of the written bytes with BLAKE2b (the state
-files' digest before) and SHA-256 (now).
+the writing thread (thread CPU time, fair on a busy host), taking turns in one process, for the states a
+syncing learner saved (unpushed progress with a push in flight, inner optimizer): in one file with its
+parameters (s45), in one file without them (s46: Θ and the progress make them again), and now as a
+progress file each checkpoint and an optimizer file every `OPTIMIZER_EVERY`; and the digest of the
+written bytes with BLAKE2b (the state files' digest before) and SHA-256 (now).
 
     python benchmarks/checkpoint_write_cpu.py [--repeats 20] [--json benchmarks/results/checkpoint_write_cpu.json]
 
-Prints a table and writes JSON: file_bytes, copy_cpu_ms and write_cpu_ms per state (medians), digest_cpu_ms
-per digest.
+Prints a table and writes JSON: file_bytes, copy_cpu_ms and write_cpu_ms per file (medians),
+per_checkpoint_cpu_ms per way of saving (what the checkpoint period is derived from), digest_cpu_ms.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from diloco.client.checkpoints import write_checkpoint
+from diloco.client.checkpoints import OPTIMIZER_EVERY, write_checkpoint
 from diloco.client.packed_state import packed_copy
 from diloco.config import Config
 from diloco.core.own_progress import export_progress
@@ -67,14 +67,16 @@ def main() -> None:
         for param in model.parameters():
             param.add_(torch.randn_like(param), alpha=1e-3)  # trained since that push: unpushed progress
 
-    def state(parameters: bool, progress: bool) -> dict[str, Any]:
+    def state(parameters: bool, progress: bool, moments: bool) -> dict[str, Any]:
         return {**({"model": model.state_dict()} if parameters else {}),
                 **({"sync": export_progress(core)} if progress else {}),
-                "optimizer": optimizer.state_dict(), "steps": core.step, "data": {"learner": 0, "epoch": 0, "index": 0}}
+                **({"optimizer": optimizer.state_dict()} if moments else {}),
+                "steps": core.step, "data": {"learner": 0, "epoch": 0, "index": 0}}
 
     folder = Path(tempfile.mkdtemp(prefix="checkpoint-cpu-"))
-    states = {"syncing, with its parameters (before)": (True, True), "syncing (now)": (False, True),
-              "not syncing": (True, False)}
+    states = {"syncing, one file with its parameters (s45)": (True, True, True),
+              "syncing, one file without them (s46)": (False, True, True),
+              "syncing, progress file": (False, True, False), "syncing, optimizer file": (False, False, True)}
     copy: dict[str, list[float]] = {w: [] for w in states}
     write: dict[str, list[float]] = {w: [] for w in states}
     sizes: dict[str, int] = {}
@@ -93,6 +95,12 @@ def main() -> None:
               "copy_cpu_ms": {w: statistics.median(v) for w, v in copy.items()},
               "write_cpu_ms": {w: statistics.median(v) for w, v in write.items()},
               "digest_cpu_ms": digests}
+    both = {w: result["copy_cpu_ms"][w] + result["write_cpu_ms"][w] for w in states}
+    result["per_checkpoint_cpu_ms"] = {  # what the period is derived from: the optimizer's file spread out
+        "syncing, one file with its parameters (s45)": both["syncing, one file with its parameters (s45)"],
+        "syncing, one file without them (s46)": both["syncing, one file without them (s46)"],
+        f"syncing, optimizer every {OPTIMIZER_EVERY} (now)": both["syncing, progress file"]
+        + both["syncing, optimizer file"] / OPTIMIZER_EVERY}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     table = Table(title="one checkpoint of the default model, CPU ms, medians")
@@ -101,6 +109,8 @@ def main() -> None:
     for way in states:
         copy_ms, write_ms = result["copy_cpu_ms"][way], result["write_cpu_ms"][way]
         table.add_row(way, f"{sizes[way] / 1e6:.2f}", f"{copy_ms:.2f}", f"{write_ms:.2f}", f"{copy_ms + write_ms:.2f}")
+    for way, ms in result["per_checkpoint_cpu_ms"].items():
+        table.add_row(f"per checkpoint: {way}", "", "", "", f"{ms:.2f}")
     for name, ms in digests.items():
         table.add_row(f"the digest alone, {name} ({len(body) / 1e6:.2f} MB)", "", "", f"{ms:.2f}", "")
     Console().print(table)

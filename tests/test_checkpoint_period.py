@@ -85,7 +85,7 @@ def test_a_writer_on_the_cpus_training_uses_counts_its_writes_cpu_in_the_period(
         writer.maybe_save(step, 0.1, lambda: {"steps": step})
     writer.wait()
     assert writer.written == 1
-    writer.pacer.copy_s, writer.write_cpu_s = 0.001, 0.020  # 1 ms of copy, 20 ms of the write's CPU; 100 ms steps
+    writer.copy_s, writer.write_cpu_s = 0.001, 0.020  # 1 ms of copy, 20 ms of the write's CPU; 100 ms steps
     saved = [step for step in range(BASELINE_STEPS + 1, BASELINE_STEPS + 30)
              if writer.maybe_save(step, 0.1, lambda: {"steps": 0}) or writer.wait()]
     assert writer.pacer.period == period and saved[0] == BASELINE_STEPS + period

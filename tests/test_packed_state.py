@@ -68,7 +68,7 @@ def test_a_learners_checkpoint_written_packed_restores_its_optimizer_exactly(tmp
     writer.save(lambda: state, wait=True)
     assert writer.written == 1 and writer.write_cpu_s > 0
     read = read_checkpoint(tmp_path / "learner-0.pt", 100, optimizer)
-    assert_same(read, state)
+    assert_same(read, {**{k: v for k, v in state.items() if k != "optimizer"}, "optimizer": state["optimizer"]})
     restored = torch.optim.AdamW(model.parameters(), lr=1e-2)
     restored.load_state_dict(read["optimizer"])
     assert_same(restored.state_dict(), optimizer.state_dict())

@@ -168,7 +168,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     if isinstance(writer, sharded_checkpoints.ShardedWriter):
         writer.save(model, replica, wait=True)
     elif writer is not None and rank == 0:
-        writer.save(lambda: _learner_state(model, replica, sync), wait=True)
+        writer.save(lambda: _learner_state(model, replica, sync), wait=True)  # with the optimizer's state
     if out is not None and rank == 0:
         write_report(out, report)
     return report
@@ -338,7 +338,7 @@ def restore_checkpoint(state: dict[str, Any], replica: Replica, world: int, poli
     the inner optimizer unless the policy is `fresh`. Its parameters are Θ with its own unpushed progress
     on top (`core/own_progress.py`, done as it joins). `state` was checked by `read_checkpoint`."""
     plan = restore_plan(policy, has_checkpoint=True)
-    if plan.optimizer:
+    if plan.optimizer and "optimizer" in state:  # none saved yet (its file came first, then went): fresh
         replica.optimizer.load_state_dict(state["optimizer"])
     if plan.data and (world == 1 or state.get("rank_data")):  # DDP: rank 0's position is only its own
         replica.sampler.load_state_dict(state["data"])

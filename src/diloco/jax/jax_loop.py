@@ -176,6 +176,6 @@ def _checked(path: Path | None, config: Config, m: int | None, syncing: bool, re
     """Learner m's checkpoint, checked as the torch learner's is (`_saved_state`: a damaged or foreign
     one stops the learner in one line, as it stops a torch learner) and its optax state leaf for leaf."""
     saved = _saved_state(path, config, m, syncing, replica, seal)  # type: ignore[arg-type]
-    if saved is not None:
+    if saved is not None and "optimizer" in saved:
         replica.optimizer.converted(saved["optimizer"], path)
     return saved
