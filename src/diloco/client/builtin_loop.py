@@ -133,7 +133,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     if saved is None and learner is None:  # an id the syncer picked: Θ without own progress
         saved = _saved_state(checkpoint, config, m, syncing, replica, seal)
     if saved is not None:
-        restore_checkpoint(saved, replica, world, config.failures.restore)
+        restore_checkpoint(saved, replica, world, config.failures.restore, own_params=not syncing)
         sync.resume(replica.steps)
         log.info("learner %d resumes at step %d from %s (own progress: fragments %s)", m, replica.steps, checkpoint,
                  [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
@@ -333,11 +333,16 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def restore_checkpoint(state: dict[str, Any], replica: Replica, world: int, policy: RestorePolicy) -> None:
+def restore_checkpoint(state: dict[str, Any], replica: Replica, world: int, policy: RestorePolicy,
+                       own_params: bool = False) -> None:
     """A restarted learner's own state, as `core/recovery.py` says: data position and step count, and
     the inner optimizer unless the policy is `fresh`. Its parameters are Θ with its own unpushed progress
-    on top (`core/own_progress.py`, done as it joins). `state` was checked by `read_checkpoint`."""
+    on top (`core/own_progress.py`, done as it joins); `own_params`: a learner that does not sync has no Θ
+    and resumes its saved ones. `state` was checked by `read_checkpoint`."""
     plan = restore_plan(policy, has_checkpoint=True)
+    if own_params and "model" in state:
+        with torch.no_grad():
+            _unwrap(replica.model).load_state_dict(state["model"])
     if plan.optimizer and "optimizer" in state:  # none saved yet (its file came first, then went): fresh
         replica.optimizer.load_state_dict(state["optimizer"])
     if plan.data and (world == 1 or state.get("rank_data")):  # DDP: rank 0's position is only its own
@@ -355,7 +360,8 @@ def _saved_state(path: Path | None, config: Config, m: int | None, syncing: bool
     most = learner_plan(config, m, syncing=syncing).planned_steps * STEP_CAP
     if path.suffix == ".dcp":
         return sharded_checkpoints.read_sharded(path, _unwrap(replica.model), replica.optimizer, most, seal)
-    return read_checkpoint(path, most, replica.optimizer, seal)
+    own = None if syncing else _unwrap(replica.model).state_dict()  # no Θ to take: it resumes its own
+    return read_checkpoint(path, most, replica.optimizer, seal, params=own)
 
 
 def _checkpoint_path(config: Config, out: Path | None, m: int | None, sharded: bool = False) -> Path | None:

@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,13 +74,16 @@ def checkpoint_key(secret: bytes | None, own_token: str | None = None) -> bytes 
     return file_key(secret if secret is not None else own_token.encode("ascii") if own_token else None)
 
 
-def read_checkpoint(path: Path, max_steps: int, optimizer: torch.optim.Optimizer, key: bytes | None = None
-                    ) -> dict[str, Any]:
+def read_checkpoint(path: Path, max_steps: int, optimizer: torch.optim.Optimizer, key: bytes | None = None,
+                    params: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The checkpoint at `path`, checked against this run (`max_steps`: the most steps a learner of
     it can take) and this learner's `optimizer`, with the optimizer's state from its own file where it has
-    one (none: the state holds no "optimizer"); a one-line DilocoError for anything else."""
+    one (none: the state holds no "optimizer"); `params`: it must hold parameters that fit these (a learner
+    that does not sync resumes its own). A one-line DilocoError for anything else."""
     state = _unpacked_file(path, key, ADVICE)
     check_checkpoint(state, path, max_steps, optimizer)
+    if params is not None:
+        _check_params(state.get("model"), params, lambda why: DilocoError(f"learner checkpoint {path} {why}: {ADVICE}"))
     moments = optimizer_file(path)
     if "optimizer" not in state and moments.is_file():
         saved = _unpacked_file(moments, key, OPTIMIZER_ADVICE)
@@ -114,6 +117,17 @@ def check_checkpoint(state: dict[str, Any], path: Path, max_steps: int, optimize
         raise refuse("has no valid data position")
     if "optimizer" in state:  # else it is in a file of its own, or was never saved
         _check_optimizer(state["optimizer"], optimizer, refuse)
+
+
+def _check_params(saved: Any, params: Mapping[str, torch.Tensor], refuse: Callable[[str], DilocoError]) -> None:
+    """Saved parameters that this model can take: the same names and shapes, all finite."""
+    if not isinstance(saved, dict) or set(saved) != set(params):
+        raise refuse("holds no parameters of this model")
+    for name, value in saved.items():
+        if not isinstance(value, torch.Tensor) or value.shape != params[name].shape:
+            raise refuse(f"holds parameter {name!r} of another shape")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise refuse(f"holds NaN or Inf in parameter {name!r}")
 
 
 def _check_optimizer(saved: Any, optimizer: torch.optim.Optimizer, refuse) -> None:

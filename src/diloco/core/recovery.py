@@ -2,7 +2,8 @@
 
 Its parameters come from the syncer's current Θ, which is newer than anything it saved; the real
 runtime's learners then put back on top of it the progress their checkpoint holds and no push carried
-(`own_progress.py`; the simulator's crashed learners take Θ alone). Its data
+(`own_progress.py`; the simulator's crashed learners take Θ alone); a learner that does not sync has
+no Θ and takes the parameters its checkpoint saved. Its data
 position and step count come from the checkpoint, so it neither repeats nor skips its shard and its
 learning-rate schedule goes on. Its inner optimizer's state (AdamW moments) follows
 `failures.restore`: `checkpoint` takes the saved moments, `fresh` starts AdamW over (moments that

@@ -1,0 +1,41 @@
+"""A learner that does not sync has no Θ to take at a restart: it resumes the parameters its own checkpoint
+saved (a syncing learner's checkpoint holds none: Θ and its unpushed progress make them again)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from diloco.client.builtin_loop import run_learner
+from diloco.client.checkpoints import read_checkpoint
+from diloco.client.packed_state import unpacked
+from diloco.errors import DilocoError
+from diloco.state_files import load_checked, save_checked
+
+
+@pytest.mark.integration  # two whole learners, in this process
+def test_a_learner_that_does_not_sync_resumes_its_own_parameters(tmp_path):
+    config = tiny_config()
+    first = run_learner(config, syncer=None, learner=0, out=tmp_path)
+    again = run_learner(config, syncer=None, learner=0, out=tmp_path)  # its plan is done: no step more
+    assert again["resumed_from_step"] == first["steps"] == again["steps"] > 0
+    assert again["eval_loss"] == first["eval_loss"]  # the trained parameters, not fresh ones
+
+
+def test_saved_parameters_that_do_not_fit_the_model_are_refused_in_one_line(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = tmp_path / "learner-0.pt"
+    save_checked({"model": {"weight": torch.zeros(2, 4), "bias": torch.zeros(2)}, "optimizer": optimizer.state_dict(),
+                  "data": {"learner": 0, "epoch": 0, "index": 0}, "steps": 1}, path)
+    assert read_checkpoint(path, 10, optimizer)["steps"] == 1  # a syncing learner does not read them
+    with pytest.raises(DilocoError) as refused:
+        read_checkpoint(path, 10, optimizer, params=model.state_dict())
+    line = str(refused.value)
+    assert "\n" not in line and "'weight' of another shape" in line and str(path) in line and "delete it" in line
+    saved = unpacked(load_checked(path, "", ""))
+    del saved["model"]
+    save_checked(saved, path)
+    with pytest.raises(DilocoError, match="holds no parameters of this model"):
+        read_checkpoint(path, 10, optimizer, params=model.state_dict())
