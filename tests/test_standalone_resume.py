@@ -15,10 +15,16 @@ from diloco.state_files import load_checked, save_checked
 
 
 @pytest.mark.integration  # two whole learners, in this process
-def test_a_learner_that_does_not_sync_resumes_its_own_parameters(tmp_path):
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_a_learner_that_does_not_sync_resumes_its_own_parameters(tmp_path, framework):
+    if framework == "jax":
+        pytest.importorskip("jax")
+        from diloco.jax.jax_loop import run_jax_learner as run
+    else:
+        run = run_learner
     config = tiny_config()
-    first = run_learner(config, syncer=None, learner=0, out=tmp_path)
-    again = run_learner(config, syncer=None, learner=0, out=tmp_path)  # its plan is done: no step more
+    first = run(config, syncer=None, learner=0, out=tmp_path)
+    again = run(config, syncer=None, learner=0, out=tmp_path)  # its plan is done: no step more
     assert again["resumed_from_step"] == first["steps"] == again["steps"] > 0
     assert again["eval_loss"] == first["eval_loss"]  # the trained parameters, not fresh ones
 

@@ -135,3 +135,7 @@ class ParamsModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.names.theta_from_params(self.replica.params)
+
+    def load_state_dict(self, saved: dict[str, torch.Tensor]) -> None:
+        """Saved parameters back into the replica (a learner that does not sync resumes its own)."""
+        self.replica.params = self.names.params_from_theta(self.replica.params, saved, what="the checkpoint")

@@ -117,7 +117,8 @@ def start_jax_learner(config: Config, *, syncer: str | None, learner: int | None
     if saved is None and learner is None:  # an id the syncer picked: Θ without own progress
         saved = _checked(checkpoint, config, m, syncer is not None, replica, seal)
     if saved is not None:
-        restore_checkpoint(saved, replica, 1, config.failures.restore)  # type: ignore[arg-type]
+        restore_checkpoint(saved, replica, 1, config.failures.restore,  # type: ignore[arg-type]
+                           own_params=syncer is None)
         sync.resume(replica.steps)
         log.info("JAX learner %d resumes at step %d from %s (own progress: fragments %s)", m, replica.steps,
                  checkpoint, [p for p, why in getattr(sync, "resumed", {}).items() if why is None])
