@@ -3,10 +3,14 @@ saved (a syncing learner's checkpoint holds none: Θ and its unpushed progress m
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
 
-from conftest import tiny_config
+import rank_procs
+from conftest import TINY, tiny_config
 from diloco.client.builtin_loop import run_learner
 from diloco.client.checkpoints import read_checkpoint
 from diloco.client.packed_state import unpacked
@@ -27,6 +31,22 @@ def test_a_learner_that_does_not_sync_resumes_its_own_parameters(tmp_path, frame
     again = run(config, syncer=None, learner=0, out=tmp_path)  # its plan is done: no step more
     assert again["resumed_from_step"] == first["steps"] == again["steps"] > 0
     assert again["eval_loss"] == first["eval_loss"]  # the trained parameters, not fresh ones
+
+
+@pytest.mark.integration  # two lives of a 2-rank FSDP learner, each its own processes
+def test_a_sharded_learner_that_does_not_sync_resumes_its_own_rows(tmp_path):
+    """Its DCP checkpoint keeps its rows of the parameters (a syncing one's keeps none) and a restart
+    loads them into every rank."""
+    argv = [sys.executable, "-m", "diloco.learner", "--no-sync", "--id", "0", "--out", str(tmp_path), "-q",
+            *[x for item in [*TINY, "train.sharding=fsdp"] for x in ("--set", item)]]
+    reports = []
+    for life in range(2):
+        codes, logs, _ = rank_procs.launch(2, argv, tmp_path, 300, log_name=f"life-{life}-rank")
+        assert codes == [0, 0], logs[0][-3000:]
+        reports.append(json.loads((tmp_path / "learners" / "learner-0.json").read_text()))
+    first, again = reports
+    assert again["resumed_from_step"] == first["steps"] == again["steps"] > 0
+    assert again["eval_loss"] == first["eval_loss"]
 
 
 def test_saved_parameters_that_do_not_fit_the_model_are_refused_in_one_line(tmp_path):

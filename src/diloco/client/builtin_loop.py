@@ -359,7 +359,8 @@ def _saved_state(path: Path | None, config: Config, m: int | None, syncing: bool
         return None
     most = learner_plan(config, m, syncing=syncing).planned_steps * STEP_CAP
     if path.suffix == ".dcp":
-        return sharded_checkpoints.read_sharded(path, _unwrap(replica.model), replica.optimizer, most, seal)
+        return sharded_checkpoints.read_sharded(path, _unwrap(replica.model), replica.optimizer, most, seal,
+                                                own_params=not syncing)
     own = None if syncing else _unwrap(replica.model).state_dict()  # no Θ to take: it resumes its own
     return read_checkpoint(path, most, replica.optimizer, seal, params=own)
 

@@ -1,5 +1,6 @@
 """A sharded learner's checkpoint (FSDP2, HSDP): `torch.distributed.checkpoint` writes each rank's rows of
-the model, the inner optimizer and its own unpushed progress (`sharded_progress.py`) into one folder, and
+the inner optimizer and its own unpushed progress (`sharded_progress.py`; for a learner that does not sync,
+of the model instead) into one folder, and
 each rank seals a sidecar (`checkpoints.py`'s file, digest and key) with its step count, data position,
 the world it was written by, the progress counters, and the digest of every file it wrote. Nothing is
 read back before it is checked: the sidecar's seal, its steps and data position, each DCP file's digest,
@@ -135,11 +136,13 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
 
 
 def read_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, max_steps: int,
-                 key: bytes | None = None) -> dict[str, Any]:
+                 key: bytes | None = None, own_params: bool = False) -> dict[str, Any]:
     """Every rank at once, for a restart: this rank's part of the checked checkpoint, as `read_checkpoint`
     gives a whole one (steps, data position, optimizer state, and `sync`: its rows of the unpushed
-    progress), nothing applied yet; `rank_data`: the data position is this rank's (the same world)."""
-    side, target = _checked_load(folder, optimizer, max_steps, key, progress_of=model)
+    progress; `model`: its rows of the parameters, with `own_params`, for a learner that does not sync),
+    nothing applied yet; `rank_data`: the data position is this rank's (the same world)."""
+    side, target = _checked_load(folder, optimizer, max_steps, key, progress_of=model,
+                                 model=model if own_params else None)
     world = dist.get_world_size()
     if side.get("world") != world and dist.get_rank() == 0:
         log.warning("checkpoint %s was written by %s ranks, this learner has %d: its optimizer and own progress "
@@ -147,7 +150,8 @@ def read_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
                     "shard afresh", folder, side.get("world"), world)
     progress = joined_progress(side.get("progress"), target.get("progress", {}))
     return {"steps": side["steps"], "data": side["data"], "rank_data": side.get("world") == world,
-            "optimizer": target["optimizer"], **({"sync": progress} if progress is not None else {})}
+            "optimizer": target["optimizer"], **({"sync": progress} if progress is not None else {}),
+            **({"model": target["model"]} if "model" in target else {})}
 
 
 def _checked_load(folder: Path, optimizer: torch.optim.Optimizer, max_steps: int, key: bytes | None,
@@ -170,7 +174,7 @@ def _checked_load(folder: Path, optimizer: torch.optim.Optimizer, max_steps: int
     if _init_optim_state is not None:
         _init_optim_state(optimizer)  # the state DCP loads into exists before the first step
     target: dict[str, Any] = {"optimizer": _cloned(optimizer.state_dict())}
-    if model is not None:
+    if model is not None and side.get("progress") is None:  # a syncing learner's checkpoint holds no rows of Θ
         target["model"] = _cloned(model.state_dict())
     if progress_of is not None and side.get("progress") is not None:
         target["progress"] = progress_target(side["progress"], dict(progress_of.named_parameters()))
