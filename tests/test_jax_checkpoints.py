@@ -24,6 +24,7 @@ from diloco.materials import prepare
 from diloco.metrics.records import learner_lives, records_of
 from diloco.shard.server import ShardPlan, SyncerShard, serve
 from diloco.state_files import file_key, load_checked
+from test_crash_resume import counted_seqs, newest_push_step
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
@@ -167,7 +168,9 @@ def test_a_jax_learner_killed_mid_run_resumes_exactly_what_its_checkpoint_saved(
                  lambda: "the kill step; the log ends: " + (tmp_path / "learner.log").read_text()[-2000:])
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-        killed_at = _steps(tmp_path)
+        counted_seqs(shard)  # the killed learner's last pushes taken
+        recorded = _steps(tmp_path)
+        killed_at = max(recorded, newest_push_step(shard))  # the kill may fall between a push and its record
         saved = unpacked(load_checked(tmp_path / "checkpoints" / "learner-0.pt", "checkpoint", ""))
         moments = optimizer_file(tmp_path / "checkpoints" / "learner-0.pt")  # saved every few checkpoints
         saved["optimizer"] = unpacked(load_checked(moments, "checkpoint", ""))["optimizer"]
@@ -208,8 +211,8 @@ def test_a_jax_learner_killed_mid_run_resumes_exactly_what_its_checkpoint_saved(
         server.stop(0)
     assert report["resumed_from_step"] == saved["steps"]
     lives = learner_lives(tmp_path / "metrics")[0]
-    assert len(lives) == 2 and lives[0]["steps"] == killed_at
-    trained = sum(life["tokens"] for life in lives)
+    assert len(lives) == 2 and lives[0]["steps"] == recorded and killed_at - recorded <= 1
+    trained = killed_at * TOKENS_PER_STEP + lives[1]["tokens"]
     entry = shard.core.ledger[0]
     assert entry.duplicates == 0
     since_checkpoint = (killed_at - saved["steps"]) * TOKENS_PER_STEP
