@@ -1,6 +1,7 @@
 """What a sharded learner's checkpoint copies on the training thread (`sharded_checkpoints.ShardedWriter`),
-and how: the inner optimizer's rows (and the model's, for a learner that does not sync) into CPU buffers kept from one checkpoint to the next,
-each already wrapped as the DTensor DCP writes, so a checkpoint is one `copy_` per tensor.
+and how: the inner optimizer's rows (and the model's, for a learner that does not sync) into CPU buffers
+kept from one checkpoint to the next, each already wrapped as the DTensor DCP writes, so a checkpoint is one
+`copy_` per tensor.
 
 DCP's own stager deep-copies the state dict every time: each DTensor is rebuilt through `__deepcopy__`
 and `from_local` (about 0.6 ms of Python per tensor, ~200 ms a checkpoint of the 24M-parameter benchmark

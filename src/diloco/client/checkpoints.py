@@ -83,14 +83,19 @@ def read_checkpoint(path: Path, max_steps: int, optimizer: torch.optim.Optimizer
     state = _unpacked_file(path, key, ADVICE)
     check_checkpoint(state, path, max_steps, optimizer)
     if params is not None:
-        _check_params(state.get("model"), params, lambda why: DilocoError(f"learner checkpoint {path} {why}: {ADVICE}"))
+        _check_params(state.get("model"), params, _refusal(path))
     moments = optimizer_file(path)
     if "optimizer" not in state and moments.is_file():
         saved = _unpacked_file(moments, key, OPTIMIZER_ADVICE)
         _check_optimizer(saved.get("optimizer") if isinstance(saved, dict) else None, optimizer,
-                         lambda why: DilocoError(f"learner checkpoint {moments} {why}: {OPTIMIZER_ADVICE}"))
+                         _refusal(moments, OPTIMIZER_ADVICE))
         state["optimizer"] = saved["optimizer"]
     return state
+
+
+def _refusal(path: Path, advice: str = ADVICE) -> Callable[[str], DilocoError]:
+    """The one line that refuses the learner checkpoint file at `path`: which file, why, what to do."""
+    return lambda why: DilocoError(f"learner checkpoint {path} {why}: {advice}")
 
 
 def _unpacked_file(path: Path, key: bytes | None, advice: str) -> Any:
@@ -98,14 +103,12 @@ def _unpacked_file(path: Path, key: bytes | None, advice: str) -> Any:
     try:
         return unpacked(state)
     except ValueError as exc:
-        raise DilocoError(f"learner checkpoint {path} {exc}: {advice}") from None
+        raise _refusal(path, advice)(str(exc)) from None
 
 
 def check_checkpoint(state: dict[str, Any], path: Path, max_steps: int, optimizer: torch.optim.Optimizer) -> None:
     """The checks `read_checkpoint` makes on a loaded state (a sharded learner's state: one rank's part)."""
-
-    def refuse(why: str) -> DilocoError:
-        return DilocoError(f"learner checkpoint {path} {why}: {ADVICE}")
+    refuse = _refusal(path)
 
     steps = state.get("steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
