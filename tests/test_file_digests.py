@@ -56,3 +56,30 @@ def test_a_state_file_takes_sha256_and_one_written_with_blake2b_still_reads(tmp_
     old.write_bytes(old.read_bytes()[:-TRAILER.size] + TRAILER.pack(mark, old_length, old_digest))
     with pytest.raises(DilocoError, match="damaged|does not match its seal"):
         load_checked(old, "state", "advice", key)
+
+
+def test_a_state_file_is_digested_as_written_without_torchs_crc32_and_the_option_is_put_back(tmp_path: Path) -> None:
+    """The digest comes from the bytes as torch.save writes them (no read back), so it must be the digest of
+    exactly what precedes the trailer; torch's per-record CRC-32 is skipped (the digest covers every byte)
+    and its process-wide option is left as it was, also when the save fails."""
+    import zipfile
+
+    state = {"theta": torch.randn(300_000), "seq": 3}
+    path = tmp_path / "state.pt"
+    assert torch.serialization.get_crc32_options()
+    save_checked(state, path)
+    data = path.read_bytes()
+    mark, length, digest = TRAILER.unpack(data[-TRAILER.size:])
+    assert length == len(data) - TRAILER.size and digest == hashlib.sha256(data[:length]).digest()
+    records = zipfile.ZipFile(io.BytesIO(data[:length])).infolist()
+    assert records and all(r.CRC == 0 for r in records)
+    assert torch.serialization.get_crc32_options()  # put back for everyone else's torch.save
+    assert torch.equal(load_checked(path, "state", "advice")["theta"], state["theta"])
+    flipped = bytearray(data)
+    flipped[length // 2] ^= 0x01  # a flipped bit in a tensor's bytes: no CRC-32 there, the digest finds it
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(DilocoError, match="damaged"):
+        load_checked(path, "state", "advice")
+    with pytest.raises(Exception):
+        save_checked({"unpicklable": lambda: 0}, tmp_path / "other.pt")
+    assert torch.serialization.get_crc32_options() and not (tmp_path / "other.pt").exists()
