@@ -216,13 +216,17 @@ class Run:
             values, _, _ = client.pull(0, observer=True, fragments=[p])
             return sum(v.numel() * v.element_size() for v in values.values())
 
-        started = time.perf_counter()
-        try:
-            with ThreadPoolExecutor(max_workers=min(PULL_STREAMS, len(pulls))) as pool:
-                pulled = sum(pool.map(lambda cp: pull(*cp), pulls))
-        except Exception as exc:  # noqa: BLE001 — the run's other figures stand without it
-            return {"error": f"{type(exc).__name__}: {exc}"}
-        return {"seconds": time.perf_counter() - started, "bytes": pulled, "streams": min(PULL_STREAMS, len(pulls))}
+        times = []
+        for _ in range(max(1, self.args.joins)):
+            started = time.perf_counter()
+            try:
+                with ThreadPoolExecutor(max_workers=min(PULL_STREAMS, len(pulls))) as pool:
+                    pulled = sum(pool.map(lambda cp: pull(*cp), pulls))
+            except Exception as exc:  # noqa: BLE001 — the run's other figures stand without it
+                return {"error": f"{type(exc).__name__}: {exc}"}
+            times.append(time.perf_counter() - started)
+        return {"seconds": statistics.median(times), "join_seconds": times, "bytes": pulled,
+                "streams": min(PULL_STREAMS, len(pulls))}
 
     def _progress(self) -> int:
         """Pushes taken since the window opened, summed over the learners' progress files."""

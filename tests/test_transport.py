@@ -15,7 +15,8 @@ from diloco.errors import DilocoError
 from diloco.client.learner_client import Learner
 from diloco.shard.server import ShardPlan, SyncerShard, serve
 from diloco.transport.calls import ShardClient
-from diloco.transport.frames import FRAME_BYTES, FrameError, encode_fp32, message_frames, read_message, tensor_header
+from diloco.transport.frames import (FRAME_BYTES, FrameError, decode, encode_fp32, message_frames, read_message,
+                                     read_values, tensor_header)
 from diloco.v1 import diloco_pb2 as pb
 
 
@@ -42,25 +43,59 @@ def test_frames_round_trip_large_tensors_exactly():
     (lambda f: [pb.Frame(push=pb.PushHeader())] + f[1:], "expected a state header"),
     (lambda f: [f[0], f[0]], "mid-message"),
 ])
-def test_malformed_streams_are_refused_whole(mutate, message):
+@pytest.mark.parametrize("read", [read_message, read_values], ids=["encoded", "values"])
+def test_malformed_streams_are_refused_whole(mutate, message, read):
     frames = mutate(state_frames({"w": torch.randn(4, 4)}))
     if message is None:
-        assert read_message(iter(frames), "state", limit=1 << 20) is not None
+        assert read(iter(frames), "state", limit=1 << 20) is not None
         return
     with pytest.raises(FrameError, match=message):
-        read_message(iter(frames), "state", limit=1 << 20)
+        read(iter(frames), "state", limit=1 << 20)
 
 
-def test_headers_that_lie_about_sizes_or_exceed_the_limit_are_refused_before_any_data():
+@pytest.mark.parametrize("read", [read_message, read_values], ids=["encoded", "values"])
+def test_headers_that_lie_about_sizes_or_exceed_the_limit_are_refused_before_any_data(read):
     bad = pb.TensorHeader(name="w", codec="fp32", shape=[4], payload_bytes=15)
     with pytest.raises(FrameError, match="declares"):
-        read_message(iter([pb.Frame(state=pb.StateHeader(tensors=[bad]))]), "state", limit=1 << 20)
+        read(iter([pb.Frame(state=pb.StateHeader(tensors=[bad]))]), "state", limit=1 << 20)
     huge = pb.TensorHeader(name="w", codec="fp32", shape=[1 << 20], payload_bytes=4 << 20)
     with pytest.raises(FrameError, match="more than the 1024 allowed"):
-        read_message(iter([pb.Frame(state=pb.StateHeader(tensors=[huge]))]), "state", limit=1024)
+        read(iter([pb.Frame(state=pb.StateHeader(tensors=[huge]))]), "state", limit=1024)
     unknown = pb.TensorHeader(name="w", codec="pickle", shape=[1])
     with pytest.raises(FrameError, match="unknown codec"):
-        read_message(iter([pb.Frame(state=pb.StateHeader(tensors=[unknown]))]), "state", limit=1024)
+        read(iter([pb.Frame(state=pb.StateHeader(tensors=[unknown]))]), "state", limit=1024)
+
+
+def test_values_read_straight_into_tensors_equal_the_decoded_message_bit_for_bit():
+    """Θ as a pull reads it: frames cut across tensors (several in one frame, one over several), an empty
+    tensor, a scalar; each value a tensor of its own, the same bits a decode of the buffered message gives."""
+    torch.manual_seed(1)
+    values = {"small": torch.randn(3, 5), "empty": torch.empty(0, 4), "big": torch.randn(FRAME_BYTES // 4 * 2 + 7),
+              "scalar": torch.tensor(2.5), "odd": torch.randn(1001)}
+    frames = state_frames(values)
+    _, encoded = read_message(iter(frames), "state", limit=1 << 30)
+    _, read = read_values(iter(frames), "state", limit=1 << 30)
+    assert list(read) == list(values)
+    for name, value in values.items():
+        assert read[name].shape == value.shape and read[name].dtype == torch.float32
+        assert torch.equal(read[name], value) and torch.equal(read[name], decode(encoded[name]).reshape(value.shape))
+    read["small"].add_(1)  # each value owns its memory: writing one changes no other
+    assert torch.equal(read["odd"], values["odd"])
+    bf16 = {"h": torch.randn(64)}  # any other codec is decoded as before
+    encoded = {n: get_codec("bf16").encode(v) for n, v in bf16.items()}
+    header = pb.Frame(state=pb.StateHeader(tensors=[tensor_header(n, e) for n, e in encoded.items()]))
+    _, read = read_values(iter(message_frames(header, encoded)), "state", limit=1 << 20)
+    assert torch.equal(read["h"], bf16["h"].to(torch.bfloat16).to(torch.float32))
+
+
+def test_values_that_are_not_finite_are_refused_in_one_line():
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        w = torch.randn(100)
+        w[37] = bad
+        encoded = {"ok": encode_fp32({"ok": torch.randn(5)})["ok"], "w": Encoded("fp32", (100,), 0, w.numpy().tobytes())}
+        header = pb.Frame(state=pb.StateHeader(tensors=[tensor_header(n, e) for n, e in encoded.items()]))
+        with pytest.raises(FrameError, match="tensor 'w' holds NaN or Inf"):
+            read_values(iter(message_frames(header, encoded)), "state", limit=1 << 20)
 
 
 def test_waiting_for_a_shard_ends_in_one_line_once_told_to_give_up():

@@ -14,7 +14,7 @@ from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
 from diloco.errors import DilocoError
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
-from diloco.transport.frames import decode, message_frames, read_message
+from diloco.transport.frames import message_frames, read_message, read_values
 from diloco.transport.stream_calls import syncer_stub
 from diloco.transport.wire_messages import fragment_versions, heartbeat_request, seed_frames, versions_of
 from diloco.v1 import diloco_pb2 as pb
@@ -160,13 +160,12 @@ class ShardClient:
 
         def fetch():
             stream = self.stub.Pull(request, timeout=300)
-            message = read_message(iter(stream), "state", limit=1 << 40)
+            message = read_values(iter(stream), "state", limit=1 << 40)
             if message is None:
                 raise DilocoError(f"syncer at {self.address} sent no state")
             return message
 
-        header, tensors = self._call("pull", fetch)
-        values = {name: decode(e) for name, e in tensors.items()}
+        header, values = self._call("pull", fetch)
         return values, versions_of(header.versions), list(header.layout)
 
     def push(self, header: pb.PushHeader, tensors: dict[str, Encoded]) -> pb.PushReply:

@@ -147,42 +147,85 @@ def checked_header(header: pb.TensorHeader) -> tuple[int, int]:
 def read_message(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object, dict[str, Encoded]] | None:
     """The next message of `kind` from `frames`: its header and tensors, or None when the stream ended
     cleanly before one began. At most `limit` data bytes are accepted."""
+    opened = _open_message(frames, kind, limit)
+    if opened is None:
+        return None
+    header, total = opened
+    data = bytearray(total)  # the declared size, checked: filled in place, never regrown
+    _fill(frames, [memoryview(data)], total)
+    return header, _encoded_views(header, memoryview(data).toreadonly())
+
+
+def read_values(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object, dict[str, torch.Tensor]] | None:
+    """`read_message` decoded, for a message the caller keeps as values (Θ as a pull sends it): fp32 tensors
+    are read straight into new tensors as their frames come (one copy, where a buffer and a decode would
+    make two more and zero a third), then checked finite as a decode would."""
+    opened = _open_message(frames, kind, limit)
+    if opened is None:
+        return None
+    header, total = opened
+    if any(t.codec != "fp32" for t in header.tensors):
+        data = bytearray(total)
+        _fill(frames, [memoryview(data)], total)
+        return header, {n: decode(e) for n, e in _encoded_views(header, memoryview(data).toreadonly()).items()}
+    values = {t.name: torch.empty(tuple(int(d) for d in t.shape), dtype=torch.float32) for t in header.tensors}
+    _fill(frames, [memoryview(v.numpy()).cast("B") for v in values.values() if v.numel()], total)
+    for name, value in values.items():
+        if value.numel() and not all(math.isfinite(float(x)) for x in torch.aminmax(value.reshape(-1))):
+            raise FrameError(f"tensor {name!r} holds NaN or Inf")
+    return header, values
+
+
+def _open_message(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object, int] | None:
+    """The header of the next message of `kind`, every tensor header checked, and its data bytes in all."""
     first = next(frames, None)
     if first is None:
         return None
     if first.WhichOneof("body") != kind:
         raise FrameError(f"expected a {kind} header, got {first.WhichOneof('body') or 'an empty frame'}")
     header = getattr(first, kind)
-    sizes, names = [], set()
+    total, names = 0, set()
     for t in header.tensors:
         if t.name in names:
             raise FrameError(f"tensor {t.name!r} appears twice in one message")
         names.add(t.name)
-        sizes.append(checked_header(t)[1])
-    total = sum(sizes)
+        total += checked_header(t)[1]
     if total > limit:
         raise FrameError(f"message declares {total} bytes of tensors, more than the {limit} allowed")
-    data = bytearray(total)  # the declared size, checked above: filled in place, never regrown
-    view, filled = memoryview(data), 0
+    return header, total
+
+
+def _fill(frames: Iterator[Frame], targets: list[memoryview], total: int) -> None:
+    """Copy the message's `total` data bytes from `frames` into `targets` in order (byte views whose sizes add
+    up to `total`); a frame may span targets. Anything but exactly `total` bytes of data frames is refused."""
+    filled, at, into, room = 0, 0, None, 0
     while filled < total:
         frame = next(frames, None)
         if frame is None:
             raise FrameError(f"stream ended after {filled} of {total} bytes: the message is truncated")
         if frame.WhichOneof("body") != "data":
             raise FrameError(f"expected data, got a {frame.WhichOneof('body') or 'empty'} frame mid-message")
-        chunk = frame.data  # read once: a protobuf message copies its bytes on every read
-        if filled + len(chunk) > total:
+        chunk = memoryview(frame.data)  # read once: a protobuf message copies its bytes on every read
+        if filled + chunk.nbytes > total:
             raise FrameError(f"message carries more than the {total} bytes its header declares")
-        view[filled:filled + len(chunk)] = chunk
-        filled += len(chunk)
+        while chunk.nbytes:
+            if not room:
+                into, at = targets.pop(0), 0
+                room = into.nbytes
+            n = min(room, chunk.nbytes)
+            into[at:at + n] = chunk[:n]
+            at, room, chunk, filled = at + n, room - n, chunk[n:], filled + n
+
+
+def _encoded_views(header, blob: memoryview) -> dict[str, Encoded]:
+    """Each tensor of `header` as a view of the message's one buffer `blob`: no copy per tensor."""
     tensors, offset = {}, 0
-    blob = view.toreadonly()  # each tensor's bytes are a view of the one buffer: no copy per tensor
     for t in header.tensors:
         end = offset + t.payload_bytes
         tensors[t.name] = Encoded(t.codec, tuple(int(d) for d in t.shape), t.block, blob[offset:end],
                                   blob[end:end + t.scale_bytes])
         offset = end + t.scale_bytes
-    return header, tensors
+    return tensors
 
 
 def decode(encoded: Encoded) -> torch.Tensor:
