@@ -26,7 +26,8 @@ from diloco.shard.serving import serve
 from diloco.shard.shard_state import ShardState
 from diloco.transport.frames import FrameError, decode, read_message
 from diloco.transport.security import current_caller
-from diloco.transport.wire_messages import DecodedOnUse, fragment_versions, progress_of, push_of, push_payload, state_frames, update_frames
+from diloco.transport.wire_messages import (DecodedOnUse, bulk_state_frame, fragment_versions, progress_of, push_of,
+                                           push_payload, state_frames, update_frames)
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -161,7 +162,10 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
                 event = LearnerRejoined(request.learner, request.after_seq, tuple(fragments))
                 sent = next(a for a in self._take(event, context) if isinstance(a, SendState))
                 theta, versions = sent.values, sent.versions
-        yield from state_frames(theta, self.layout, versions, snapshot=True)
+        if request.bulk and self.bulk is not None:
+            yield bulk_state_frame(theta, self.layout, versions, self.bulk)
+        else:
+            yield from state_frames(theta, self.layout, versions, snapshot=True)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
         core = self._require_core(context)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from diloco.errors import DilocoError
+from diloco.transport.bulk import BulkServer
 from diloco.transport.security import (PLAINTEXT, CallLimits, TransportSecurity, secure_server_port,
                                        server_interceptors)
 from diloco.transport.stream_calls import add_syncer_to_server
@@ -123,11 +124,12 @@ def init_limit_bytes() -> int:
     return min(INIT_LIMIT_BYTES, available_memory_bytes() // 2)
 
 
-def serve(shard: ShardView, bind: str, workers: int | None = None,
-          security: TransportSecurity | None = None, limits: CallLimits | None = None) -> tuple[grpc.Server, int]:
+def serve(shard: ShardView, bind: str, workers: int | None = None, security: TransportSecurity | None = None,
+          limits: CallLimits | None = None, bulk_pulls: bool = False) -> tuple[grpc.Server, int]:
     """Start serving `shard` on `bind` (HOST:PORT; port 0 picks a free one); return the server and its
     port. `workers` defaults to what the configured learners need (`pool_size`), up to `learners.max` of an
-    elastic run. A one-line error if the port is taken."""
+    elastic run. With `bulk_pulls`, also a bulk port on the same host (`transport/bulk.py`). A one-line error
+    if the port is taken."""
     security = security or PLAINTEXT
     limits = limits or CallLimits()
     workers = workers or pool_size(max(shard.settings.learners, shard.config.learners.bounds()[1]), limits)
@@ -145,6 +147,8 @@ def serve(shard: ShardView, bind: str, workers: int | None = None,
         port = 0
     if port == 0:
         raise DilocoError(f"cannot listen on {bind}: the port is in use or the address is not this host's")
+    if bulk_pulls:
+        shard.bulk = BulkServer(bind.rpartition(":")[0].strip("[]") or "0.0.0.0", security)
     shard.start()
     server.start()
     return server, port

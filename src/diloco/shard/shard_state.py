@@ -42,6 +42,7 @@ from diloco.shard.snapshot import shard_report, snapshot
 from diloco.shard.store import ShardStore, plain_update
 from diloco.shard.waker import Waker
 from diloco.strategies import build_strategy
+from diloco.transport.bulk import BulkServer
 from diloco.transport.run_settings import check_shards
 from diloco.transport.wire_messages import settings_of
 from diloco.v1 import diloco_pb2 as pb
@@ -91,6 +92,8 @@ class ShardState:
         self.declared: dict[int, int] = {}
         """Per learner, the tokens one of its inner steps trains, as it declared when it joined."""
         self.push_errors = 0
+        self.bulk: BulkServer | None = None
+        """Its bulk port (`--bulk-pulls`, `transport/bulk.py`): pulls that ask get their values there."""
         self.decoding = threading.BoundedSemaphore(DECODING_PUSHES)
         """Pushes decoded at once: the others wait in their compressed form."""
         self.sink = os.environ.get(SINK_ENV) == "1"
@@ -133,6 +136,8 @@ class ShardState:
         with self.lock:
             self._stopping = True
         self.waker.stop()
+        if self.bulk is not None:
+            self.bulk.close()
 
     def apply(self, event: SyncerEvent, now: float, push_frames: bytes = b"") -> list[Action]:
         """Journal one event, hand it to the core, carry out its actions (under the lock). Replay takes

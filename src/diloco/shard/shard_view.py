@@ -21,6 +21,7 @@ from diloco.metrics import MetricsLog
 from diloco.shard.ownership import ShardPlan
 from diloco.shard.store import ShardStore
 from diloco.strategies.spec import StrategySpec
+from diloco.transport.bulk import BulkServer
 from diloco.v1 import diloco_pb2 as pb
 
 
@@ -41,6 +42,7 @@ class ShardView(Protocol):
     hosts: dict[int, str]
     declared: dict[int, int]
     push_errors: int
+    bulk: BulkServer | None
     finished: bool
     stop_said: bool
     started: float

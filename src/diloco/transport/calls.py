@@ -3,6 +3,7 @@ one-line errors naming the shard."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -13,11 +14,14 @@ import torch
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
 from diloco.errors import DilocoError
+from diloco.transport.bulk import BulkTransferError, bulk_host, receive
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
 from diloco.transport.frames import message_frames, read_message, read_values
 from diloco.transport.stream_calls import syncer_stub
 from diloco.transport.wire_messages import fragment_versions, heartbeat_request, seed_frames, versions_of
 from diloco.v1 import diloco_pb2 as pb
+
+log = logging.getLogger("diloco.learner")
 
 RECONNECT_MAX_S = 0.5
 """The longest a channel waits between attempts to connect to a shard it lost (gRPC adds up to 20% jitter).
@@ -64,6 +68,9 @@ class ShardClient:
         secret in DILOCO_SECRET, else the credential in DILOCO_LEARNER_TOKEN, if any."""
         self.address = address
         security = security if security is not None else default_security()
+        self.security = security
+        self.bulk_failed = False
+        """A bulk pull from this shard failed once (its port unreachable, say): pulls go over gRPC since."""
         self.identity = ClientIdentity(security)
         self.channel = make_channel(address, security, CHANNEL_OPTIONS, self.identity)
         self.stub = syncer_stub(self.channel)
@@ -155,18 +162,30 @@ class ShardClient:
 
     def pull(self, learner: int, *, observer: bool = False, after_seq: int = 0, fragments: list[int] = ()
              ) -> tuple[dict[str, torch.Tensor], dict[int, int], list[pb.FragmentLayout]]:
-        """Θ of the shard's `fragments` (default: all), their versions, and the layout."""
-        request = pb.PullRequest(learner=learner, observer=observer, after_seq=after_seq, fragments=fragments)
+        """Θ of the shard's `fragments` (default: all), their versions, and the layout: over the shard's bulk
+        port where it serves one (`transport/bulk.py`), else (or once that failed) in gRPC frames."""
 
         def fetch():
+            bulk = not self.bulk_failed
+            request = pb.PullRequest(learner=learner, observer=observer, after_seq=after_seq, fragments=fragments,
+                                     bulk=bulk)
             stream = self.stub.Pull(request, timeout=300)
-            message = read_values(iter(stream), "state", limit=1 << 40)
+            try:
+                message = read_values(iter(stream), "state", limit=1 << 40, bulk=self._receive_bulk if bulk else None)
+            except BulkTransferError as exc:
+                stream.cancel()
+                self.bulk_failed = True
+                log.warning("%s; pulling over gRPC from now on", exc)
+                return fetch()
             if message is None:
                 raise DilocoError(f"syncer at {self.address} sent no state")
             return message
 
         header, values = self._call("pull", fetch)
         return values, versions_of(header.versions), list(header.layout)
+
+    def _receive_bulk(self, header: pb.StateHeader, targets: list[memoryview]) -> None:
+        receive(bulk_host(self.address), header.bulk_port, header.bulk_ticket, targets, self.security, self.address)
 
     def push(self, header: pb.PushHeader, tensors: dict[str, Encoded]) -> pb.PushReply:
         frames = message_frames(pb.Frame(push=header), tensors)

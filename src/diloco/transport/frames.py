@@ -9,8 +9,8 @@ malformed, oversized or truncated message is refused whole.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from typing import Union
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Union
 
 import torch
 
@@ -156,20 +156,34 @@ def read_message(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object
     return header, _encoded_views(header, memoryview(data).toreadonly())
 
 
-def read_values(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object, dict[str, torch.Tensor]] | None:
+BulkSource = Callable[[Any, list[memoryview]], None]
+"""Fills the byte views of a message's values, in its header's order, from where its header says (a
+shard's bulk port: `transport/bulk.py`)."""
+
+
+def read_values(frames: Iterator[Frame], kind: str, limit: int, bulk: BulkSource | None = None
+                ) -> tuple[object, dict[str, torch.Tensor]] | None:
     """`read_message` decoded, for a message the caller keeps as values (Θ as a pull sends it): fp32 tensors
     are read straight into new tensors as their frames come (one copy, where a buffer and a decode would
-    make two more and zero a third), then checked finite as a decode would."""
+    make two more and zero a third), then checked finite as a decode would. A header that names a bulk
+    ticket has its values filled by `bulk` instead of frames (refused where the caller gave none)."""
     opened = _open_message(frames, kind, limit)
     if opened is None:
         return None
     header, total = opened
+    from_bulk = bool(getattr(header, "bulk_ticket", b""))
+    if from_bulk and (bulk is None or any(t.codec != "fp32" for t in header.tensors)):
+        raise FrameError("the values were sent over a bulk port this reader did not ask for, or not in fp32")
     if any(t.codec != "fp32" for t in header.tensors):
         data = bytearray(total)
         _fill(frames, [memoryview(data)], total)
         return header, {n: decode(e) for n, e in _encoded_views(header, memoryview(data).toreadonly()).items()}
     values = {t.name: torch.empty(tuple(int(d) for d in t.shape), dtype=torch.float32) for t in header.tensors}
-    _fill(frames, [memoryview(v.numpy()).cast("B") for v in values.values() if v.numel()], total)
+    targets = [memoryview(v.numpy()).cast("B") for v in values.values() if v.numel()]
+    if from_bulk:
+        bulk(header, targets)
+    else:
+        _fill(frames, targets, total)
     for name, value in values.items():
         if value.numel() and not all(math.isfinite(float(x)) for x in torch.aminmax(value.reshape(-1))):
             raise FrameError(f"tensor {name!r} holds NaN or Inf")

@@ -24,6 +24,7 @@ from diloco.core.refusals import ProtocolError
 from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.strategies import StrategySpec, Wiring, build_strategy
+from diloco.transport.bulk import BulkServer
 from diloco.transport.frames import (Frame, FrameError, data_frames, decode, encode_fp32, encode_snapshot,
                                      message_frames, tensor_header)
 from diloco.v1 import diloco_pb2 as pb
@@ -179,6 +180,17 @@ def state_frames(values: dict[str, torch.Tensor], layout: list[pb.FragmentLayout
     header = pb.StateHeader(versions=fragment_versions(versions or {}), layout=layout,
                             tensors=[tensor_header(n, e) for n, e in encoded.items()])
     return message_frames(pb.Frame(state=header), encoded)
+
+
+def bulk_state_frame(values: dict[str, torch.Tensor], layout: list[pb.FragmentLayout], versions: dict[int, int],
+                     bulk: BulkServer) -> pb.Frame:
+    """A pull's answer whose values follow over the shard's bulk port: the header `state_frames` sends, with
+    the port and a ticket for exactly the bytes it declares (Θ's own memory, as a snapshot)."""
+    encoded = encode_snapshot(values)
+    views = [memoryview(blob) for e in encoded.values() for blob in (e.payload, e.scales) if len(blob)]
+    return pb.Frame(state=pb.StateHeader(versions=fragment_versions(versions), layout=layout,
+                                         tensors=[tensor_header(n, e) for n, e in encoded.items()],
+                                         bulk_port=bulk.port, bulk_ticket=bulk.ticket(views)))
 
 
 def seed_frames(values: Mapping[str, Any], layout: list[pb.FragmentLayout]) -> Iterator[Frame]:

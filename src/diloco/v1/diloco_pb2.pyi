@@ -77,14 +77,18 @@ class FragmentVersion(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("versions", "tensors", "layout")
+    __slots__ = ("versions", "tensors", "layout", "bulk_port", "bulk_ticket")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    BULK_TICKET_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     layout: _containers.RepeatedCompositeFieldContainer[FragmentLayout]
-    def __init__(self, versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., layout: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ...) -> None: ...
+    bulk_port: int
+    bulk_ticket: bytes
+    def __init__(self, versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., layout: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("push", "update", "state", "data")
@@ -202,16 +206,18 @@ class InitReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner", "observer", "after_seq", "fragments")
+    __slots__ = ("learner", "observer", "after_seq", "fragments", "bulk")
     LEARNER_FIELD_NUMBER: _ClassVar[int]
     OBSERVER_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     learner: int
     observer: bool
     after_seq: int
     fragments: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, learner: _Optional[int] = ..., observer: _Optional[bool] = ..., after_seq: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ...) -> None: ...
+    bulk: bool
+    def __init__(self, learner: _Optional[int] = ..., observer: _Optional[bool] = ..., after_seq: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("duplicate", "clipped")

@@ -1,0 +1,222 @@
+"""Θ off gRPC: a pull's values over a TCP connection of their own, at the socket's speed.
+
+gRPC moves bulk bytes at a fraction of a plain socket's rate (`benchmarks/grpc_ceiling.py`: 3-4x slower
+on loopback), and a learner joining a large run pulls all of Θ. A shard started with `--bulk-pulls` listens
+on a second port; a pull that asks for it (`PullRequest.bulk`) is answered on the gRPC stream with the
+header alone, naming that port and a ticket, and the values follow on a connection the learner opens to
+it: the ticket (32 bytes), then exactly the bytes the header declares, sent from Θ's own memory and
+received straight into the learner's tensors.
+
+Who may read: only the holder of a ticket, and a ticket is handed out only by the authenticated Pull
+(the shared secret, a learner's credential or its certificate), is unguessable (256 random bits), good for
+one connection and for TICKET_TTL_S, and names the values it was issued for (a snapshot: the shard's Θ
+tensors are replaced on commit, never written). With TLS in the run's settings the bulk connection is TLS
+too, the shard presenting the same certificate; a run without TLS moves Θ in the clear over gRPC as well.
+What a shard can be made to spend is bounded: BULK_CONNECTIONS at once, MAX_TICKETS held (the oldest go
+first), TICKET_WAIT_S for a connection to say its ticket (and finish its TLS handshake). A learner that
+cannot reach the port, or is refused, pulls over gRPC from then on (`calls.ShardClient.pull`). A wrong, used or expired ticket gets the
+connection closed with nothing sent, and one line in the shard's log.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import secrets
+import socket
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from diloco.errors import DilocoError
+from diloco.transport.security_settings import TransportSecurity
+
+log = logging.getLogger("diloco.syncer")
+
+TICKET_BYTES = 32
+TICKET_TTL_S = 15.0
+"""A ticket unused this long after its Pull is void: the learner connects as soon as it reads the header."""
+MAX_TICKETS = 64
+"""Tickets held at once, the oldest dropped first: each keeps the Θ tensors it names alive (a version
+that commits have since replaced stays in memory until its ticket is used or void), so at most this
+many pulls' worth, each for at most TICKET_TTL_S. A join takes one per fragment, used within moments."""
+BULK_CONNECTIONS = 16
+TICKET_WAIT_S = 10.0
+"""How long a bulk connection may take to say its ticket."""
+TRANSFER_TIMEOUT_S = 300.0
+"""The longest any one send or receive of a transfer may stall (a pull over gRPC has the same bound)."""
+
+
+class BulkTransferError(DilocoError):
+    """A bulk transfer that did not deliver exactly the bytes its header declared."""
+
+
+@contextlib.contextmanager
+def _pem_files(*pems: bytes) -> Iterator[list[str]]:
+    """PEM blobs as files only this user can read, for as long as `ssl` needs paths; removed after."""
+    with tempfile.TemporaryDirectory(prefix="diloco-tls-") as folder:
+        paths = []
+        for i, pem in enumerate(pems):
+            path = Path(folder) / f"{i}.pem"
+            path.touch(mode=0o600)
+            path.write_bytes(pem)
+            paths.append(str(path))
+        yield paths
+
+
+def server_context(security: TransportSecurity) -> ssl.SSLContext | None:
+    """The shard's TLS for its bulk port, from the run's settings (None: the run has no TLS)."""
+    if not security.serves_tls:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with _pem_files(security.tls_cert, security.tls_key) as (cert, key):
+        context.load_cert_chain(cert, key)
+    if security.requires_client_certs:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=security.tls_ca.decode())
+    return context
+
+
+def client_context(security: TransportSecurity) -> ssl.SSLContext | None:
+    """A learner's TLS for a shard's bulk port: as its gRPC channel verifies the shard (None: no TLS)."""
+    if not security.connects_tls:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if security.tls_ca is not None:
+        context.load_verify_locations(cadata=security.tls_ca.decode())
+    else:
+        context.load_default_certs()
+    if security.tls_cert is not None and security.tls_key is not None:
+        with _pem_files(security.tls_cert, security.tls_key) as (cert, key):
+            context.load_cert_chain(cert, key)
+    return context
+
+
+class BulkServer:
+    """A shard's bulk port: tickets issued by its Pull handler, values sent to whoever presents one."""
+
+    def __init__(self, host: str, security: TransportSecurity) -> None:
+        self.tls = server_context(security)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.listener.bind((host, 0))
+        except OSError as exc:
+            self.listener.close()
+            raise DilocoError(f"cannot listen for bulk pulls on {host}: {exc.strerror or exc}") from None
+        self.listener.listen(BULK_CONNECTIONS)
+        self.port: int = self.listener.getsockname()[1]
+        self.tickets: collections.OrderedDict[bytes, tuple[float, list[memoryview]]] = collections.OrderedDict()
+        self.lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(BULK_CONNECTIONS)
+        self.refused = 0
+        self.closed = False
+        threading.Thread(target=self._accept, name="bulk-accept", daemon=True).start()
+
+    def ticket(self, values: list[memoryview]) -> bytes:
+        """A one-use ticket for `values` (byte views, in the order the header lists them)."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        now = time.monotonic()
+        with self.lock:
+            self._forget_expired(now)
+            while len(self.tickets) >= MAX_TICKETS:
+                self.tickets.popitem(last=False)
+            self.tickets[ticket] = (now + TICKET_TTL_S, values)
+        return ticket
+
+    def _forget_expired(self, now: float) -> None:
+        while self.tickets and next(iter(self.tickets.values()))[0] <= now:
+            self.tickets.popitem(last=False)
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, peer = self.listener.accept()
+            except OSError:
+                return  # closed
+            if not self.slots.acquire(blocking=False):
+                self._refuse(conn, peer, f"more than {BULK_CONNECTIONS} bulk connections at once")
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name="bulk-send", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            conn.settimeout(TICKET_WAIT_S)
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            ticket = _receive_exactly(conn, TICKET_BYTES)
+            with self.lock:
+                self._forget_expired(time.monotonic())
+                held = self.tickets.pop(ticket, None)
+            if held is None:
+                self._refuse(conn, peer, "a ticket that is wrong, used or expired")
+                return
+            conn.settimeout(TRANSFER_TIMEOUT_S)
+            for view in held[1]:
+                conn.sendall(view)
+        except (OSError, ssl.SSLError, BulkTransferError) as exc:
+            log.warning("bulk pull to %s broke: %s", peer, exc)
+        finally:
+            with contextlib.suppress(OSError):
+                conn.close()
+            self.slots.release()
+
+    def _refuse(self, conn: socket.socket, peer: tuple, why: str) -> None:
+        self.refused += 1
+        log.warning("bulk connection from %s refused: %s", peer, why)
+        with contextlib.suppress(OSError):
+            conn.close()
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        with self.lock:
+            self.tickets.clear()
+
+
+def _receive_exactly(conn: socket.socket, n: int) -> bytes:
+    data = bytearray(n)
+    _receive_into(conn, memoryview(data), "ticket")
+    return bytes(data)
+
+
+def _receive_into(conn: socket.socket, target: memoryview, what: str) -> None:
+    got = 0
+    while got < target.nbytes:
+        n = conn.recv_into(target[got:])
+        if n == 0:
+            raise BulkTransferError(f"the connection ended after {got} of {target.nbytes} bytes of {what}")
+        got += n
+
+
+def receive(host: str, port: int, ticket: bytes, targets: list[memoryview], security: TransportSecurity,
+            address: str) -> None:
+    """Fill `targets` (byte views, in the header's order) from a shard's bulk port with `ticket`; a
+    BulkTransferError naming the shard at `address` if it cannot be reached or sends anything short."""
+    if len(ticket) != TICKET_BYTES or not 0 < port < 65536:
+        raise BulkTransferError(f"syncer at {address} named bulk port {port} with a {len(ticket)}-byte ticket")
+    tls = client_context(security)
+    try:
+        with socket.create_connection((host, port), timeout=TRANSFER_TIMEOUT_S) as raw:
+            conn = tls.wrap_socket(raw, server_hostname=security.server_name or host) if tls is not None else raw
+            with conn:
+                conn.sendall(ticket)
+                for i, target in enumerate(targets):
+                    _receive_into(conn, target, f"value {i}")
+    except BulkTransferError as exc:
+        raise BulkTransferError(f"bulk pull from {address} (port {port}): {exc}") from None
+    except (OSError, ssl.SSLError) as exc:
+        raise BulkTransferError(f"bulk pull from {address} (port {port}) failed: {exc}") from None
+
+
+def bulk_host(address: str) -> str:
+    """The host part of a shard's gRPC address (HOST:PORT, IPv6 in brackets): its bulk port is there."""
+    return address.rpartition(":")[0].strip("[]") or "127.0.0.1"
+
