@@ -117,6 +117,9 @@ def test_a_pull_over_the_bulk_port_gives_what_a_pull_in_frames_gives_and_a_learn
     with shard.lock:
         theta = {n: shard.core.theta[n].clone() for n in values}
     assert all(torch.equal(second.params[n].detach(), theta[n]) for n in theta)
+    # Three joins' or pulls' worth over the port (the first learner's, ours, the second learner's), no refusal.
+    wait_for(lambda: shard.report()["bulk_pulls"]["served"] >= 3, 5, "the bulk transfers counted")
+    assert shard.report()["bulk_pulls"]["refused"] == 0
     second.close()
     first.close()
     over_bulk.close()

@@ -47,6 +47,8 @@ many pulls' worth, each for at most TICKET_TTL_S. A join takes one per fragment,
 BULK_CONNECTIONS = 16
 TICKET_WAIT_S = 10.0
 """How long a bulk connection may take to say its ticket."""
+CONNECT_TIMEOUT_S = 10.0
+"""How long a learner tries to reach a bulk port (a firewall that drops packets): then gRPC."""
 TRANSFER_TIMEOUT_S = 300.0
 """The longest any one send or receive of a transfer may stall (a pull over gRPC has the same bound)."""
 
@@ -114,6 +116,7 @@ class BulkServer:
         self.tickets: collections.OrderedDict[bytes, tuple[float, list[memoryview]]] = collections.OrderedDict()
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(BULK_CONNECTIONS)
+        self.served = 0
         self.refused = 0
         self.closed = False
         threading.Thread(target=self._accept, name="bulk-accept", daemon=True).start()
@@ -150,15 +153,18 @@ class BulkServer:
             if self.tls is not None:
                 conn = self.tls.wrap_socket(conn, server_side=True)
             ticket = _receive_exactly(conn, TICKET_BYTES)
+            now = time.monotonic()
             with self.lock:
-                self._forget_expired(time.monotonic())
+                self._forget_expired(now)
                 held = self.tickets.pop(ticket, None)
-            if held is None:
+            if held is None or held[0] <= now:
                 self._refuse(conn, peer, "a ticket that is wrong, used or expired")
                 return
             conn.settimeout(TRANSFER_TIMEOUT_S)
             for view in held[1]:
                 conn.sendall(view)
+            with self.lock:
+                self.served += 1
         except (OSError, ssl.SSLError, BulkTransferError) as exc:
             log.warning("bulk pull to %s broke: %s", peer, exc)
         finally:
@@ -167,7 +173,8 @@ class BulkServer:
             self.slots.release()
 
     def _refuse(self, conn: socket.socket, peer: tuple, why: str) -> None:
-        self.refused += 1
+        with self.lock:
+            self.refused += 1
         log.warning("bulk connection from %s refused: %s", peer, why)
         with contextlib.suppress(OSError):
             conn.close()
@@ -204,7 +211,8 @@ def receive(host: str, port: int, ticket: bytes, targets: list[memoryview], secu
         raise BulkTransferError(f"syncer at {address} named bulk port {port} with a {len(ticket)}-byte ticket")
     tls = client_context(security)
     try:
-        with socket.create_connection((host, port), timeout=TRANSFER_TIMEOUT_S) as raw:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as raw:
+            raw.settimeout(TRANSFER_TIMEOUT_S)
             conn = tls.wrap_socket(raw, server_hostname=security.server_name or host) if tls is not None else raw
             with conn:
                 conn.sendall(ticket)
