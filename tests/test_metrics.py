@@ -125,3 +125,27 @@ def test_learner_lives_split_at_each_start_even_a_life_of_one_step(tmp_path):
     # Without start records (an older file), a fall in the counters still ends a life.
     path.write_text("".join(json.dumps(line) + "\n" for line in lines if line["kind"] == "learner"))
     assert [(life["tokens"], life["steps"]) for life in learner_lives(tmp_path)[3]] == [(2048, 2), (2048, 5)]
+
+
+def test_a_real_learners_meter_records_every_step_that_pushed_as_well_as_its_period(tmp_path):
+    """A life killed between periodic records must not show more tokens merged than recorded trained: with
+    `at_pushes` a step whose core made a push (its sequence number moved) is recorded at once."""
+    from types import SimpleNamespace
+
+    from diloco.metrics.records import LearnerMeter, records_of
+
+    def run(at_pushes: bool) -> list[int]:
+        path = tmp_path / f"at-{at_pushes}.jsonl"
+        log = open_metrics(tmp_path, name=path.stem)
+        meter, core = LearnerMeter(log, 0, every_steps=10, at_pushes=at_pushes), SimpleNamespace(
+            seq=0, last_push_norm=None, last_staleness=None, anchor_versions=[0])
+        for step in range(1, 25):
+            if step in (3, 4, 17):  # pushes made at these steps
+                core.seq += 1
+            meter.step(step * 0.1, steps=step, tokens=step * 1024, busy_fraction=1.0, step_time_s=0.1,
+                       bytes_up=0, bytes_down=0, loss=lambda: None, core=core)
+        log.close()
+        return [r["steps"] for r in records_of(path, "learner")]
+
+    assert run(at_pushes=False) == [10, 20]
+    assert run(at_pushes=True) == [1, 3, 4, 10, 17, 20]  # and a life's first step (a push may come with it)

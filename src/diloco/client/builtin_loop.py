@@ -145,7 +145,7 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
         replica.model = torch.compile(replica.model)
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
     metrics = _metrics_for(config, out, m, rank, metrics_port, metrics_port_file, metrics_http)
-    meter = LearnerMeter(metrics, m, config.metrics.every_steps)
+    meter = LearnerMeter(metrics, m, config.metrics.every_steps, at_pushes=True)
     training = _Training(replica, sync, meter, metrics, world, rank, speed, stop, writer)
     training.start = {"import_s": max(0.0, process_age_s() - (clock.monotonic() - entered)), "join_s": joined_s,
                       "spare": HANDED_OVER_ENV in os.environ,

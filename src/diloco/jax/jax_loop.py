@@ -149,7 +149,8 @@ def train_jax_learner(life: JaxLife, *, out: Path | None = None, stop: threading
     m = sync.id
     metrics = _metrics_for(config, out, m, 0, metrics_port, metrics_port_file, metrics_http)
     synced = _Synced(sync, replica)
-    training = _Training(replica, synced, LearnerMeter(metrics, m, config.metrics.every_steps), metrics,  # type: ignore[arg-type]
+    meter = LearnerMeter(metrics, m, config.metrics.every_steps, at_pushes=True)
+    training = _Training(replica, synced, meter, metrics,  # type: ignore[arg-type]
                          world=1, rank=0, speed=life.plan.speed, stop=stop, writer=writer)
     training.start = {"steps": life.resumed_from,
                       "resumed_fragments": sum(why is None for why in getattr(sync, "resumed", {}).values())}

@@ -13,17 +13,27 @@ from diloco.metrics.log import MetricsLog
 
 
 class LearnerMeter:
-    """A learner's record every `every_steps` inner steps; tokens per second since the previous one."""
+    """A learner's record every `every_steps` inner steps; tokens per second since the previous one.
 
-    def __init__(self, log: MetricsLog, learner: int, every_steps: int) -> None:
-        self.log, self.learner, self.every_steps = log, learner, every_steps
+    With `at_pushes`, also at every step that made a push (its core's sequence number moved), written on
+    the training thread as soon as the step has queued it, before the link thread can have encoded and
+    sent it (and the first step it meters, whose push it cannot tell): a learner killed between periodic
+    records then does not show more tokens merged than its records say it trained (`diloco chaos` counts a life's training from its last record, and such a push
+    read as counted twice)."""
+
+    def __init__(self, log: MetricsLog, learner: int, every_steps: int, at_pushes: bool = False) -> None:
+        self.log, self.learner, self.every_steps, self.at_pushes = log, learner, every_steps, at_pushes
         self._last: tuple[float, int] | None = None
+        self._last_seq: int | None = None
 
     def step(self, time_s: float, *, steps: int, tokens: int, busy_fraction: float, step_time_s: float,
              bytes_up: int, bytes_down: int, loss: Callable[[], float | None], core: LearnerCore | None,
              final: bool = False) -> None:
-        """Record if this step is on the period, or if it is the learner's last (`final`)."""
-        if steps % self.every_steps and not final:
+        """Record if this step is on the period, sent a push (`at_pushes`), or is the learner's last (`final`)."""
+        pushed = self.at_pushes and core is not None and core.seq != self._last_seq
+        if core is not None:
+            self._last_seq = core.seq
+        if steps % self.every_steps and not final and not pushed:
             return
         last_time, last_tokens = self._last or (0.0, 0)
         rate = (tokens - last_tokens) / (time_s - last_time) if time_s > last_time else None
