@@ -15,8 +15,8 @@ from diloco.cli import main
 from diloco.plan.build import deployment
 from diloco.plan.layout import assumed_layout
 from diloco.plan.plan_model import plan
-from diloco.plan.syncer_cost import (LEARNER_FLOPS, PLAN_STEP_TOKENS, SHARD_CPU_NS_PER_PARAM,
-                                     SHARD_PULL_BYTES_PER_S, shards_for_cores)
+from diloco.plan.syncer_cost import (LEARNER_FLOPS, PLAN_STEP_TOKENS, SHARD_BULK_PULL_BYTES_PER_S,
+                                     SHARD_CPU_NS_PER_PARAM, SHARD_PULL_BYTES_PER_S, join_s, shards_for_cores)
 
 README_EXAMPLE = ["plan", "--params", "12B", "--learners", "8", "--bandwidth", "1Gbit"]
 
@@ -43,9 +43,15 @@ def test_cores_are_pushed_parameters_per_second_times_the_measured_cost():
         assert s.cores == pytest.approx(pushed * SHARD_CPU_NS_PER_PARAM * 1e-9)
     assert sum(s.cores for s in p.shards) == pytest.approx(d.layout.parameters * 8 / period * SHARD_CPU_NS_PER_PARAM
                                                            * 1e-9)
-    # shards 0 and 1 own two fragments each (p mod 4), 2 and 3 one: the join waits for the largest part
-    assert p.join_s == pytest.approx(4 * p.shards[0].memory.parameters / SHARD_PULL_BYTES_PER_S)
+    # shards 0 and 1 own two fragments each (p mod 4), 2 and 3 one: the join waits for the largest part, or
+    # for all of Θ over the learner's link, whichever is slower (here the 100 Mbit/s link, by far)
+    theta = 4 * d.layout.parameters
+    assert p.join_s == pytest.approx(theta * 8 / d.bandwidth_bps)
     assert p.shards[0].memory.parameters > p.shards[2].memory.parameters
+    fast = plan(_deployment(shards=4, bandwidth_bps=1e12))  # a link faster than any shard serves
+    assert fast.join_s == pytest.approx(4 * fast.shards[0].memory.parameters / SHARD_BULK_PULL_BYTES_PER_S)
+    assert join_s([1000, 3000], pull_bytes_per_s=SHARD_PULL_BYTES_PER_S) == pytest.approx(
+        4 * 3000 / SHARD_PULL_BYTES_PER_S)  # a shard serving over gRPC only: its measured rate
 
 
 def test_shards_for_cores_is_the_fewest_whose_busiest_fits():

@@ -126,4 +126,5 @@ def plan(d: Deployment, replayed: ReplayResult | None = None) -> Plan:
     network = network_report(d, replayed.links if replayed else None, totals.time_s if totals else None)
     return Plan(d, d.period_s, numels, tuple(sites), tuple(region_reports(d, sites)), tuple(shards), needed, totals,
                 network.links, tuple(homes), network.slow_routes,
-                join_s([s.memory.parameters for s in shards]) if shards else None, for_cores)
+                join_s([s.memory.parameters for s in shards], min(s.bandwidth_bps for s in sites))
+                if shards else None, for_cores)

@@ -5,7 +5,9 @@ with the command that measures it, so a faster syncer or another accelerator is 
 - Syncer cores: a shard spends `SHARD_CPU_NS_PER_PARAM` CPU-nanoseconds per parameter it is pushed
   (decode, accumulate, close the round, answer), so it needs pushed parameters/s × that many cores.
 - Join time: a joining learner pulls Θ whole (fp32) from every shard at once; each shard serves its part
-  at `SHARD_PULL_BYTES_PER_S`, so the join lasts as long as the largest shard's part takes.
+  at `SHARD_BULK_PULL_BYTES_PER_S` (over its bulk port, as `diloco run` starts shards), and all of Θ
+  crosses the learner's own link: the join lasts as long as the slower of the largest shard's part and
+  Θ over the slowest learner's link.
 - Step time of a `--params` plan: 6·N FLOPs per token (forward and backward) × the tokens of one inner
   step ÷ one learner's effective FLOP/s (`LEARNER_FLOPS`).
 """
@@ -23,8 +25,14 @@ pushes, each closing its own round: CPU-seconds of the shard process ÷ paramete
 7.71 there, the higher of the two runs of the same code, 6.51 in -s39-3; 9.51 before the round's
 recycled buffers and the passes fused in cache)."""
 SHARD_PULL_BYTES_PER_S = 408e6
-"""Bytes/s of Θ one shard serves a joining learner: `join_bytes ÷ join_s` of the same run (80 MB of
-fp32 Θ from one shard in 0.196 s, 4 fragments on 4 streams, while 8 learners were pushing)."""
+"""Bytes/s of Θ one shard serves a joining learner over gRPC (a shard without `--bulk-pulls`):
+`join_bytes ÷ join_s` of the same run (80 MB of fp32 Θ from one shard in 0.196 s, 4 fragments on 4
+streams, while 8 learners were pushing)."""
+SHARD_BULK_PULL_BYTES_PER_S = 1.59e9
+"""The same over a shard's bulk port: `join_bytes ÷ join_s` of `python benchmarks/scale.py --params 100M
+--learners 1 --seconds 5 --min-pushes 4 --socket-seconds 3 --sink --joins 7 --bulk-pulls --json
+benchmarks/results/scale-join100m-bulk-s47.json` (400 MB in 0.252 s, the median of 7 joins; 0.249 s in a
+second run)."""
 FLOPS_PER_PARAM_TOKEN = 6
 """Forward and backward of a dense transformer: 6 FLOPs per parameter per token."""
 LEARNER_FLOPS = 64 * 989e12 * 0.4
@@ -45,9 +53,13 @@ def cores(pushed_params_per_s: float, ns_per_param: float = SHARD_CPU_NS_PER_PAR
     return pushed_params_per_s * ns_per_param * 1e-9
 
 
-def join_s(shard_parameters: Sequence[int], pull_bytes_per_s: float = SHARD_PULL_BYTES_PER_S) -> float:
-    """A joining learner's pull of Θ (fp32) from every shard in parallel: the largest part sets it."""
-    return max((FP32 * n for n in shard_parameters), default=0) / pull_bytes_per_s
+def join_s(shard_parameters: Sequence[int], link_bps: float | None = None,
+           pull_bytes_per_s: float = SHARD_BULK_PULL_BYTES_PER_S) -> float:
+    """A joining learner's pull of Θ (fp32) from every shard in parallel: the largest shard's part, or all
+    of Θ over the learner's link of `link_bps` bits/s (where given), whichever takes longer."""
+    serving = max((FP32 * n for n in shard_parameters), default=0) / pull_bytes_per_s
+    crossing = FP32 * sum(shard_parameters) * 8 / link_bps if link_bps else 0.0
+    return max(serving, crossing)
 
 
 def shards_for_cores(pushed_params_per_s: float, fragment_numels: Sequence[int], limit_cores: float) -> int | None:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from diloco.plan.reports import Plan
 from diloco.plan.search import Advice
-from diloco.plan.syncer_cost import SHARD_CPU_NS_PER_PARAM, SHARD_PULL_BYTES_PER_S
+from diloco.plan.syncer_cost import SHARD_BULK_PULL_BYTES_PER_S, SHARD_CPU_NS_PER_PARAM, SHARD_PULL_BYTES_PER_S
 from diloco.results import human_bytes
 
 GIB = 2**30
@@ -178,7 +178,9 @@ def syncer_lines(p: Plan) -> list[str]:
     if p.join_s is not None:
         theta = 4 * p.deployment.layout.parameters
         lines.append(f"a join: {human_bytes(theta)} of fp32 Θ from {len(p.shards)} shard(s) at once, "
-                     f"{seconds(p.join_s)} ({rate(SHARD_PULL_BYTES_PER_S)} per shard, measured)")
+                     f"{seconds(p.join_s)} (each shard serving {rate(SHARD_BULK_PULL_BYTES_PER_S)} over its bulk "
+                     f"port, measured, and all of it over the slowest learner's link; over gRPC a shard "
+                     f"serves {rate(SHARD_PULL_BYTES_PER_S)})")
     return lines
 
 
