@@ -61,11 +61,9 @@ class Launcher:
     def __init__(self, config: Config, config_args: list[str], out: Path, shards: int = 1,
                  verbose: bool = False, security: TransportSecurity | None = None,
                  env: dict[str, str] | None = None, http_auth: bool = False, bulk_pulls: bool = True) -> None:
-        """`security` and `env` (a generated shared secret) reach every child: options by argv, the
-        secret only by environment. Every child's HTTP endpoints listen on loopback only; `http_auth`
-        also makes them require the shared secret. `bulk_pulls`: shards serve pulls of Θ on a bulk port
-        too (`transport/bulk.py`)."""
-        """`config_args` are the CONFIG path and --set options, passed on to every child as given."""
+        """`config_args` (CONFIG and --set), `security` and `env` (a generated shared secret) reach every
+        child: options by argv, the secret only by environment. HTTP endpoints listen on loopback only
+        (`http_auth`: requiring the secret). `bulk_pulls`: shards serve Θ on a bulk port too (`transport/bulk.py`)."""
         settings_of(config)  # refuses a strategy the real runtime cannot run, with the reason
         shards = placed_shard_count(config, shards)  # with `placement = "links"`, one per home region
         check_shards(config, shards)
@@ -76,7 +74,7 @@ class Launcher:
         if "," in str(self.shared):
             raise DilocoError(f"--out {self.shared}: a path with a comma cannot be used")
         self.security = security or PLAINTEXT
-        self.bulk_pulls = bulk_pulls
+        self.bulk_args = ["--bulk-pulls"] if bulk_pulls else []
         self.http_args = ["--http-bind", "127.0.0.1", *(["--http-auth"] if http_auth else [])]
         self.config_args = [*config_args, *(["--verbose"] if verbose else []), *self.security.argv]
         self.children = self.make_children()
@@ -194,8 +192,7 @@ class Launcher:
             self.children.start(f"syncer-{i}", self._python(
                 "syncer", "--bind", f"{host}:0", "--port-file", str(port_file), "--shards", shard_map,
                 "--shard", f"{i}/{self.shard_count}", "--out", str(self.shared),
-                *(["--bulk-pulls"] if self.bulk_pulls else []),
-                *self._endpoint_args(f"syncer-{i}", status=i == 0)), env=self.env)
+                *self.bulk_args, *self._endpoint_args(f"syncer-{i}", status=i == 0)), env=self.env)
         for i, (host, port_file) in enumerate(zip(hosts, port_files)):
             child = self.children.children[f"syncer-{i}"]
             port = wait_for_port(port_file, f"syncer-{i}", gone=lambda child=child: self._why_gone(child),
@@ -215,7 +212,7 @@ class Launcher:
             self.children.start(name, self._python(
                 "syncer", "--region", region.name, "--upstream", self.addresses[0], "--bind", f"{host}:0",
                 "--port-file", str(port_file), "--out", str(self.shared), *emulate,
-                *(["--bulk-pulls"] if self.bulk_pulls else []), *self._endpoint_args(name)), env=self.env)
+                *self.bulk_args, *self._endpoint_args(name)), env=self.env)
             child = self.children.children[name]
             port = wait_for_port(port_file, name, gone=lambda child=child: self._why_gone(child),
                                  timeout_s=STARTUP_TIMEOUT_S)

@@ -151,9 +151,7 @@ def read_message(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object
     if opened is None:
         return None
     header, total = opened
-    data = bytearray(total)  # the declared size, checked: filled in place, never regrown
-    _fill(frames, [memoryview(data)], total)
-    return header, _encoded_views(header, memoryview(data).toreadonly())
+    return header, _buffered(frames, header, total)
 
 
 BulkSource = Callable[[Any, list[memoryview]], None]
@@ -175,9 +173,7 @@ def read_values(frames: Iterator[Frame], kind: str, limit: int, bulk: BulkSource
     if from_bulk and (bulk is None or any(t.codec != "fp32" for t in header.tensors)):
         raise FrameError("the values were sent over a bulk port this reader did not ask for, or not in fp32")
     if any(t.codec != "fp32" for t in header.tensors):
-        data = bytearray(total)
-        _fill(frames, [memoryview(data)], total)
-        return header, {n: decode(e) for n, e in _encoded_views(header, memoryview(data).toreadonly()).items()}
+        return header, {n: decode(e) for n, e in _buffered(frames, header, total).items()}
     values = {t.name: torch.empty(tuple(int(d) for d in t.shape), dtype=torch.float32) for t in header.tensors}
     targets = [memoryview(v.numpy()).cast("B") for v in values.values() if v.numel()]
     if from_bulk:
@@ -212,7 +208,8 @@ def _open_message(frames: Iterator[Frame], kind: str, limit: int) -> tuple[objec
 def _fill(frames: Iterator[Frame], targets: list[memoryview], total: int) -> None:
     """Copy the message's `total` data bytes from `frames` into `targets` in order (byte views whose sizes add
     up to `total`); a frame may span targets. Anything but exactly `total` bytes of data frames is refused."""
-    filled, at, into, room = 0, 0, None, 0
+    rest = iter(targets)
+    filled, at, into, room = 0, 0, memoryview(b""), 0
     while filled < total:
         frame = next(frames, None)
         if frame is None:
@@ -224,15 +221,19 @@ def _fill(frames: Iterator[Frame], targets: list[memoryview], total: int) -> Non
             raise FrameError(f"message carries more than the {total} bytes its header declares")
         while chunk.nbytes:
             if not room:
-                into, at = targets.pop(0), 0
+                into, at = next(rest), 0
                 room = into.nbytes
             n = min(room, chunk.nbytes)
             into[at:at + n] = chunk[:n]
             at, room, chunk, filled = at + n, room - n, chunk[n:], filled + n
 
 
-def _encoded_views(header, blob: memoryview) -> dict[str, Encoded]:
-    """Each tensor of `header` as a view of the message's one buffer `blob`: no copy per tensor."""
+def _buffered(frames: Iterator[Frame], header: Any, total: int) -> dict[str, Encoded]:
+    """The message's data read into one buffer of its declared size (checked: filled in place, never
+    regrown), each tensor a view of it: no copy per tensor."""
+    data = bytearray(total)
+    _fill(frames, [memoryview(data)], total)
+    blob = memoryview(data).toreadonly()
     tensors, offset = {}, 0
     for t in header.tensors:
         end = offset + t.payload_bytes
