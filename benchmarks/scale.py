@@ -45,7 +45,7 @@ With no arguments, a quick sweep (20M parameters, 1, 4, 8 and 16 learners, one s
   join      after the window, an observer's pull of Θ (fp32) from every shard, timed, as a join pulls
             it: each fragment on its own stream, PULL_STREAMS at once over all shards; --joins times (default
             3; `join_seconds` each), the median kept. `join_vs_socket` is that time over the plain socket's
-            time for the same bytes (target: at most 2x). --bulk-pulls: over the shards' bulk ports.
+            time for the same bytes (target: at most 2x). --bulk-port: over the shards' bulk ports.
   --sink    the shards take pushes off the wire and answer them without merging (the transport alone;
             target: push and pull at least 0.5x the socket). --paced keeps the default config's pacing.
   socket    after the shards are stopped: a plain TCP socket on loopback to a Python subprocess that
@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of pushing before the window")
     parser.add_argument("--socket-seconds", type=float, default=3.0, help="plain-socket baseline per run")
     parser.add_argument("--joins", type=int, default=3, help="timed joins per run (the median is kept)")
-    parser.add_argument("--bulk-pulls", action="store_true", help="the shards serve pulls of Θ on a bulk port "
-                        "(`diloco syncer --bulk-pulls`): the join's values over plain TCP, not gRPC")
+    parser.add_argument("--bulk-port", "--bulk-pulls", dest="bulk_port", action="store_true",
+                        help="the shards serve a bulk port (`diloco syncer --bulk-port`): the join's values and "
+                        "the pushes' data over plain TCP, not gRPC")
     parser.add_argument("--quorum", type=int, default=1, help="outer.quorum (1: each push closes its round)")
     parser.add_argument("--paced", action="store_true", help="keep the default config's pacing and grace "
                         "(the default paced decoupled config) instead of closing each round at once")

@@ -83,7 +83,7 @@ class Run:
                           str(port_file), "--shards", shard_map, "--shard", f"{i}/{n}",
                           *(["--secret-file", str(secret_file)] if secret_file else []),
                           *(["--out", str(self.work / "state")] if self.args.journal else []),
-                          *(["--bulk-pulls"] if self.args.bulk_pulls else []))
+                          *(["--bulk-port"] if self.args.bulk_port else []))
             self.shard_procs.append(self.procs.start(argv, self.work / f"shard-{i}.log",
                                                      env={"DILOCO_SHARD_SINK": "1"} if self.args.sink else None))
         self.sampler = Sampler(self.shard_procs, int(self.args.min_free_gib * GIB), self._kill_all)

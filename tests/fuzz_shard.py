@@ -204,7 +204,7 @@ def view_of_shard(shard: SyncerShard) -> View:
         core = shard.core
         return View({p: {n: tuple(core.theta[n].shape) for n in s.fragment.names} for p, s in core.fragments.items()},
                     {p: s.version for p, s in core.fragments.items()}, set(core.ledger) | set(MEMBERS),
-                    core.ledger[REAL].last_seq, shard._push_limit(), list(shard.layout))
+                    core.ledger[REAL].last_seq, shard.push_limit(), list(shard.layout))
 
 
 def push_could_be_taken(frames: list[pb.Frame], view: View) -> bool:

@@ -60,10 +60,10 @@ class Progress:
 class Launcher:
     def __init__(self, config: Config, config_args: list[str], out: Path, shards: int = 1,
                  verbose: bool = False, security: TransportSecurity | None = None,
-                 env: dict[str, str] | None = None, http_auth: bool = False, bulk_pulls: bool = True) -> None:
+                 env: dict[str, str] | None = None, http_auth: bool = False, bulk_port: bool = True) -> None:
         """`config_args` (CONFIG and --set), `security` and `env` (a generated shared secret) reach every
         child: options by argv, the secret only by environment. HTTP endpoints listen on loopback only
-        (`http_auth`: requiring the secret). `bulk_pulls`: shards serve Θ on a bulk port too (`transport/bulk.py`)."""
+        (`http_auth`: requiring the secret). `bulk_port`: shards move Θ and pushes on a bulk port too (`transport/bulk.py`)."""
         settings_of(config)  # refuses a strategy the real runtime cannot run, with the reason
         shards = placed_shard_count(config, shards)  # with `placement = "links"`, one per home region
         check_shards(config, shards)
@@ -74,7 +74,7 @@ class Launcher:
         if "," in str(self.shared):
             raise DilocoError(f"--out {self.shared}: a path with a comma cannot be used")
         self.security = security or PLAINTEXT
-        self.bulk_args = ["--bulk-pulls"] if bulk_pulls else []
+        self.bulk_args = ["--bulk-port"] if bulk_port else []
         self.http_args = ["--http-bind", "127.0.0.1", *(["--http-auth"] if http_auth else [])]
         self.config_args = [*config_args, *(["--verbose"] if verbose else []), *self.security.argv]
         self.children = self.make_children()

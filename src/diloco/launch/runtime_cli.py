@@ -110,9 +110,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_security_arguments(p)
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/run-STRATEGY-TIME)")
     p.add_argument("--shards", type=int, default=1, metavar="N", help="syncer shard processes (default 1)")
-    p.add_argument("--no-bulk-pulls", dest="bulk_pulls", action="store_false",
-                   help="shards serve pulls of Θ over gRPC only (by default also on a bulk port of their host: "
-                        "`diloco syncer --bulk-pulls`)")
+    p.add_argument("--no-bulk-port", "--no-bulk-pulls", dest="bulk_port", action="store_false",
+                   help="shards move Θ and pushes over gRPC only (by default also on a bulk port of their host: "
+                        "`diloco syncer --bulk-port`)")
     p.add_argument("--ray", metavar="ADDRESS",
                    help="run on the Ray cluster at ADDRESS (`local`: a Ray instance on this machine, stopped at "
                         "the end); needs the `ray` extra. See docs/cluster.md")
@@ -136,7 +136,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                         Path("runs") / f"run-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     security, secret_env = with_run_secret(configured)
     options = dict(shards=args.shards, verbose=args.verbose, security=security, env=secret_env,
-                   http_auth=args.http_auth, bulk_pulls=args.bulk_pulls)
+                   http_auth=args.http_auth, bulk_port=args.bulk_port)
     with sigterm_as_interrupt():
         if args.ray:
             launcher = ray_launcher()(config, config_args(args), out, address=args.ray, **options)

@@ -44,10 +44,11 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the state a previous process left in --out")
     p.add_argument("--operator-seeds", action="store_true",
                    help="only the run secret's holder may seed Θ (Init), not a learner's own credential")
-    p.add_argument("--bulk-pulls", action="store_true",
-                   help="also listen on a bulk port of --bind's host (any free one): learners joining pull Θ "
-                        "there over plain TCP (TLS with --tls-cert), several times faster than over gRPC, with a "
-                        "one-use ticket their authenticated pull hands out; open it in firewalls as the gRPC port")
+    p.add_argument("--bulk-port", "--bulk-pulls", dest="bulk_port", action="store_true",
+                   help="also listen on a bulk port of --bind's host (any free one): learners pull Θ and send "
+                        "their pushes' data there over plain TCP (TLS with --tls-cert), several times faster than "
+                        "over gRPC, with a one-use ticket their authenticated Pull or Push hands out; open it in "
+                        "firewalls as the gRPC port (--bulk-pulls: the same, its earlier name)")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
     p.add_argument("--region", metavar="NAME",
@@ -145,7 +146,7 @@ def _serve_shard(shard: SyncerShard, args: argparse.Namespace, security: Transpo
 
     plan, host = shard.plan, args.bind.rsplit(":", 1)[0]
     with shard.lock:
-        server, port = serve(shard, args.bind, security=security, bulk_pulls=args.bulk_pulls)
+        server, port = serve(shard, args.bind, security=security, bulk_port=args.bulk_port)
         status = None
         if args.status_port is not None:
             status = _serve_status(shard, http, args.status_port)

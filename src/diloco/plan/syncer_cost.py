@@ -25,12 +25,12 @@ pushes, each closing its own round: CPU-seconds of the shard process ÷ paramete
 7.71 there, the higher of the two runs of the same code, 6.51 in -s39-3; 9.51 before the round's
 recycled buffers and the passes fused in cache)."""
 SHARD_PULL_BYTES_PER_S = 408e6
-"""Bytes/s of Θ one shard serves a joining learner over gRPC (a shard without `--bulk-pulls`):
+"""Bytes/s of Θ one shard serves a joining learner over gRPC (a shard without `--bulk-port`):
 `join_bytes ÷ join_s` of the same run (80 MB of fp32 Θ from one shard in 0.196 s, 4 fragments on 4
 streams, while 8 learners were pushing)."""
 SHARD_BULK_PULL_BYTES_PER_S = 1.59e9
 """The same over a shard's bulk port: `join_bytes ÷ join_s` of `python benchmarks/scale.py --params 100M
---learners 1 --seconds 5 --min-pushes 4 --socket-seconds 3 --sink --joins 7 --bulk-pulls --json
+--learners 1 --seconds 5 --min-pushes 4 --socket-seconds 3 --sink --joins 7 --bulk-port --json
 benchmarks/results/scale-join100m-bulk-s47.json` (400 MB in 0.252 s, the median of 7 joins; 0.249 s in a
 second run)."""
 FLOPS_PER_PARAM_TOKEN = 6

@@ -15,19 +15,17 @@ import grpc
 from diloco.core.checks import theta_problem
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
                                 PushArrived, StreamLost, StreamOpened, SyncerEvent)
-from diloco.core.messages import Push, Update
-from diloco.core.syncer_core import Action, ProtocolError, Publish, SendState, SendUpdate, SyncerCore
+from diloco.core.messages import Update
+from diloco.core.syncer_core import Action, ProtocolError, SendState, SendUpdate, SyncerCore
 from diloco.shard import serving
 from diloco.shard.answer_slots import Slot
-from diloco.shard.group_commit import QueuedPush, take_group
 from diloco.shard.journal import JournalError
 from diloco.shard.ownership import ShardPlan, fragments_of, parse_shard
+from diloco.shard.push_intake import PushIntake, Refusal
 from diloco.shard.serving import serve
-from diloco.shard.shard_state import ShardState
-from diloco.transport.frames import FrameError, decode, read_message
+from diloco.transport.frames import FrameError, buffered, decode, open_message, read_message
 from diloco.transport.security import current_caller
-from diloco.transport.wire_messages import (DecodedOnUse, bulk_state_frame, fragment_versions, progress_of, push_of,
-                                           push_payload, state_frames, update_frames)
+from diloco.transport.wire_messages import bulk_state_frame, fragment_versions, progress_of, state_frames, update_frames
 from diloco.v1 import diloco_pb2 as pb
 from diloco.v1 import diloco_pb2_grpc as pb_grpc
 
@@ -37,13 +35,12 @@ log = logging.getLogger("diloco.syncer")
 
 OUTBOX_POLL_S = 0.5
 """How often an idle update stream checks that its learner is still connected."""
-MESSAGE_SLACK_BYTES = 1 << 16
 MAX_LEARNER_ID = 2**32 - 1
 """Learner ids travel as uint32."""
 MAX_TOKENS = 2**64 - 1
 
 
-class SyncerShard(ShardState, pb_grpc.SyncerServicer):
+class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
     """The gRPC servicer: who may speak for whom, framing, and the calls as events."""
 
     def _take(self, event: SyncerEvent, context: grpc.ServicerContext, push_frames: bytes = b"") -> list[Action]:
@@ -104,7 +101,8 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
             shards = [pb.ShardInfo(index=i, address=a, fragments=self.plan.owned_by(i, self.spec.fragments))
                       for i, a in enumerate(self.plan.addresses)]
             return pb.JoinReply(learner=learner, settings=self.settings, shard=self.plan.index, shards=shards,
-                                layout=self.layout, last_seq=last_seq, fragment_last_seq=pushed)
+                                layout=self.layout, last_seq=last_seq, fragment_last_seq=pushed,
+                                bulk_pushes=self.bulk is not None)
 
     def Init(self, request_iterator, context: grpc.ServicerContext) -> pb.InitReply:
         if self.core is not None:
@@ -168,15 +166,19 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
             yield from state_frames(theta, self.layout, versions, snapshot=True)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
+        """A push's header and its data in frames, or (`PushHeader.bulk`) its header alone, answered with a
+        ticket to send the data on the bulk port (`push_intake.py`)."""
         core = self._require_core(context)
         frames = iter(request_iterator)
         try:
-            message = read_message(frames, "push", limit=self._push_limit())
-            if message is None:
+            opened = open_message(frames, "push", limit=self.push_limit())
+            if opened is None:
                 raise FrameError("empty push stream")
-            header, tensors = message
+            header, nbytes = opened
+            tensors = None if header.bulk else buffered(frames, header, nbytes)
             if next(frames, None) is not None:
-                raise FrameError("a push stream carries one message")
+                raise FrameError("a push stream carries one message" if tensors is not None else
+                                 "a bulk push's data goes to the bulk port, not in frames")
             if not context.is_active():  # gRPC ends the requests quietly when one fails to parse
                 raise FrameError("the stream broke")
             if header.fragment not in core.fragments:
@@ -185,50 +187,12 @@ class SyncerShard(ShardState, pb_grpc.SyncerServicer):
             self.push_errors += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")
         self._speaks_for(header.learner, "push", context)
-        if self.tier is not None:  # a region's syncer takes its pushes one at a time, decoded here
-            with self.decoding:  # pushes wait here encoded, not decoded: memory does not grow with learners
-                try:
-                    deltas = {name: decode(e) for name, e in tensors.items()}
-                except FrameError as exc:
-                    self.push_errors += 1
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")
-                return self._take_push(push_of(header, tensors, deltas), header, tensors, context)
-        return self._take_push(push_of(header, tensors, DecodedOnUse(tensors)), header, tensors, context)
-
-    def _take_push(self, push: Push, header: pb.PushHeader, tensors: dict, context: grpc.ServicerContext
-                   ) -> pb.PushReply:
-        """Queue the push; whoever holds the lock next takes every queued push as one group (`group_commit`)."""
-        if self.sink:
-            return self._sink_push(push)
-        item = QueuedPush(push, push_payload(header, tensors) if self.store else b"")
-        self.push_queue.put(item)
-        with self.lock:
-            while item.outcome is None:
-                take_group(self, self.push_queue.take(), self.clock.now())
-        if item.outcome == "refused":
-            self.push_errors += 1
-            log.warning("refused PushArrived from %s: %s", context.peer(), item.why)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.why)
-        if item.outcome == "unavailable":
-            context.abort(grpc.StatusCode.UNAVAILABLE, item.why)
-        if item.clipped:
-            log.warning("push %d of fragment %d from learner %d clipped to the outlier bound", push.seq,
-                        push.fragment, push.learner)
-        return pb.PushReply(duplicate=item.duplicate, clipped=item.clipped)
-
-    def _sink_push(self, push: Push) -> pb.PushReply:
-        """Sink mode (`SINK_ENV`, benchmarks only): the push was read off the wire and is not merged; its
-        learner is answered with the fragment's current version, so pushes and answers measure the
-        transport alone."""
-        with self.lock:
-            notice = Update(push.fragment, self.core.version(push.fragment), {}, ack_seq=push.seq)
-            self.carry_out([Publish(push.fragment, notice.version, {push.learner: notice})])
-        return pb.PushReply()
-
-    def _push_limit(self) -> int:
-        """The most data one push of any fragment here may carry: fp32, the widest encoding."""
-        core = self.core
-        return 4 * max(s.fragment.numel for s in core.fragments.values()) + MESSAGE_SLACK_BYTES
+        if tensors is None:
+            return self.bulk_ticket(header, nbytes, context.peer())
+        try:
+            return self.take_push(header, tensors, context.peer())
+        except Refusal as exc:
+            context.abort(exc.code, str(exc))
 
     def Updates(self, request: pb.UpdatesRequest, context: grpc.ServicerContext):
         """A newer stream of the same learner retires this one (the learner reconnected); only the learner

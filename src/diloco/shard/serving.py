@@ -125,10 +125,10 @@ def init_limit_bytes() -> int:
 
 
 def serve(shard: ShardView, bind: str, workers: int | None = None, security: TransportSecurity | None = None,
-          limits: CallLimits | None = None, bulk_pulls: bool = False) -> tuple[grpc.Server, int]:
+          limits: CallLimits | None = None, bulk_port: bool = False) -> tuple[grpc.Server, int]:
     """Start serving `shard` on `bind` (HOST:PORT; port 0 picks a free one); return the server and its
     port. `workers` defaults to what the configured learners need (`pool_size`), up to `learners.max` of an
-    elastic run. With `bulk_pulls`, also a bulk port on the same host (`transport/bulk.py`). A one-line error
+    elastic run. With `bulk_port`, also a bulk port on the same host (`transport/bulk.py`). A one-line error
     if the port is taken."""
     security = security or PLAINTEXT
     limits = limits or CallLimits()
@@ -147,7 +147,7 @@ def serve(shard: ShardView, bind: str, workers: int | None = None, security: Tra
         port = 0
     if port == 0:
         raise DilocoError(f"cannot listen on {bind}: the port is in use or the address is not this host's")
-    if bulk_pulls:
+    if bulk_port:
         shard.bulk = BulkServer(bind.rpartition(":")[0].strip("[]") or "0.0.0.0", security)
     shard.start()
     server.start()

@@ -93,7 +93,8 @@ class ShardState:
         """Per learner, the tokens one of its inner steps trains, as it declared when it joined."""
         self.push_errors = 0
         self.bulk: BulkServer | None = None
-        """Its bulk port (`--bulk-pulls`, `transport/bulk.py`): pulls that ask get their values there."""
+        """Its bulk port (`--bulk-port`, `transport/bulk.py`): pulls that ask get their values there, and pushes
+        whose header asks send their data there."""
         self.decoding = threading.BoundedSemaphore(DECODING_PUSHES)
         """Pushes decoded at once: the others wait in their compressed form."""
         self.sink = os.environ.get(SINK_ENV) == "1"

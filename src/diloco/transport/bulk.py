@@ -1,21 +1,28 @@
-"""Θ off gRPC: a pull's values over a TCP connection of their own, at the socket's speed.
+"""Bulk bytes off gRPC: Θ's values on a pull, and a push's data, over TCP connections of their own at
+the socket's speed.
 
 gRPC moves bulk bytes at a fraction of a plain socket's rate (`benchmarks/grpc_ceiling.py`: 3-4x slower
-on loopback), and a learner joining a large run pulls all of Θ. A shard started with `--bulk-pulls` listens
-on a second port; a pull that asks for it (`PullRequest.bulk`) is answered on the gRPC stream with the
+on loopback), and a learner joining a large run pulls all of Θ. A shard started with `--bulk-port` listens
+on a second port. A pull that asks for it (`PullRequest.bulk`) is answered on the gRPC stream with the
 header alone, naming that port and a ticket, and the values follow on a connection the learner opens to
 it: the ticket (32 bytes), then exactly the bytes the header declares, sent from Θ's own memory and
-received straight into the learner's tensors.
+received straight into the learner's tensors. A push the other way round: its header alone over gRPC
+(`PushHeader.bulk`, to a shard whose Join said `bulk_pushes`) is checked and answered with a ticket; the
+learner sends the ticket and exactly the bytes that header declared, and the push's reply comes back on
+the same connection (`REPLY`: a status, then a serialized PushReply or the refusal's one line).
 
-Who may read: only the holder of a ticket, and a ticket is handed out only by the authenticated Pull
-(the shared secret, a learner's credential or its certificate), is unguessable (256 random bits), good for
-one connection and for TICKET_TTL_S, and names the values it was issued for (a snapshot: the shard's Θ
-tensors are replaced on commit, never written). With TLS in the run's settings the bulk connection is TLS
-too, the shard presenting the same certificate; a run without TLS moves Θ in the clear over gRPC as well.
-What a shard can be made to spend is bounded: BULK_CONNECTIONS at once, MAX_TICKETS held (the oldest go
-first), TICKET_WAIT_S for a connection to say its ticket (and finish its TLS handshake). A learner that
-cannot reach the port, or is refused, pulls over gRPC from then on (`calls.ShardClient.pull`). A wrong, used or expired ticket gets the
-connection closed with nothing sent, and one line in the shard's log.
+Who may read or write: only the holder of a ticket, and a ticket is handed out only by an authenticated
+call (Pull or Push: the shared secret, a learner's credential or its certificate), is unguessable (256
+random bits), good for one connection and for TICKET_TTL_S, and names the values it was issued for (a
+snapshot: the shard's Θ tensors are replaced on commit, never written) or the push header it was issued
+to (so its learner, fragment and sizes were checked before a byte of data was read). With TLS in the
+run's settings the bulk connection is TLS too, the shard presenting the same certificate; a run without
+TLS moves the same bytes in the clear over gRPC as well. What a shard can be made to spend is bounded:
+BULK_CONNECTIONS not yet past their ticket (more are closed at once), TICKET_WAIT_S for one to say its
+ticket (and finish its TLS handshake), MAX_TICKETS held (the oldest go first), UPLOADS_AT_ONCE pushes'
+buffers filled at once. A learner that cannot reach the port pulls and pushes over gRPC from then on
+(`calls.ShardClient`). A wrong, used or expired ticket gets the connection closed with nothing sent, and
+one line in the shard's log.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ import logging
 import secrets
 import socket
 import ssl
+import struct
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.errors import DilocoError
@@ -45,6 +54,9 @@ MAX_TICKETS = 64
 that commits have since replaced stays in memory until its ticket is used or void), so at most this
 many pulls' worth, each for at most TICKET_TTL_S. A join takes one per fragment, used within moments."""
 BULK_CONNECTIONS = 16
+"""Connections not yet past their ticket; a ticket's holder is bounded by the tickets handed out."""
+UPLOADS_AT_ONCE = 16
+"""Pushes' buffers being filled or taken at once (each the size its header declared); more wait their turn."""
 TICKET_WAIT_S = 10.0
 """How long a bulk connection may take to say its ticket."""
 CONNECT_TIMEOUT_S = 10.0
@@ -53,8 +65,28 @@ TRANSFER_TIMEOUT_S = 300.0
 """The longest any one send or receive of a transfer may stall (a pull over gRPC has the same bound)."""
 
 
+REPLY = struct.Struct("<BI")
+"""After a push's data, the shard's reply: a status (TAKEN, REFUSED, UNAVAILABLE), then that many bytes of body."""
+TAKEN, REFUSED, UNAVAILABLE = 0, 1, 2
+MAX_REPLY_BYTES = 1 << 16
+
+
 class BulkTransferError(DilocoError):
     """A bulk transfer that did not deliver exactly the bytes its header declared."""
+
+
+class BulkUnreachable(BulkTransferError):
+    """The bulk port could not be reached at all (refused, filtered, or its TLS not trusted): the same
+    would happen again, so the caller moves its bytes over gRPC from then on."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    """What a push's ticket stands for: `nbytes` of data to read, then `take` of them makes the reply
+    (a status and its body)."""
+
+    nbytes: int
+    take: Callable[[memoryview], tuple[int, bytes]]
 
 
 @contextlib.contextmanager
@@ -113,16 +145,22 @@ class BulkServer:
             raise DilocoError(f"cannot listen for bulk pulls on {host}: {exc.strerror or exc}") from None
         self.listener.listen(BULK_CONNECTIONS)
         self.port: int = self.listener.getsockname()[1]
-        self.tickets: collections.OrderedDict[bytes, tuple[float, list[memoryview]]] = collections.OrderedDict()
+        self.tickets: collections.OrderedDict[bytes, tuple[float, list[memoryview] | Upload]] = \
+            collections.OrderedDict()
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(BULK_CONNECTIONS)
+        self.uploads = threading.BoundedSemaphore(UPLOADS_AT_ONCE)
         self.served = 0
+        """Pulls whose values were sent."""
+        self.received = 0
+        """Pushes whose data was read and taken (whatever the shard then decided of them)."""
         self.refused = 0
         self.closed = False
         threading.Thread(target=self._accept, name="bulk-accept", daemon=True).start()
 
-    def ticket(self, values: list[memoryview]) -> bytes:
-        """A one-use ticket for `values` (byte views, in the order the header lists them)."""
+    def ticket(self, values: list[memoryview] | Upload) -> bytes:
+        """A one-use ticket for `values` (byte views, in the order the header lists them), or to send the
+        data of one push (`Upload`)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         now = time.monotonic()
         with self.lock:
@@ -148,6 +186,7 @@ class BulkServer:
             threading.Thread(target=self._serve, args=(conn, peer), name="bulk-send", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        slot = True  # held until the connection is past its ticket
         try:
             conn.settimeout(TICKET_WAIT_S)
             if self.tls is not None:
@@ -160,17 +199,33 @@ class BulkServer:
             if held is None or held[0] <= now:
                 self._refuse(conn, peer, "a ticket that is wrong, used or expired")
                 return
+            self.slots.release()
+            slot = False
             conn.settimeout(TRANSFER_TIMEOUT_S)
+            if isinstance(held[1], Upload):
+                self._take_upload(conn, held[1])
+                return
             for view in held[1]:
                 conn.sendall(view)
             with self.lock:
                 self.served += 1
         except (OSError, ssl.SSLError, BulkTransferError) as exc:
-            log.warning("bulk pull to %s broke: %s", peer, exc)
+            log.warning("bulk transfer with %s broke: %s", peer, exc)
         finally:
             with contextlib.suppress(OSError):
                 conn.close()
-            self.slots.release()
+            if slot:
+                self.slots.release()
+
+    def _take_upload(self, conn: socket.socket, upload: Upload) -> None:
+        """A push's data read into a buffer of the size its header declared, taken, and the reply sent."""
+        with self.uploads:
+            data = bytearray(upload.nbytes)
+            _receive_into(conn, memoryview(data), "the push")
+            status, body = upload.take(memoryview(data).toreadonly())
+        with self.lock:
+            self.received += 1
+        conn.sendall(REPLY.pack(status, len(body)) + body)
 
     def _refuse(self, conn: socket.socket, peer: tuple, why: str) -> None:
         with self.lock:
@@ -203,25 +258,54 @@ def _receive_into(conn: socket.socket, target: memoryview, what: str) -> None:
         got += n
 
 
+@contextlib.contextmanager
+def _connected(host: str, port: int, ticket: bytes, security: TransportSecurity, address: str
+               ) -> Iterator[socket.socket]:
+    """A connection to a shard's bulk port that has said `ticket`; BulkUnreachable if it cannot be made,
+    and any failure after that a BulkTransferError naming the shard at `address`."""
+    if len(ticket) != TICKET_BYTES or not 0 < port < 65536:
+        raise BulkUnreachable(f"syncer at {address} named bulk port {port} with a {len(ticket)}-byte ticket")
+    tls = client_context(security)
+    try:
+        raw = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        try:
+            conn = tls.wrap_socket(raw, server_hostname=security.server_name or host) if tls is not None else raw
+        except BaseException:
+            raw.close()
+            raise
+    except (OSError, ssl.SSLError) as exc:
+        raise BulkUnreachable(f"bulk port {port} of the syncer at {address} unreachable: {exc}") from None
+    try:
+        with conn:
+            conn.settimeout(TRANSFER_TIMEOUT_S)
+            conn.sendall(ticket)
+            yield conn
+    except BulkTransferError as exc:
+        raise BulkTransferError(f"bulk transfer with {address} (port {port}): {exc}") from None
+    except (OSError, ssl.SSLError) as exc:
+        raise BulkTransferError(f"bulk transfer with {address} (port {port}) failed: {exc}") from None
+
+
 def receive(host: str, port: int, ticket: bytes, targets: list[memoryview], security: TransportSecurity,
             address: str) -> None:
     """Fill `targets` (byte views, in the header's order) from a shard's bulk port with `ticket`; a
     BulkTransferError naming the shard at `address` if it cannot be reached or sends anything short."""
-    if len(ticket) != TICKET_BYTES or not 0 < port < 65536:
-        raise BulkTransferError(f"syncer at {address} named bulk port {port} with a {len(ticket)}-byte ticket")
-    tls = client_context(security)
-    try:
-        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as raw:
-            raw.settimeout(TRANSFER_TIMEOUT_S)
-            conn = tls.wrap_socket(raw, server_hostname=security.server_name or host) if tls is not None else raw
-            with conn:
-                conn.sendall(ticket)
-                for i, target in enumerate(targets):
-                    _receive_into(conn, target, f"value {i}")
-    except BulkTransferError as exc:
-        raise BulkTransferError(f"bulk pull from {address} (port {port}): {exc}") from None
-    except (OSError, ssl.SSLError) as exc:
-        raise BulkTransferError(f"bulk pull from {address} (port {port}) failed: {exc}") from None
+    with _connected(host, port, ticket, security, address) as conn:
+        for i, target in enumerate(targets):
+            _receive_into(conn, target, f"value {i}")
+
+
+def send(host: str, port: int, ticket: bytes, data: list[memoryview], security: TransportSecurity,
+         address: str) -> tuple[int, bytes]:
+    """Send a push's `data` (byte views, in its header's order) to a shard's bulk port with `ticket`; the
+    shard's reply (TAKEN and a serialized PushReply, or REFUSED/UNAVAILABLE and one line)."""
+    with _connected(host, port, ticket, security, address) as conn:
+        for view in data:
+            conn.sendall(view)
+        status, size = REPLY.unpack(_receive_exactly(conn, REPLY.size))
+        if status not in (TAKEN, REFUSED, UNAVAILABLE) or size > MAX_REPLY_BYTES:
+            raise BulkTransferError(f"a reply of status {status} and {size} bytes")
+        return status, _receive_exactly(conn, size)
 
 
 def bulk_host(address: str) -> str:

@@ -14,7 +14,7 @@ import torch
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
 from diloco.errors import DilocoError
-from diloco.transport.bulk import BulkTransferError, bulk_host, receive
+from diloco.transport.bulk import TAKEN, UNAVAILABLE, BulkTransferError, BulkUnreachable, bulk_host, receive, send
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
 from diloco.transport.frames import message_frames, read_message, read_values
 from diloco.transport.stream_calls import syncer_stub
@@ -70,7 +70,10 @@ class ShardClient:
         security = security if security is not None else default_security()
         self.security = security
         self.bulk_failed = False
-        """A bulk pull from this shard failed once (its port unreachable, say): pulls go over gRPC since."""
+        """A bulk pull from this shard failed once, or its bulk port could not be reached for a push: pulls
+        and pushes go over gRPC since."""
+        self.bulk_pushes = False
+        """The shard's Join said it takes a push's data on its bulk port (`transport/bulk.py`)."""
         self.identity = ClientIdentity(security)
         self.channel = make_channel(address, security, CHANNEL_OPTIONS, self.identity)
         self.stub = syncer_stub(self.channel)
@@ -139,6 +142,7 @@ class ShardClient:
                                  tokens_per_step=tokens_per_step)
         reply = self._call("join", self.stub.Join, request, timeout=30)
         self.act_as(reply.learner)
+        self.bulk_pushes = reply.bulk_pushes
         return reply
 
     def init(self, layout: list[pb.FragmentLayout], values: Mapping[str, Any]) -> bool:
@@ -188,8 +192,41 @@ class ShardClient:
         receive(bulk_host(self.address), header.bulk_port, header.bulk_ticket, targets, self.security, self.address)
 
     def push(self, header: pb.PushHeader, tensors: dict[str, Encoded]) -> pb.PushReply:
+        """One push (`header`'s tensor list in `tensors`' order): its data over the shard's bulk port where its
+        Join said it takes it (the header alone over gRPC, answered with a ticket), else (or once that port
+        could not be reached) in gRPC frames behind the header."""
+        if self.bulk_pushes and not self.bulk_failed:
+            bulk_header = pb.PushHeader()
+            bulk_header.CopyFrom(header)
+            bulk_header.bulk = True
+            reply = self._call("push", self.stub.Push, iter([pb.Frame(push=bulk_header)]), timeout=600)
+            if reply.bulk_ticket:  # none: the shard has no bulk port now (restarted without one)
+                taken = self._push_bulk(reply, tensors)
+                if taken is not None:
+                    return taken
         frames = message_frames(pb.Frame(push=header), tensors)
         return self._call("push", self.stub.Push, frames, timeout=600)
+
+    def _push_bulk(self, ticket: pb.PushReply, tensors: dict[str, Encoded]) -> pb.PushReply | None:
+        """The push's data sent with its ticket and the shard's reply read; None if the port is unreachable
+        (then frames, from now on). A transfer that broke is SyncerUnavailable: the push is sent again and
+        counted once (its seq)."""
+        data = [memoryview(blob).cast("B") for e in tensors.values() for blob in (e.payload, e.scales) if len(blob)]
+        try:
+            status, body = send(bulk_host(self.address), ticket.bulk_port, ticket.bulk_ticket, data, self.security,
+                                self.address)
+        except BulkUnreachable as exc:
+            self.bulk_failed = True
+            log.warning("%s; pushing and pulling over gRPC from now on", exc)
+            return None
+        except BulkTransferError as exc:
+            raise SyncerUnavailable(f"syncer at {self.address} unavailable during push ({exc})") from None
+        if status == TAKEN:
+            return pb.PushReply.FromString(body)
+        why = body.decode(errors="replace")
+        if status == UNAVAILABLE:
+            raise SyncerUnavailable(f"syncer at {self.address} unavailable during push ({why})")
+        raise DilocoError(f"syncer at {self.address} refused push: {why}")
 
     def updates(self, learner: int, holds: dict[int, int] | None = None
                 ) -> Iterator[tuple[pb.UpdateHeader, dict[str, Encoded]]]:

@@ -147,11 +147,11 @@ def checked_header(header: pb.TensorHeader) -> tuple[int, int]:
 def read_message(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object, dict[str, Encoded]] | None:
     """The next message of `kind` from `frames`: its header and tensors, or None when the stream ended
     cleanly before one began. At most `limit` data bytes are accepted."""
-    opened = _open_message(frames, kind, limit)
+    opened = open_message(frames, kind, limit)
     if opened is None:
         return None
     header, total = opened
-    return header, _buffered(frames, header, total)
+    return header, buffered(frames, header, total)
 
 
 BulkSource = Callable[[Any, list[memoryview]], None]
@@ -165,7 +165,7 @@ def read_values(frames: Iterator[Frame], kind: str, limit: int, bulk: BulkSource
     are read straight into new tensors as their frames come (one copy, where a buffer and a decode would
     make two more and zero a third), then checked finite as a decode would. A header that names a bulk
     ticket has its values filled by `bulk` instead of frames (refused where the caller gave none)."""
-    opened = _open_message(frames, kind, limit)
+    opened = open_message(frames, kind, limit)
     if opened is None:
         return None
     header, total = opened
@@ -173,7 +173,7 @@ def read_values(frames: Iterator[Frame], kind: str, limit: int, bulk: BulkSource
     if from_bulk and (bulk is None or any(t.codec != "fp32" for t in header.tensors)):
         raise FrameError("the values were sent over a bulk port this reader did not ask for, or not in fp32")
     if any(t.codec != "fp32" for t in header.tensors):
-        return header, {n: decode(e) for n, e in _buffered(frames, header, total).items()}
+        return header, {n: decode(e) for n, e in buffered(frames, header, total).items()}
     values = {t.name: torch.empty(tuple(int(d) for d in t.shape), dtype=torch.float32) for t in header.tensors}
     targets = [memoryview(v.numpy()).cast("B") for v in values.values() if v.numel()]
     if from_bulk:
@@ -186,7 +186,7 @@ def read_values(frames: Iterator[Frame], kind: str, limit: int, bulk: BulkSource
     return header, values
 
 
-def _open_message(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object, int] | None:
+def open_message(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object, int] | None:
     """The header of the next message of `kind`, every tensor header checked, and its data bytes in all."""
     first = next(frames, None)
     if first is None:
@@ -228,12 +228,17 @@ def _fill(frames: Iterator[Frame], targets: list[memoryview], total: int) -> Non
             at, room, chunk, filled = at + n, room - n, chunk[n:], filled + n
 
 
-def _buffered(frames: Iterator[Frame], header: Any, total: int) -> dict[str, Encoded]:
+def buffered(frames: Iterator[Frame], header: Any, total: int) -> dict[str, Encoded]:
     """The message's data read into one buffer of its declared size (checked: filled in place, never
     regrown), each tensor a view of it: no copy per tensor."""
     data = bytearray(total)
     _fill(frames, [memoryview(data)], total)
-    blob = memoryview(data).toreadonly()
+    return tensors_of(header, memoryview(data).toreadonly())
+
+
+def tensors_of(header: Any, blob: memoryview) -> dict[str, Encoded]:
+    """A message's tensors as views of `blob`, its data in the header's order (as `open_message` checked
+    it: `blob` holds exactly the bytes the header declares)."""
     tensors, offset = {}, 0
     for t in header.tensors:
         end = offset + t.payload_bytes

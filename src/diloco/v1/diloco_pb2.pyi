@@ -25,7 +25,7 @@ class TensorHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., codec: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., scale_bytes: _Optional[int] = ..., relative: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner", "fragment", "base_version", "seq", "tokens", "steps", "step_time_s", "sent_at", "tensors", "step", "final")
+    __slots__ = ("learner", "fragment", "base_version", "seq", "tokens", "steps", "step_time_s", "sent_at", "tensors", "step", "final", "bulk")
     LEARNER_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class PushHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     learner: int
     fragment: int
     base_version: int
@@ -48,7 +49,8 @@ class PushHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     step: int
     final: bool
-    def __init__(self, learner: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+    bulk: bool
+    def __init__(self, learner: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("fragment", "version", "ack_seq", "tensors", "next_push_at", "continued", "base_version")
@@ -175,7 +177,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner: _Optional[int] = ..., host: _Optional[str] = ..., tokens_per_step: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("learner", "settings", "shard", "shards", "layout", "last_seq", "fragment_last_seq")
+    __slots__ = ("learner", "settings", "shard", "shards", "layout", "last_seq", "fragment_last_seq", "bulk_pushes")
     class FragmentLastSeqEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +192,7 @@ class JoinReply(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BULK_PUSHES_FIELD_NUMBER: _ClassVar[int]
     learner: int
     settings: Settings
     shard: int
@@ -197,7 +200,8 @@ class JoinReply(_message.Message):
     layout: _containers.RepeatedCompositeFieldContainer[FragmentLayout]
     last_seq: int
     fragment_last_seq: _containers.ScalarMap[int, int]
-    def __init__(self, learner: _Optional[int] = ..., settings: _Optional[_Union[Settings, _Mapping]] = ..., shard: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., layout: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., last_seq: _Optional[int] = ..., fragment_last_seq: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    bulk_pushes: bool
+    def __init__(self, learner: _Optional[int] = ..., settings: _Optional[_Union[Settings, _Mapping]] = ..., shard: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., layout: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., last_seq: _Optional[int] = ..., fragment_last_seq: _Optional[_Mapping[int, int]] = ..., bulk_pushes: _Optional[bool] = ...) -> None: ...
 
 class InitReply(_message.Message):
     __slots__ = ("accepted",)
@@ -220,12 +224,16 @@ class PullRequest(_message.Message):
     def __init__(self, learner: _Optional[int] = ..., observer: _Optional[bool] = ..., after_seq: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("duplicate", "clipped")
+    __slots__ = ("duplicate", "clipped", "bulk_port", "bulk_ticket")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    BULK_TICKET_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     clipped: bool
-    def __init__(self, duplicate: _Optional[bool] = ..., clipped: _Optional[bool] = ...) -> None: ...
+    bulk_port: int
+    bulk_ticket: bytes
+    def __init__(self, duplicate: _Optional[bool] = ..., clipped: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ...) -> None: ...
 
 class UpdatesRequest(_message.Message):
     __slots__ = ("learner", "holds")

@@ -1,0 +1,102 @@
+"""How a shard takes a push in, whichever way its data came: in gRPC frames behind its header, or over the
+shard's bulk port once the header alone was checked and answered with a ticket (`transport/bulk.py`).
+
+Both ways end in `take_push`: the push queued for its group (`group_commit.py`), and its outcome as a
+PushReply or a `Refusal` that the way it came turns into its own answer (a gRPC status, or a bulk
+reply). Every check of the header (size, fragment, who may speak for the learner) is made before a byte
+of its data is read, by the gRPC call that carries the header; a bulk ticket is issued only after them,
+and only for the bytes that header declares.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from diloco.core.messages import Push, Update
+from diloco.core.syncer_core import Publish
+from diloco.shard.group_commit import QueuedPush, take_group
+from diloco.shard.shard_state import ShardState
+from diloco.transport.bulk import REFUSED, TAKEN, UNAVAILABLE, Upload
+from diloco.transport.frames import FrameError, decode, tensors_of
+from diloco.transport.wire_messages import DecodedOnUse, push_of, push_payload
+from diloco.v1 import diloco_pb2 as pb
+
+log = logging.getLogger("diloco.syncer")
+
+MESSAGE_SLACK_BYTES = 1 << 16
+
+
+class Refusal(Exception):
+    """A push not taken: `code` says whether to send it again (UNAVAILABLE) or not (INVALID_ARGUMENT)."""
+
+    def __init__(self, code: grpc.StatusCode, why: str) -> None:
+        super().__init__(why)
+        self.code = code
+
+
+class PushIntake(ShardState):
+    def push_limit(self) -> int:
+        """The most data one push of any fragment here may carry: fp32, the widest encoding."""
+        return 4 * max(s.fragment.numel for s in self.core.fragments.values()) + MESSAGE_SLACK_BYTES
+
+    def take_push(self, header: pb.PushHeader, tensors: dict, peer: str) -> pb.PushReply:
+        """Queue the push; whoever holds the lock next takes every queued push as one group (`group_commit`).
+        A Refusal if it is not taken."""
+        if self.tier is not None:  # a region's syncer takes its pushes one at a time, decoded here
+            with self.decoding:  # pushes wait here encoded, not decoded: memory does not grow with learners
+                try:
+                    deltas = {name: decode(e) for name, e in tensors.items()}
+                except FrameError as exc:
+                    self.push_errors += 1
+                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}") from None
+                push = push_of(header, tensors, deltas)
+        else:
+            push = push_of(header, tensors, DecodedOnUse(tensors))
+        if self.sink:
+            return self._sink_push(push)
+        item = QueuedPush(push, push_payload(header, tensors) if self.store else b"")
+        self.push_queue.put(item)
+        with self.lock:
+            while item.outcome is None:
+                take_group(self, self.push_queue.take(), self.clock.now())
+        if item.outcome == "refused":
+            self.push_errors += 1
+            log.warning("refused PushArrived from %s: %s", peer, item.why)
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, item.why)
+        if item.outcome == "unavailable":
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, item.why)
+        if item.clipped:
+            log.warning("push %d of fragment %d from learner %d clipped to the outlier bound", push.seq,
+                        push.fragment, push.learner)
+        return pb.PushReply(duplicate=item.duplicate, clipped=item.clipped)
+
+    def _sink_push(self, push: Push) -> pb.PushReply:
+        """Sink mode (`SINK_ENV`, benchmarks only): the push was read off the wire and is not merged; its
+        learner is answered with the fragment's current version, so pushes and answers measure the
+        transport alone."""
+        with self.lock:
+            notice = Update(push.fragment, self.core.version(push.fragment), {}, ack_seq=push.seq)
+            self.carry_out([Publish(push.fragment, notice.version, {push.learner: notice})])
+        return pb.PushReply()
+
+    def bulk_ticket(self, header: pb.PushHeader, nbytes: int, peer: str) -> pb.PushReply:
+        """The answer to a checked push header whose data is to follow on the bulk port: that port and a
+        ticket for exactly `nbytes`, taken as `take_push` takes frames. A shard without a bulk port answers
+        with no ticket, and the learner sends the data in frames."""
+        if self.bulk is None:
+            return pb.PushReply()
+        header.bulk = False  # as the journal keeps it: a push whose data is in hand
+
+        def take(data: memoryview) -> tuple[int, bytes]:
+            try:
+                return TAKEN, self.take_push(header, tensors_of(header, data), peer).SerializeToString()
+            except Refusal as exc:
+                return (UNAVAILABLE if exc.code == grpc.StatusCode.UNAVAILABLE else REFUSED), str(exc).encode()
+            except Exception as exc:  # noqa: BLE001 - the learner gets one line, the shard goes on
+                log.error("push %d from learner %d over the bulk port failed: %s: %s", header.seq, header.learner,
+                          type(exc).__name__, exc)
+                return REFUSED, f"the shard failed to take it: {type(exc).__name__}: {exc}".encode()
+
+        return pb.PushReply(bulk_port=self.bulk.port, bulk_ticket=self.bulk.ticket(Upload(nbytes, take)))
