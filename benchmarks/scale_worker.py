@@ -136,7 +136,7 @@ def worker(spec_path: str) -> None:
 
     def read_updates(i: int) -> None:
         e = events[i]
-        call = clients[i].stub.Updates(pb.UpdatesRequest(learner=me))
+        call = clients[i].stub.Updates(pb.UpdatesRequest(learner=me, bulk=True))  # a shard without a port: frames
         remaining, ack, fragment, version, continued = 0, 0, 0, 0, False
         try:
             for frame in call:
@@ -147,6 +147,12 @@ def worker(spec_path: str) -> None:
                     remaining = sum(t.payload_bytes + t.scale_bytes for t in h.tensors)
                     ack, fragment, version = h.ack_seq, h.fragment, h.version
                     continued = getattr(h, "continued", False)  # more messages of this answer follow
+                    if h.bulk_ticket:  # the data follows on the shard's bulk port, as a learner reads it
+                        clients[i].receive_bulk(h, [memoryview(bytearray(remaining))])
+                        now = time.time()
+                        with lock:
+                            e.pulls.append((now, remaining))
+                        remaining = 0
                 elif kind == "data":
                     remaining -= len(frame.data)
                     with lock:
@@ -163,6 +169,10 @@ def worker(spec_path: str) -> None:
             if not stop.is_set() and exc.code() != grpc.StatusCode.CANCELLED:
                 with lock:
                     e.first_error = e.first_error or f"update stream: {exc.code().name} {exc.details()}"
+        except DilocoError as exc:  # a bulk transfer that broke
+            if not stop.is_set():
+                with lock:
+                    e.first_error = e.first_error or f"update stream: {exc}"
 
     def push_loop(i: int, owned: list[int]) -> None:
         e, client, seq = events[i], clients[i], 0

@@ -6,7 +6,9 @@ that cannot be reached leaves pulls and pushes on gRPC instead of failing them."
 from __future__ import annotations
 
 import logging
+import queue
 import secrets
+import threading
 
 import pytest
 import torch
@@ -19,8 +21,11 @@ from diloco.codecs import Encoded, get_codec
 from diloco.errors import DilocoError
 from diloco.shard.push_intake import PushIntake
 from diloco.transport.bulk import REFUSED, TAKEN, BulkServer, BulkTransferError, Upload, receive, send
-from diloco.transport.calls import ShardClient
-from diloco.transport.frames import tensor_header
+from diloco.core.messages import Update
+from diloco.shard.answer_slots import AnswerSlots
+from diloco.transport.calls import ShardClient, SyncerUnavailable
+from diloco.transport.frames import FrameError, read_message, tensor_header
+from diloco.transport.wire_messages import update_frames
 from diloco.v1 import diloco_pb2 as pb
 from diloco.transport.security import PLAINTEXT, TransportSecurity, load_security
 from test_security import pki  # noqa: F401 — the module's test certificates, as a fixture here too
@@ -124,7 +129,7 @@ def test_a_pull_over_the_bulk_port_gives_what_a_pull_in_frames_gives_and_a_learn
         theta = {n: shard.core.theta[n].clone() for n in values}
     assert all(torch.equal(second.params[n].detach(), theta[n]) for n in theta)
     # Three joins' or pulls' worth over the port (the first learner's, ours, the second learner's), no refusal.
-    wait_for(lambda: shard.report()["bulk"]["pulls"] >= 3, 5, "the bulk transfers counted")
+    wait_for(lambda: shard.report()["bulk"]["sent"] >= 3, 5, "the bulk transfers counted")
     assert shard.report()["bulk"]["refused"] == 0
     second.close()
     first.close()
@@ -266,3 +271,92 @@ def test_a_bulk_port_that_cannot_be_reached_leaves_pushes_on_grpc(bulk_shard, ca
         assert shard.core.ledger[1].pushed(1) == 2
     client.close()
     first.close()
+
+
+def test_an_answer_over_the_bulk_port_reads_as_the_same_answer_in_frames(server):
+    codec = get_codec("int4", 64)
+    whole = Update(0, 3, {}, ack_seq=5, next_push_at=12.5,
+                   wire=({"w": codec.encode(torch.randn(300, 7)), "b": get_codec("fp32").encode(torch.randn(9))},))
+    released: list[bool] = []
+    over_bulk = list(update_frames(whole, server, lambda: released.append(True)))
+    assert len(over_bulk) == 1 and over_bulk[0].update.bulk_ticket and not released  # the header alone
+
+    def from_port(header, targets):
+        receive("127.0.0.1", header.bulk_port, header.bulk_ticket, targets, PLAINTEXT, "shard 0")
+
+    header, tensors = read_message(iter(over_bulk), "update", limit=1 << 30, bulk=from_port)
+    framed_header, framed = read_message(update_frames(whole), "update", limit=1 << 30)
+    header.ClearField("bulk_port")
+    header.ClearField("bulk_ticket")
+    assert header == framed_header and released == [True]  # told once its bytes were sent
+    assert all(bytes(tensors[n].payload) + bytes(tensors[n].scales) == bytes(e.payload) + bytes(e.scales)
+               for n, e in framed.items())
+    with pytest.raises(FrameError, match="did not ask for"):  # a reader that asked for frames takes no ticket
+        read_message(iter(list(update_frames(whole, server))), "update", limit=1 << 30)
+
+
+def test_a_whole_answer_holds_its_slot_until_its_ticket_is_used_or_void(server, monkeypatch):
+    slots = AnswerSlots(1)
+    slot = slots.take(lambda: True)
+    slot.hold_until_sent(1000, lambda: None)
+    value = torch.randn(250)
+    ticket = server.ticket(byte_views(value), slot.pass_on())
+    slot.release()  # the stream sent the header: the bytes still wait at the port
+    assert slots.take(lambda: not server.tickets) is None  # no slot free while the ticket is held
+    receive("127.0.0.1", server.port, ticket, byte_views(torch.empty(250)), PLAINTEXT, "shard 0")
+    second = slots.take(lambda: True)
+    assert second is not None  # used: the slot came back
+    monkeypatch.setattr(bulk, "TICKET_TTL_S", 0.0)
+    server.ticket(byte_views(value), second.pass_on())
+    server.ticket(byte_views(value))  # issuing another forgets the void one, and tells its issuer
+    assert slots.take(lambda: True) is not None
+
+
+@pytest.mark.integration  # a live shard over real gRPC
+def test_answers_come_over_the_bulk_port_and_over_grpc_once_it_cannot_be_reached(bulk_shard):
+    shard, address = bulk_shard
+    first = Learner(tiny_model(), syncer=address, learner=0)
+    client = ShardClient(address)
+    reply = client.join(1)
+    client.pull(1)
+    stream = UpdateReader(client, {})
+    assert client.push(*push_of_ones(client, reply, fragment=0, seq=1)) == pb.PushReply()
+    sent = shard.bulk.served
+    header, _ = stream.next()
+    assert header.fragment == 0 and header.version >= 1 and header.bulk_ticket and shard.bulk.served > sent
+    shard.bulk.close()  # tickets are still issued; nobody answers on the port
+    client.push(*push_of_ones(client, reply, fragment=1, seq=2))  # which falls back to frames
+    client.bulk_failed = False  # as a client that has not tried the port since
+    with pytest.raises(SyncerUnavailable, match="answers over gRPC from now on"):
+        stream.next()
+    assert client.bulk_failed
+    again = UpdateReader(client, {0: header.version, 1: 0})  # opened again, saying what it holds (as the link does)
+    header, tensors = again.next()  # the answer it lost, made again, in frames
+    assert header.fragment == 1 and not header.bulk_ticket and tensors
+    client.close()
+    first.close()
+
+
+class UpdateReader:
+    """An update stream read on a thread of its own: `next` gives its next message (or raises what the
+    stream raised), failing the test if none comes in time."""
+
+    def __init__(self, client: ShardClient, holds: dict[int, int]) -> None:
+        self.out: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(client, holds), daemon=True).start()
+
+    def _read(self, client: ShardClient, holds: dict[int, int]) -> None:
+        try:
+            for message in client.updates(1, holds):
+                self.out.put(message)
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            self.out.put(exc)
+
+    def next(self, within_s: float = 20.0):
+        try:
+            got = self.out.get(timeout=within_s)
+        except queue.Empty:
+            raise AssertionError(f"no answer within {within_s} s") from None
+        if isinstance(got, Exception):
+            raise got
+        return got

@@ -167,8 +167,8 @@ def test_several_shards_split_the_fragments(tmp_path):
     assert all(s["rounds"] for s in shards)
     # Each learner's join (and the launcher's evaluations) pulled Θ over each shard's bulk port, and every
     # push merged there sent its data over it.
-    assert all(s["bulk"]["pulls"] >= 2 and s["bulk"]["refused"] == 0 for s in shards), shards
-    assert all(s["bulk"]["pushes"] >= sum(len(r["participants"]) for r in s["rounds"]) > 0 for s in shards), shards
+    assert all(s["bulk"]["sent"] >= 2 and s["bulk"]["refused"] == 0 for s in shards), shards
+    assert all(s["bulk"]["received"] >= sum(len(r["participants"]) for r in s["rounds"]) > 0 for s in shards), shards
 
 
 # ---------------------------------------------------------------- separate commands, as on separate hosts

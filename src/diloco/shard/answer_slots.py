@@ -49,6 +49,7 @@ class Slot:
         self._free = free
         self._lock = threading.Lock()
         self._held = True
+        self._passed = False
         self._deadline: threading.Timer | None = None
 
     def hold_until_sent(self, nbytes: int, on_overrun: Callable[[], None]) -> None:
@@ -56,12 +57,22 @@ class Slot:
         and give the slot back."""
         def overrun() -> None:
             on_overrun()
-            self.release()
+            self._give_back()
         self._deadline = threading.Timer(send_deadline_s(nbytes), overrun)
         self._deadline.daemon = True
         self._deadline.start()
 
+    def pass_on(self) -> Callable[[], None]:
+        """Hand the slot to whatever sends the answer's bytes later (a bulk port's ticket): the stream's
+        `release` no longer frees it; the callable returned does, or the deadline."""
+        self._passed = True
+        return self._give_back
+
     def release(self) -> None:
+        if not self._passed:
+            self._give_back()
+
+    def _give_back(self) -> None:
         with self._lock:
             if not self._held:
                 return

@@ -23,6 +23,7 @@ from diloco.shard.journal import JournalError
 from diloco.shard.ownership import ShardPlan, fragments_of, parse_shard
 from diloco.shard.push_intake import PushIntake, Refusal
 from diloco.shard.serving import serve
+from diloco.transport.bulk import BulkServer
 from diloco.transport.frames import FrameError, buffered, decode, open_message, read_message
 from diloco.transport.security import current_caller
 from diloco.transport.wire_messages import bulk_state_frame, fragment_versions, progress_of, state_frames, update_frames
@@ -196,8 +197,10 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
 
     def Updates(self, request: pb.UpdatesRequest, context: grpc.ServicerContext):
         """A newer stream of the same learner retires this one (the learner reconnected); only the learner
-        itself may open one, so nobody else can end its stream."""
+        itself may open one, so nobody else can end its stream. Answers' data go over the bulk port where
+        the learner asks and the shard has one."""
         learner = request.learner
+        bulk = self.bulk if request.bulk else None
         self._speaks_for(learner, "open the update stream", context)
         with self.lock:
             stream_id = self.streams.get(learner, 0) + 1
@@ -225,7 +228,7 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
                 break
             taken[:] = [slot]
             try:
-                frames = self._whole_answer(learner, notice, slot, context)
+                frames = self._whole_answer(learner, notice, slot, context, bulk)
                 yield from frames
             finally:
                 slot.release()
@@ -244,8 +247,8 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
             except (ProtocolError, JournalError) as exc:
                 log.warning("learner %d's update stream ended: %s", learner, exc)
 
-    def _whole_answer(self, learner: int, notice: Update, slot: Slot, context: grpc.ServicerContext
-                      ) -> list[pb.Frame]:
+    def _whole_answer(self, learner: int, notice: Update, slot: Slot, context: grpc.ServicerContext,
+                      bulk: BulkServer | None) -> list[pb.Frame]:
         """Every frame of the answer a notice stands for, made before the first is sent: a whole fragment,
         or nothing and one line in the log. An answer that cannot be made never ends the stream (the
         learner would reopen it and meet the same failure again); the learner trains on without it."""
@@ -257,7 +260,8 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
                 return []
             if not update.relative:
                 slot.hold_until_sent(update.wire_bytes(), context.cancel)
-            return list(update_frames(update))
+            done = slot.pass_on() if bulk is not None and not update.relative else None  # its bytes wait there
+            return list(update_frames(update, bulk, done))
         except OSError:  # the stream itself broke (not the answer): it ends, and the learner's reopening asks again
             raise
         except Exception as exc:  # noqa: BLE001 - any failure to make it: refused in one line

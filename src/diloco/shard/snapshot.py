@@ -23,7 +23,7 @@ def shard_report(shard: ShardView) -> dict:
     out = {"shard": shard.plan.index, "shards": shard.plan.count, "fragments": shard.owned,
            "finished": shard.finished, "push_errors": shard.push_errors, "tokens_reported": {}}
     if shard.bulk is not None:
-        out["bulk"] = {"pulls": shard.bulk.served, "pushes": shard.bulk.received, "refused": shard.bulk.refused}
+        out["bulk"] = {"sent": shard.bulk.served, "received": shard.bulk.received, "refused": shard.bulk.refused}
     if core is None:
         return out
     out["tokens_reported"] = {m: core.tokens_reported(m) for m in core.tokens.keys() | core.tokens_banked.keys()}

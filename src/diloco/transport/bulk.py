@@ -81,6 +81,16 @@ class BulkUnreachable(BulkTransferError):
 
 
 @dataclass(frozen=True)
+class _Held:
+    """A ticket's due: until when, what it sends (byte views) or takes (`Upload`), and whom to tell once it
+    is used, void or dropped (`done`: an answer's memory bound lets go)."""
+
+    expires: float
+    what: list[memoryview] | Upload
+    done: Callable[[], None] | None
+
+
+@dataclass(frozen=True)
 class Upload:
     """What a push's ticket stands for: `nbytes` of data to read, then `take` of them makes the reply
     (a status and its body)."""
@@ -145,34 +155,36 @@ class BulkServer:
             raise DilocoError(f"cannot listen for bulk pulls on {host}: {exc.strerror or exc}") from None
         self.listener.listen(BULK_CONNECTIONS)
         self.port: int = self.listener.getsockname()[1]
-        self.tickets: collections.OrderedDict[bytes, tuple[float, list[memoryview] | Upload]] = \
-            collections.OrderedDict()
+        self.tickets: collections.OrderedDict[bytes, _Held] = collections.OrderedDict()
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(BULK_CONNECTIONS)
         self.uploads = threading.BoundedSemaphore(UPLOADS_AT_ONCE)
         self.served = 0
-        """Pulls whose values were sent."""
+        """Tickets whose values were sent (pulls of Θ, answers)."""
         self.received = 0
         """Pushes whose data was read and taken (whatever the shard then decided of them)."""
         self.refused = 0
         self.closed = False
         threading.Thread(target=self._accept, name="bulk-accept", daemon=True).start()
 
-    def ticket(self, values: list[memoryview] | Upload) -> bytes:
-        """A one-use ticket for `values` (byte views, in the order the header lists them), or to send the
-        data of one push (`Upload`)."""
+    def ticket(self, what: list[memoryview] | Upload, done: Callable[[], None] | None = None) -> bytes:
+        """A one-use ticket for `what`: values to send (byte views, in the order the header lists them), or
+        the data of one push to take (`Upload`). `done` is called once the ticket is used, void or dropped."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         now = time.monotonic()
         with self.lock:
-            self._forget_expired(now)
+            dropped = self._forget_expired(now)
             while len(self.tickets) >= MAX_TICKETS:
-                self.tickets.popitem(last=False)
-            self.tickets[ticket] = (now + TICKET_TTL_S, values)
+                dropped.append(self.tickets.popitem(last=False)[1])
+            self.tickets[ticket] = _Held(now + TICKET_TTL_S, what, done)
+        _tell(dropped)
         return ticket
 
-    def _forget_expired(self, now: float) -> None:
-        while self.tickets and next(iter(self.tickets.values()))[0] <= now:
-            self.tickets.popitem(last=False)
+    def _forget_expired(self, now: float) -> list[_Held]:
+        dropped = []
+        while self.tickets and next(iter(self.tickets.values())).expires <= now:
+            dropped.append(self.tickets.popitem(last=False)[1])
+        return dropped
 
     def _accept(self) -> None:
         while not self.closed:
@@ -194,19 +206,26 @@ class BulkServer:
             ticket = _receive_exactly(conn, TICKET_BYTES)
             now = time.monotonic()
             with self.lock:
-                self._forget_expired(now)
+                dropped = self._forget_expired(now)
                 held = self.tickets.pop(ticket, None)
-            if held is None or held[0] <= now:
+            if held is not None and held.expires <= now:
+                dropped.append(held)
+                held = None
+            _tell(dropped)
+            if held is None:
                 self._refuse(conn, peer, "a ticket that is wrong, used or expired")
                 return
             self.slots.release()
             slot = False
             conn.settimeout(TRANSFER_TIMEOUT_S)
-            if isinstance(held[1], Upload):
-                self._take_upload(conn, held[1])
+            if isinstance(held.what, Upload):
+                self._take_upload(conn, held.what)
                 return
-            for view in held[1]:
-                conn.sendall(view)
+            try:
+                for view in held.what:
+                    conn.sendall(view)
+            finally:
+                _tell([held])
             with self.lock:
                 self.served += 1
         except (OSError, ssl.SSLError, BulkTransferError) as exc:
@@ -240,7 +259,16 @@ class BulkServer:
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         with self.lock:
+            dropped = list(self.tickets.values())
             self.tickets.clear()
+        _tell(dropped)
+
+
+def _tell(dropped: list[_Held]) -> None:
+    """Tell the issuers of tickets used, void or dropped (outside the server's lock)."""
+    for held in dropped:
+        if held.done is not None:
+            held.done()
 
 
 def _receive_exactly(conn: socket.socket, n: int) -> bytes:

@@ -16,7 +16,7 @@ from diloco.codecs import Encoded
 from diloco.errors import DilocoError
 from diloco.transport.bulk import TAKEN, UNAVAILABLE, BulkTransferError, BulkUnreachable, bulk_host, receive, send
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
-from diloco.transport.frames import message_frames, read_message, read_values
+from diloco.transport.frames import data_views, message_frames, read_message, read_values
 from diloco.transport.stream_calls import syncer_stub
 from diloco.transport.wire_messages import fragment_versions, heartbeat_request, seed_frames, versions_of
 from diloco.v1 import diloco_pb2 as pb
@@ -175,7 +175,7 @@ class ShardClient:
                                      bulk=bulk)
             stream = self.stub.Pull(request, timeout=300)
             try:
-                message = read_values(iter(stream), "state", limit=1 << 40, bulk=self._receive_bulk if bulk else None)
+                message = read_values(iter(stream), "state", limit=1 << 40, bulk=self.receive_bulk if bulk else None)
             except BulkTransferError as exc:
                 stream.cancel()
                 self.bulk_failed = True
@@ -188,7 +188,8 @@ class ShardClient:
         header, values = self._call("pull", fetch)
         return values, versions_of(header.versions), list(header.layout)
 
-    def _receive_bulk(self, header: pb.StateHeader, targets: list[memoryview]) -> None:
+    def receive_bulk(self, header: pb.StateHeader | pb.UpdateHeader, targets: list[memoryview]) -> None:
+        """Fill `targets` with the data a header's bulk ticket names, from the shard's bulk port."""
         receive(bulk_host(self.address), header.bulk_port, header.bulk_ticket, targets, self.security, self.address)
 
     def push(self, header: pb.PushHeader, tensors: dict[str, Encoded]) -> pb.PushReply:
@@ -211,7 +212,7 @@ class ShardClient:
         """The push's data sent with its ticket and the shard's reply read; None if the port is unreachable
         (then frames, from now on). A transfer that broke is SyncerUnavailable: the push is sent again and
         counted once (its seq)."""
-        data = [memoryview(blob).cast("B") for e in tensors.values() for blob in (e.payload, e.scales) if len(blob)]
+        data = data_views(tensors.values())
         try:
             status, body = send(bulk_host(self.address), ticket.bulk_port, ticket.bulk_ticket, data, self.security,
                                 self.address)
@@ -232,12 +233,21 @@ class ShardClient:
                 ) -> Iterator[tuple[pb.UpdateHeader, dict[str, Encoded]]]:
         """New versions for `learner`, as the shard publishes them, until the stream is cancelled or ends.
         `holds`: the version of each fragment it last received whole (answers lost on the way come again)."""
-        call = self.stub.Updates(pb.UpdatesRequest(learner=learner, holds=fragment_versions(holds or {})))
+        bulk = not self.bulk_failed  # a shard without a bulk port (or older) sends frames all the same
+        call = self.stub.Updates(pb.UpdatesRequest(learner=learner, holds=fragment_versions(holds or {}), bulk=bulk))
         self._updates_call = call
         frames = iter(call)
         try:
-            while (message := read_message(frames, "update", limit=1 << 40)) is not None:
+            while (message := read_message(frames, "update", limit=1 << 40,
+                                           bulk=self.receive_bulk if bulk else None)) is not None:
                 yield message
+        except BulkUnreachable as exc:  # the stream opens again, in frames: what it held comes again
+            self.bulk_failed = True
+            call.cancel()
+            raise SyncerUnavailable(f"{exc}; answers over gRPC from now on") from None
+        except BulkTransferError as exc:
+            call.cancel()
+            raise SyncerUnavailable(f"answer from {self.address} broke ({exc})") from None
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED:
                 return

@@ -118,6 +118,11 @@ def data_frames(tensors: Iterable[Encoded]) -> Iterator[DataFrame]:
         yield data_frame(pending, size)
 
 
+def data_views(tensors: Iterable[Encoded]) -> list[memoryview]:
+    """The tensors' data as byte views, in order (what frames would carry), none empty: for a bulk port."""
+    return [memoryview(blob).cast("B") for e in tensors for blob in (e.payload, e.scales) if len(blob)]
+
+
 def message_frames(header: pb.Frame, tensors: dict[str, Encoded]) -> Iterator[Frame]:
     """A whole message: `header` (its tensor list must follow `tensors`' order), then the data."""
     yield header
@@ -144,19 +149,27 @@ def checked_header(header: pb.TensorHeader) -> tuple[int, int]:
     return numel, sum(want)
 
 
-def read_message(frames: Iterator[Frame], kind: str, limit: int) -> tuple[object, dict[str, Encoded]] | None:
+BulkSource = Callable[[Any, list[memoryview]], None]
+"""Fills the byte views of a message's values, in its header's order, from where its header says (a
+shard's bulk port: `transport/bulk.py`)."""
+
+
+def read_message(frames: Iterator[Frame], kind: str, limit: int, bulk: BulkSource | None = None
+                 ) -> tuple[object, dict[str, Encoded]] | None:
     """The next message of `kind` from `frames`: its header and tensors, or None when the stream ended
-    cleanly before one began. At most `limit` data bytes are accepted."""
+    cleanly before one began. At most `limit` data bytes are accepted. A header that names a bulk ticket
+    has its data filled by `bulk` instead of frames (refused where the caller gave none)."""
     opened = open_message(frames, kind, limit)
     if opened is None:
         return None
     header, total = opened
-    return header, buffered(frames, header, total)
-
-
-BulkSource = Callable[[Any, list[memoryview]], None]
-"""Fills the byte views of a message's values, in its header's order, from where its header says (a
-shard's bulk port: `transport/bulk.py`)."""
+    if not getattr(header, "bulk_ticket", b""):
+        return header, buffered(frames, header, total)
+    if bulk is None:
+        raise FrameError("the data was sent over a bulk port this reader did not ask for")
+    data = bytearray(total)
+    bulk(header, [memoryview(data)])
+    return header, tensors_of(header, memoryview(data).toreadonly())
 
 
 def read_values(frames: Iterator[Frame], kind: str, limit: int, bulk: BulkSource | None = None

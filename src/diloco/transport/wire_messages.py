@@ -25,8 +25,8 @@ from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.strategies import StrategySpec, Wiring, build_strategy
 from diloco.transport.bulk import BulkServer
-from diloco.transport.frames import (Frame, FrameError, data_frames, decode, encode_fp32, encode_snapshot,
-                                     message_frames, tensor_header)
+from diloco.transport.frames import (Frame, FrameError, data_frames, data_views, decode, encode_fp32,
+                                     encode_snapshot, message_frames, tensor_header)
 from diloco.v1 import diloco_pb2 as pb
 
 FRAME_LENGTH = struct.Struct("<I")
@@ -112,16 +112,24 @@ class LostAnswer(ValueError):
     """An answer's differences apply to another version than the one held: an answer was lost."""
 
 
-def update_frames(update: Update) -> Iterator[pb.Frame]:
+def update_frames(update: Update, bulk: BulkServer | None = None, done: Callable[[], None] | None = None
+                  ) -> Iterator[pb.Frame]:
     """An answer on the stream: one message per encoded difference (or one whole), in order. Its own
-    generator, so that what it references is let go as soon as the last frame is sent."""
+    generator, so that what it references is let go as soon as the last frame is sent. With `bulk`, each
+    message is its header alone, naming the port and a ticket for its data (`done`: told once the last
+    one is used, void or dropped)."""
     for index, message in enumerate(update.wire):
+        last = index == len(update.wire) - 1
         header = pb.UpdateHeader(
             fragment=update.fragment, version=update.version, ack_seq=update.ack_seq,
             tensors=[tensor_header(n, e, update.relative) for n, e in message.items()],
-            next_push_at=update.next_push_at, continued=index < len(update.wire) - 1,
-            base_version=update.base_version + index)
-        yield from message_frames(pb.Frame(update=header), message)
+            next_push_at=update.next_push_at, continued=not last, base_version=update.base_version + index)
+        if bulk is None:
+            yield from message_frames(pb.Frame(update=header), message)
+            continue
+        header.bulk_port = bulk.port
+        header.bulk_ticket = bulk.ticket(data_views(message.values()), done if last else None)
+        yield pb.Frame(update=header)
 
 
 def update_of(header: pb.UpdateHeader, tensors: dict[str, Encoded], anchors: dict[str, torch.Tensor],
@@ -187,7 +195,7 @@ def bulk_state_frame(values: dict[str, torch.Tensor], layout: list[pb.FragmentLa
     """A pull's answer whose values follow over the shard's bulk port: the header `state_frames` sends, with
     the port and a ticket for exactly the bytes it declares (Θ's own memory, as a snapshot)."""
     encoded = encode_snapshot(values)
-    views = [memoryview(blob) for e in encoded.values() for blob in (e.payload, e.scales) if len(blob)]
+    views = data_views(encoded.values())
     return pb.Frame(state=pb.StateHeader(versions=fragment_versions(versions), layout=layout,
                                          tensors=[tensor_header(n, e) for n, e in encoded.items()],
                                          bulk_port=bulk.port, bulk_ticket=bulk.ticket(views)))

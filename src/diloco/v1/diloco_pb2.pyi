@@ -53,7 +53,7 @@ class PushHeader(_message.Message):
     def __init__(self, learner: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("fragment", "version", "ack_seq", "tensors", "next_push_at", "continued", "base_version")
+    __slots__ = ("fragment", "version", "ack_seq", "tensors", "next_push_at", "continued", "base_version", "bulk_port", "bulk_ticket")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,8 @@ class UpdateHeader(_message.Message):
     NEXT_PUSH_AT_FIELD_NUMBER: _ClassVar[int]
     CONTINUED_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    BULK_TICKET_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     ack_seq: int
@@ -68,7 +70,9 @@ class UpdateHeader(_message.Message):
     next_push_at: float
     continued: bool
     base_version: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., ack_seq: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., next_push_at: _Optional[float] = ..., continued: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...
+    bulk_port: int
+    bulk_ticket: bytes
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., ack_seq: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., next_push_at: _Optional[float] = ..., continued: _Optional[bool] = ..., base_version: _Optional[int] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ...) -> None: ...
 
 class FragmentVersion(_message.Message):
     __slots__ = ("fragment", "version")
@@ -236,12 +240,14 @@ class PushReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., clipped: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ...) -> None: ...
 
 class UpdatesRequest(_message.Message):
-    __slots__ = ("learner", "holds")
+    __slots__ = ("learner", "holds", "bulk")
     LEARNER_FIELD_NUMBER: _ClassVar[int]
     HOLDS_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     learner: int
     holds: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
-    def __init__(self, learner: _Optional[int] = ..., holds: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ...) -> None: ...
+    bulk: bool
+    def __init__(self, learner: _Optional[int] = ..., holds: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("learner", "tokens", "steps", "step_time_s", "due_in_s")
