@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import queue
 import secrets
 import socket
 import ssl
@@ -57,6 +58,11 @@ BULK_CONNECTIONS = 16
 """Connections not yet past their ticket; a ticket's holder is bounded by the tickets handed out."""
 UPLOADS_AT_ONCE = 16
 """Pushes' buffers being filled or taken at once (each the size its header declared); more wait their turn."""
+BULK_THREADS = BULK_CONNECTIONS + UPLOADS_AT_ONCE
+"""Threads serving connections, kept for the server's life (daemons: a stalled transfer never holds up
+the process's exit): a push is taken (decoded and merged by torch) on the thread that read it, and a
+thread new to torch pays for a pool of OpenMP threads of its own (a thread per connection cost the merge
+about a tenth more CPU). Connections beyond them wait their turn."""
 TICKET_WAIT_S = 10.0
 """How long a bulk connection may take to say its ticket."""
 CONNECT_TIMEOUT_S = 10.0
@@ -152,7 +158,7 @@ class BulkServer:
             self.listener.bind((host, 0))
         except OSError as exc:
             self.listener.close()
-            raise DilocoError(f"cannot listen for bulk pulls on {host}: {exc.strerror or exc}") from None
+            raise DilocoError(f"cannot listen for bulk transfers on {host}: {exc.strerror or exc}") from None
         self.listener.listen(BULK_CONNECTIONS)
         self.port: int = self.listener.getsockname()[1]
         self.tickets: collections.OrderedDict[bytes, _Held] = collections.OrderedDict()
@@ -165,6 +171,9 @@ class BulkServer:
         """Pushes whose data was read and taken (whatever the shard then decided of them)."""
         self.refused = 0
         self.closed = False
+        self.connections: queue.SimpleQueue[tuple[socket.socket, tuple] | None] = queue.SimpleQueue()
+        for i in range(BULK_THREADS):
+            threading.Thread(target=self._serve_each, name=f"bulk-{i}", daemon=True).start()
         threading.Thread(target=self._accept, name="bulk-accept", daemon=True).start()
 
     def ticket(self, what: list[memoryview] | Upload, done: Callable[[], None] | None = None) -> bytes:
@@ -195,7 +204,11 @@ class BulkServer:
             if not self.slots.acquire(blocking=False):
                 self._refuse(conn, peer, f"more than {BULK_CONNECTIONS} bulk connections at once")
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), name="bulk-send", daemon=True).start()
+            self.connections.put((conn, peer))
+
+    def _serve_each(self) -> None:
+        while (connection := self.connections.get()) is not None:
+            self._serve(*connection)
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         slot = True  # held until the connection is past its ticket
@@ -262,6 +275,8 @@ class BulkServer:
             dropped = list(self.tickets.values())
             self.tickets.clear()
         _tell(dropped)
+        for _ in range(BULK_THREADS):
+            self.connections.put(None)
 
 
 def _tell(dropped: list[_Held]) -> None:
