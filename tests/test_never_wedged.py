@@ -17,7 +17,7 @@ from diloco.core.learner_core import ANSWER_PATIENCE
 pytestmark = pytest.mark.integration  # a live shard over gRPC and learner threads
 
 
-def _broken_answers(update):
+def _broken_answers(update, bulk=None, done=None):
     raise RuntimeError("cannot encode this answer")
 
 

@@ -41,6 +41,10 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_sen
                    ("grpc.max_reconnect_backoff_ms", int(RECONNECT_MAX_S * 1000))]
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
+BULK_TRIES = 3
+"""Times in a row a shard's bulk port may be unreachable for a push or an answer before its learner moves
+those bytes over gRPC for good: a shard killed between handing out a ticket and its use is not a
+firewall, and once restarted it names its new port on the next call."""
 GRPC_BUSY = "Concurrent RPC limit exceeded!"
 """gRPC's own refusal when the syncer's `maximum_concurrent_rpcs` calls are running."""
 
@@ -74,6 +78,8 @@ class ShardClient:
         and pushes go over gRPC since."""
         self.bulk_pushes = False
         """The shard's Join said it takes a push's data on its bulk port (`transport/bulk.py`)."""
+        self.bulk_misses = 0
+        """Times in a row its bulk port could not be reached for a push or an answer."""
         self.identity = ClientIdentity(security)
         self.channel = make_channel(address, security, CHANNEL_OPTIONS, self.identity)
         self.stub = syncer_stub(self.channel)
@@ -210,18 +216,18 @@ class ShardClient:
 
     def _push_bulk(self, ticket: pb.PushReply, tensors: dict[str, Encoded]) -> pb.PushReply | None:
         """The push's data sent with its ticket and the shard's reply read; None if the port is unreachable
-        (then frames, from now on). A transfer that broke is SyncerUnavailable: the push is sent again and
-        counted once (its seq)."""
+        (then frames; after BULK_TRIES in a row, from now on). A transfer that broke is SyncerUnavailable:
+        the push is sent again and counted once (its seq)."""
         data = data_views(tensors.values())
         try:
             status, body = send(bulk_host(self.address), ticket.bulk_port, ticket.bulk_ticket, data, self.security,
                                 self.address)
         except BulkUnreachable as exc:
-            self.bulk_failed = True
-            log.warning("%s; pushing and pulling over gRPC from now on", exc)
+            self._bulk_missed(exc)
             return None
         except BulkTransferError as exc:
             raise SyncerUnavailable(f"syncer at {self.address} unavailable during push ({exc})") from None
+        self.bulk_misses = 0
         if status == TAKEN:
             return pb.PushReply.FromString(body)
         why = body.decode(errors="replace")
@@ -241,10 +247,10 @@ class ShardClient:
             while (message := read_message(frames, "update", limit=1 << 40,
                                            bulk=self.receive_bulk if bulk else None)) is not None:
                 yield message
-        except BulkUnreachable as exc:  # the stream opens again, in frames: what it held comes again
-            self.bulk_failed = True
+        except BulkUnreachable as exc:  # the stream opens again: what it held comes again
+            self._bulk_missed(exc)
             call.cancel()
-            raise SyncerUnavailable(f"{exc}; answers over gRPC from now on") from None
+            raise SyncerUnavailable(f"answer from {self.address} not fetched ({exc})") from None
         except BulkTransferError as exc:
             call.cancel()
             raise SyncerUnavailable(f"answer from {self.address} broke ({exc})") from None
@@ -255,6 +261,12 @@ class ShardClient:
                 raise DilocoError(f"syncer at {self.address} refused the update stream: {exc.details()}") \
                     from None
             raise SyncerUnavailable(f"update stream from {self.address} broke ({describe(exc)})") from None
+
+    def _bulk_missed(self, exc: BulkUnreachable) -> None:
+        self.bulk_misses += 1
+        if self.bulk_misses >= BULK_TRIES:
+            self.bulk_failed = True
+            log.warning("%s; pushing and pulling over gRPC from now on", exc)
 
     def cancel_updates(self) -> None:
         call = getattr(self, "_updates_call", None)
