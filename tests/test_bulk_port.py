@@ -292,7 +292,8 @@ def test_an_answer_over_the_bulk_port_reads_as_the_same_answer_in_frames(server)
     framed_header, framed = read_message(update_frames(whole), "update", limit=1 << 30)
     header.ClearField("bulk_port")
     header.ClearField("bulk_ticket")
-    assert header == framed_header and released == [True]  # told once its bytes were sent
+    assert header == framed_header
+    wait_for(lambda: released == [True], 5, "the issuer told, once the bytes were sent (on the port's thread)")
     assert all(bytes(tensors[n].payload) + bytes(tensors[n].scales) == bytes(e.payload) + bytes(e.scales)
                for n, e in framed.items())
     with pytest.raises(FrameError, match="did not ask for"):  # a reader that asked for frames takes no ticket
