@@ -147,7 +147,8 @@ def client_context(security: TransportSecurity) -> ssl.SSLContext | None:
 
 
 class BulkServer:
-    """A shard's bulk port: tickets issued by its Pull handler, values sent to whoever presents one."""
+    """A shard's bulk port: tickets issued by its authenticated calls (Pull, Push, an update stream); the
+    values a ticket names sent to whoever presents it, or a push's data taken from them."""
 
     def __init__(self, host: str, security: TransportSecurity) -> None:
         self.tls = server_context(security)
