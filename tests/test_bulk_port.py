@@ -108,7 +108,10 @@ def bulk_shard():
     shard = SyncerShard(tiny_config("learners.count=2", "outer.fragments=2", "outer.H=4"), ShardPlan(0, 1, ("",)))
     server, port = serve(shard, "127.0.0.1:0", bulk_port=True)
     shard.plan = ShardPlan(0, 1, (f"127.0.0.1:{port}",))
-    yield shard, f"127.0.0.1:{port}"
+    address = f"127.0.0.1:{port}"
+    seeder = Learner(tiny_model(), syncer=address, learner=0)  # seeds Θ; closed even when a test fails, else
+    yield shard, address  # its update stream would call the stopped shard for minutes, into later tests' logs
+    seeder.close()
     shard.stop()
     server.stop(0)
 
@@ -116,7 +119,6 @@ def bulk_shard():
 @pytest.mark.integration  # a live shard over real gRPC
 def test_a_pull_over_the_bulk_port_gives_what_a_pull_in_frames_gives_and_a_learner_joins_through_it(bulk_shard):
     shard, address = bulk_shard
-    first = Learner(tiny_model(), syncer=address, learner=0)  # seeds Θ
     over_bulk = ShardClient(address)
     in_frames = ShardClient(address)
     in_frames.bulk_failed = True  # as a client whose bulk pull failed: frames only
@@ -133,7 +135,6 @@ def test_a_pull_over_the_bulk_port_gives_what_a_pull_in_frames_gives_and_a_learn
     wait_for(lambda: shard.report()["bulk"]["sent"] >= 3, 5, "the bulk transfers counted")
     assert shard.report()["bulk"]["refused"] == 0
     second.close()
-    first.close()
     over_bulk.close()
     in_frames.close()
 
@@ -141,7 +142,6 @@ def test_a_pull_over_the_bulk_port_gives_what_a_pull_in_frames_gives_and_a_learn
 @pytest.mark.integration  # a live shard over real gRPC
 def test_a_bulk_port_that_cannot_be_reached_leaves_pulls_on_grpc(bulk_shard, caplog):
     shard, address = bulk_shard
-    first = Learner(tiny_model(), syncer=address, learner=0)
     client = ShardClient(address)
     expected, _, _ = _framed_pull(address)
     shard.bulk.close()  # tickets are still issued; nobody answers on the port
@@ -150,7 +150,6 @@ def test_a_bulk_port_that_cannot_be_reached_leaves_pulls_on_grpc(bulk_shard, cap
     assert client.bulk_failed and "pulling over gRPC from now on" in caplog.text
     assert all(torch.equal(values[n], expected[n]) for n in expected)
     client.close()
-    first.close()
 
 
 def _framed_pull(address: str):
@@ -197,7 +196,6 @@ def push_of_ones(client: ShardClient, reply: pb.JoinReply, fragment: int, seq: i
 @pytest.mark.integration  # a live shard over real gRPC
 def test_a_push_over_the_bulk_port_is_taken_as_the_same_push_in_frames(bulk_shard, monkeypatch):
     shard, address = bulk_shard
-    first = Learner(tiny_model(), syncer=address, learner=0)  # seeds Θ
     seen: list[tuple[bytes, list[bytes]]] = []
     take_push = PushIntake.take_push
 
@@ -217,14 +215,13 @@ def test_a_push_over_the_bulk_port_is_taken_as_the_same_push_in_frames(bulk_shar
     assert seen[0] == seen[1] and shard.bulk.received == 1 and not shard.bulk.tickets
     with shard.lock:
         assert shard.core.ledger[1].pushed(0) == 1
-    for client in (over_bulk, in_frames, first):
+    for client in (over_bulk, in_frames):
         client.close()
 
 
 @pytest.mark.integration  # a live shard over real gRPC
 def test_a_bulk_push_is_checked_before_a_ticket_and_refused_as_in_frames(bulk_shard):
     shard, address = bulk_shard
-    first = Learner(tiny_model(), syncer=address, learner=0)
     client = ShardClient(address)
     reply = client.join(1)
     with shard.lock:
@@ -251,13 +248,11 @@ def test_a_bulk_push_is_checked_before_a_ticket_and_refused_as_in_frames(bulk_sh
         assert all(torch.equal(shard.core.theta[n], theta[n]) for n in theta)  # nothing of them changed Θ
         assert 1 not in shard.core.ledger or shard.core.ledger[1].pushed(0) == 0
     client.close()
-    first.close()
 
 
 @pytest.mark.integration  # a live shard over real gRPC
 def test_a_bulk_port_that_cannot_be_reached_leaves_pushes_on_grpc(bulk_shard, caplog):
     shard, address = bulk_shard
-    first = Learner(tiny_model(), syncer=address, learner=0)
     client = ShardClient(address)
     reply = client.join(1)
     shard.bulk.close()  # tickets are still issued; nobody answers on the port
@@ -274,7 +269,6 @@ def test_a_bulk_port_that_cannot_be_reached_leaves_pushes_on_grpc(bulk_shard, ca
     with shard.lock:
         assert shard.core.ledger[1].pushed(1) == calls.BULK_TRIES + 1
     client.close()
-    first.close()
 
 
 def test_an_answer_over_the_bulk_port_reads_as_the_same_answer_in_frames(server):
@@ -321,7 +315,6 @@ def test_a_whole_answer_holds_its_slot_until_its_ticket_is_used_or_void(server, 
 def test_answers_come_over_the_bulk_port_and_over_grpc_once_it_cannot_be_reached(bulk_shard, monkeypatch):
     monkeypatch.setattr(calls, "BULK_TRIES", 1)
     shard, address = bulk_shard
-    first = Learner(tiny_model(), syncer=address, learner=0)
     client = ShardClient(address)
     reply = client.join(1)
     client.pull(1)
@@ -331,8 +324,10 @@ def test_answers_come_over_the_bulk_port_and_over_grpc_once_it_cannot_be_reached
     header, _ = stream.next()
     assert header.fragment == 0 and header.version >= 1 and header.bulk_ticket and shard.bulk.served > sent
     shard.bulk.close()  # tickets are still issued; nobody answers on the port
-    client.push(*push_of_ones(client, reply, fragment=1, seq=2))  # which falls back to frames
-    client.bulk_failed = False  # as a client that has not tried the port since
+    # Pushed in frames, so that only the stream's reader (on its own thread, maybe already reading
+    # the answer to this push) tries the port and finds it unreachable.
+    client.bulk_pushes = False
+    client.push(*push_of_ones(client, reply, fragment=1, seq=2))
     with pytest.raises(SyncerUnavailable, match="not fetched"):
         stream.next()
     assert client.bulk_failed
@@ -340,7 +335,6 @@ def test_answers_come_over_the_bulk_port_and_over_grpc_once_it_cannot_be_reached
     header, tensors = again.next()  # the answer it lost, made again, in frames
     assert header.fragment == 1 and not header.bulk_ticket and tensors
     client.close()
-    first.close()
 
 
 class UpdateReader:

@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from diloco.core.accounting import ledger_of
+from diloco.errors import DilocoError
+from diloco.launch.processes import Started
 from diloco.driver_kit.run_summary import LearnerOutcome, learner_token_split
 from diloco.outputs import write_output
 from diloco.results import LearnerReport
+from diloco.transport.calls import ShardClient
 
 
 def merge_metrics(folder: Path, into: Path) -> None:
@@ -53,3 +56,25 @@ def learner_outcomes(learners: list[dict[str, Any]], lives: dict[int, list[dict[
             bytes_up=r["bytes_up"], bytes_down=r["bytes_down"], eval_loss=r.get("eval_loss"))
         outcomes.append(LearnerOutcome(report, learner_token_split(trained, *ledger_of(syncers, m), numel), rounds))
     return outcomes
+
+
+def unfinished_syncers(syncers: list[tuple[Started, ShardClient]], waited_s: float) -> str:
+    """Why the run could not end: each syncer (shard or region) still not finished, where it stands (whom
+    it holds, whether it was told to stop, a region whether it left the global syncer) and its last log
+    lines, so a hang at the end is diagnosed from the error alone."""
+    parts = []
+    for child, client in syncers:
+        try:
+            report = json.loads(client.status().report_json)
+        except DilocoError as exc:
+            parts.append(f"{child.name} does not answer ({exc})")
+            continue
+        if report.get("finished"):
+            continue
+        stands = (f"joined {report.get('joined')}, left {report.get('left')}, "
+                  f"told to stop: {'yes' if report.get('told_to_stop') else 'no'}")
+        if "left_upstream" in report:
+            stands += f", left the global syncer: {'yes' if report['left_upstream'] else 'no'}"
+        parts.append(f"{child.name} ({stands}); its log ({child.log_path}) ends:\n{child.log_tail(10)}")
+    return (f"the syncer did not finish its last rounds within {waited_s:g} s after every learner left: "
+            + ("\n".join(parts) or "each finished as this was written"))

@@ -28,7 +28,7 @@ from diloco.metrics.records import learner_lives
 from diloco.outputs import write_output, writing
 from diloco.process_times import ORIGIN_ENV
 from diloco.transport.ports import read_port_file, wait_for_port
-from diloco.launch.child_reports import learner_outcomes, merge_metrics, report_from_metrics
+from diloco.launch.child_reports import learner_outcomes, merge_metrics, report_from_metrics, unfinished_syncers
 from diloco.launch.outages import RegionOutages
 from diloco.launch.processes import Child, Children
 from diloco.launch.rank_group import group_command
@@ -195,7 +195,7 @@ class Launcher:
                 *self.bulk_args, *self._endpoint_args(f"syncer-{i}", status=i == 0)), env=self.env)
         for i, (host, port_file) in enumerate(zip(hosts, port_files)):
             child = self.children.children[f"syncer-{i}"]
-            port = wait_for_port(port_file, f"syncer-{i}", gone=lambda child=child: self._why_gone(child),
+            port = wait_for_port(port_file, f"syncer-{i}", gone=child.why_gone,
                                  timeout_s=STARTUP_TIMEOUT_S)
             child.set_option("--bind", f"{host}:{port}")  # a restarted shard serves where learners look for it
             self.addresses.append(f"{host}:{port}")
@@ -214,7 +214,7 @@ class Launcher:
                 "--port-file", str(port_file), "--out", str(self.shared), *emulate,
                 *self.bulk_args, *self._endpoint_args(name)), env=self.env)
             child = self.children.children[name]
-            port = wait_for_port(port_file, name, gone=lambda child=child: self._why_gone(child),
+            port = wait_for_port(port_file, name, gone=child.why_gone,
                                  timeout_s=STARTUP_TIMEOUT_S)
             child.set_option("--bind", f"{host}:{port}")  # a restarted region serves where its learners look
             self.region_addresses[region.name] = f"{host}:{port}"
@@ -256,12 +256,6 @@ class Launcher:
             port = read_port_file(path)
             if port is not None:
                 self.endpoints[name] = url.format(port)
-
-    @staticmethod
-    def _why_gone(child: Child) -> str | None:
-        """Why a child will never report its port: it exited. None while it runs."""
-        code = child.returncode
-        return None if code is None else f"exited with code {code} (see {child.log_path})"
 
     def _check_children(self) -> None:
         """A child that failed ends the run with its name, exit code and last log lines."""
@@ -318,7 +312,10 @@ class Launcher:
         while not self._all_finished():
             self._check_children()
             if clock.monotonic() > deadline:
-                raise DilocoError("the syncer did not finish its last rounds after every learner left")
+                names = [*(f"syncer-{i}" for i in range(len(self.clients))),
+                         *(f"region-{r.name}" for r in Topology(self.config).tier_regions())]
+                syncers = [(self.children.children[n], c) for n, c in zip(names, self.clients + self.region_clients)]
+                raise DilocoError(unfinished_syncers(syncers, STARTUP_TIMEOUT_S))
             clock.sleep(0.1)
 
     def _all_finished(self) -> bool:

@@ -50,6 +50,16 @@ class Started:
         """Give `option` this value from the child's next restart on."""
         self.argv[self.argv.index(option) + 1] = value
 
+    @property
+    def returncode(self) -> int | None:
+        """Its exit code; None while it runs (asked of wherever it runs)."""
+        raise NotImplementedError
+
+    def why_gone(self) -> str | None:
+        """Why the child will never report its port: it exited. None while it runs."""
+        code = self.returncode
+        return None if code is None else f"exited with code {code} (see {self.log_path})"
+
     def log_tail(self, lines: int = 5) -> str:
         try:
             text = self.log_path.read_text(errors="replace").strip().splitlines()

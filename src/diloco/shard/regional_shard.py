@@ -145,7 +145,8 @@ class RegionTier:
             for p, (on_time, stale) in by_fragment.items():
                 entry["merged"][p] = entry["merged"].get(p, 0) + on_time
                 entry["stale"][p] = entry["stale"].get(p, 0) + stale
-        return {"region": self.name, "region_index": self.index, "uplink": self.uplink.report()}
+        return {"region": self.name, "region_index": self.index, "uplink": self.uplink.report(),
+                "left_upstream": self.region is not None and self.region.left}
 
     def close(self) -> None:
         self.uplink.close()

@@ -21,7 +21,8 @@ def shard_report(shard: ShardView) -> dict:
     """What this shard counted, for run summaries and reports."""
     core = shard.core
     out = {"shard": shard.plan.index, "shards": shard.plan.count, "fragments": shard.owned,
-           "finished": shard.finished, "push_errors": shard.push_errors, "tokens_reported": {}}
+           "finished": shard.finished, "push_errors": shard.push_errors, "tokens_reported": {},
+           "joined": sorted(shard.joined), "left": sorted(shard.left), "told_to_stop": shard.stop_said}
     if shard.bulk is not None:
         out["bulk"] = {"sent": shard.bulk.served, "received": shard.bulk.received, "refused": shard.bulk.refused}
     if core is None:
