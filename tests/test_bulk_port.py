@@ -1,14 +1,13 @@
-"""A shard's bulk port: a pull's Θ gets exactly the bytes its ticket names, once, to its holder only; over TLS
-where the run uses it; the same values a pull in gRPC frames gives. A push's data sent there is taken exactly
-as the same push in frames, refused as it would be, and only for a header the shard checked first. A port
-that cannot be reached leaves pulls and pushes on gRPC instead of failing them."""
+"""A shard's bulk port in a shard: a pull over it gives the values a pull in gRPC frames gives; a push's data
+sent there is taken exactly as the same push in frames, refused as it would be, and only for a header the
+shard checked first; an answer over it reads as the same answer in frames. A port that cannot be reached
+leaves pulls, pushes and answers on gRPC instead of failing them. (Transfer by transfer:
+`test_bulk_transfers.py`.)"""
 
 from __future__ import annotations
 
 import logging
 import queue
-import secrets
-import socket
 import threading
 
 import pytest
@@ -21,81 +20,14 @@ from diloco.transport import bulk, calls
 from diloco.codecs import Encoded, get_codec
 from diloco.errors import DilocoError
 from diloco.shard.push_intake import PushIntake
-from diloco.transport.bulk import REFUSED, TAKEN, BulkServer, BulkTransferError, Upload, receive, send
 from diloco.core.messages import Update
 from diloco.shard.answer_slots import AnswerSlots
 from diloco.transport.calls import ShardClient, SyncerUnavailable
 from diloco.transport.frames import FrameError, read_message, tensor_header
 from diloco.transport.wire_messages import update_frames
 from diloco.v1 import diloco_pb2 as pb
-from diloco.transport.security import PLAINTEXT, TransportSecurity, load_security
-from test_security import pki  # noqa: F401 — the module's test certificates, as a fixture here too
-
-
-def byte_views(*tensors: torch.Tensor) -> list[memoryview]:
-    return [memoryview(t.numpy()).cast("B") for t in tensors]
-
-
-@pytest.fixture
-def server():
-    started = BulkServer("127.0.0.1", PLAINTEXT)
-    yield started
-    started.close()
-
-
-def test_a_ticket_gets_exactly_its_bytes_once_and_a_wrong_used_or_expired_one_gets_nothing(server, monkeypatch):
-    values = [torch.randn(1000), torch.randn(3, 7), torch.randn(200_000)]
-    ticket = server.ticket(byte_views(*values))
-    received = [torch.empty_like(v) for v in values]
-    receive("127.0.0.1", server.port, ticket, byte_views(*received), PLAINTEXT, "shard 0")
-    assert all(torch.equal(a, b) for a, b in zip(received, values))
-    for refused_ticket in (ticket, secrets.token_bytes(bulk.TICKET_BYTES)):  # used once already; never issued
-        with pytest.raises(BulkTransferError, match="ended after 0 of 4000 bytes of value 0"):
-            receive("127.0.0.1", server.port, refused_ticket, byte_views(torch.empty(1000)), PLAINTEXT, "shard 0")
-    monkeypatch.setattr(bulk, "TICKET_TTL_S", 0.0)
-    expired = server.ticket(byte_views(values[0]))
-    with pytest.raises(BulkTransferError, match="ended after 0"):
-        receive("127.0.0.1", server.port, expired, byte_views(torch.empty(1000)), PLAINTEXT, "shard 0")
-    wait_for(lambda: server.refused == 3, 5, "three refusals counted")
-    assert not server.tickets  # nothing held for a ticket nobody can use
-
-
-def test_tickets_held_are_bounded_the_oldest_going_first(server, monkeypatch):
-    monkeypatch.setattr(bulk, "MAX_TICKETS", 2)
-    values = [torch.full((10,), float(i)) for i in range(3)]
-    tickets = [server.ticket(byte_views(v)) for v in values]
-    assert len(server.tickets) == 2
-    out = torch.empty(10)
-    with pytest.raises(BulkTransferError):
-        receive("127.0.0.1", server.port, tickets[0], byte_views(out), PLAINTEXT, "shard 0")
-    receive("127.0.0.1", server.port, tickets[2], byte_views(out), PLAINTEXT, "shard 0")
-    assert torch.equal(out, values[2])
-
-
-def test_claims_that_cannot_be_a_bulk_transfer_are_refused_before_connecting():
-    for port, ticket in ((0, bytes(32)), (70_000, bytes(32)), (1234, b"short")):
-        with pytest.raises(BulkTransferError, match="named bulk port"):
-            receive("127.0.0.1", port, ticket, [], PLAINTEXT, "shard 0")
-
-
-@pytest.mark.integration  # TLS handshakes on loopback
-def test_with_tls_in_the_run_the_bulk_port_speaks_tls_only(pki):  # noqa: F811
-    served = load_security(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), role="server")
-    server = BulkServer("127.0.0.1", TransportSecurity(tls_cert=served.tls_cert, tls_key=served.tls_key))
-    try:
-        value = torch.randn(5000)
-        client = load_security(tls_ca=str(pki / "ca.pem"), role="client")
-        out = torch.empty(5000)
-        receive("127.0.0.1", server.port, server.ticket(byte_views(value)), byte_views(out), client, "shard 0")
-        assert torch.equal(out, value)
-        with pytest.raises(BulkTransferError):  # a client that does not speak TLS gets nothing
-            receive("127.0.0.1", server.port, server.ticket(byte_views(value)), byte_views(out), PLAINTEXT, "shard 0")
-        untrusting = TransportSecurity(tls_ca=(pki / "server.pem").read_bytes())  # trusts no CA that signed it
-        with pytest.raises(BulkTransferError, match="failed"):
-            receive("127.0.0.1", server.port, server.ticket(byte_views(value)), byte_views(out), untrusting,
-                    "shard 0")
-    finally:
-        server.close()
+from diloco.transport.security import PLAINTEXT
+from test_bulk_transfers import byte_views, receive_once, server  # noqa: F401 — `server`: a fixture here too
 
 
 def tiny_model() -> torch.nn.Module:
@@ -159,28 +91,6 @@ def _framed_pull(address: str):
         return client.pull(0, observer=True)
     finally:
         client.close()
-
-
-def test_a_push_ticket_takes_exactly_its_bytes_once_and_answers_on_the_same_connection(server):
-    taken: list[bytes] = []
-
-    def take(data: memoryview) -> tuple[int, bytes]:
-        taken.append(bytes(data))
-        return TAKEN, b"reply"
-
-    data = [torch.randn(1000), torch.randn(50_000)]
-    ticket = server.ticket(Upload(sum(v.numel() * 4 for v in data), take))
-    assert send("127.0.0.1", server.port, ticket, byte_views(*data), PLAINTEXT, "shard 0") == (TAKEN, b"reply")
-    assert taken == [b"".join(bytes(v) for v in byte_views(*data))]
-    with pytest.raises(BulkTransferError):  # used once already: the connection closes, nothing is taken
-        send("127.0.0.1", server.port, ticket, byte_views(*data), PLAINTEXT, "shard 0")
-    short = server.ticket(Upload(8000, take))  # a sender that stops short of what its header declared
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
-        conn.sendall(short + bytes(40))
-        conn.shutdown(socket.SHUT_WR)
-        assert conn.recv(16) == b""  # closed with nothing taken and no reply
-    assert len(taken) == 1 and server.received == 1
-    wait_for(lambda: server.refused == 1, 5, "the used ticket refused")
 
 
 def push_of_ones(client: ShardClient, reply: pb.JoinReply, fragment: int, seq: int, value: float = 1e-3):
@@ -280,7 +190,7 @@ def test_an_answer_over_the_bulk_port_reads_as_the_same_answer_in_frames(server)
     assert len(over_bulk) == 1 and over_bulk[0].update.bulk_ticket and not released  # the header alone
 
     def from_port(header, targets):
-        receive("127.0.0.1", header.bulk_port, header.bulk_ticket, targets, PLAINTEXT, "shard 0")
+        receive_once("127.0.0.1", header.bulk_port, header.bulk_ticket, targets, PLAINTEXT, "shard 0")
 
     header, tensors = read_message(iter(over_bulk), "update", limit=1 << 30, bulk=from_port)
     framed_header, framed = read_message(update_frames(whole), "update", limit=1 << 30)
@@ -302,7 +212,7 @@ def test_a_whole_answer_holds_its_slot_until_its_ticket_is_used_or_void(server, 
     ticket = server.ticket(byte_views(value), slot.pass_on())
     slot.release()  # the stream sent the header: the bytes still wait at the port
     assert slots.take(lambda: not server.tickets) is None  # no slot free while the ticket is held
-    receive("127.0.0.1", server.port, ticket, byte_views(torch.empty(250)), PLAINTEXT, "shard 0")
+    receive_once("127.0.0.1", server.port, ticket, byte_views(torch.empty(250)), PLAINTEXT, "shard 0")
     second = slots.take(lambda: True)
     assert second is not None  # used: the slot came back
     monkeypatch.setattr(bulk, "TICKET_TTL_S", 0.0)
@@ -319,10 +229,11 @@ def test_answers_come_over_the_bulk_port_and_over_grpc_once_it_cannot_be_reached
     reply = client.join(1)
     client.pull(1)
     stream = UpdateReader(client, {})
-    assert client.push(*push_of_ones(client, reply, fragment=0, seq=1)) == pb.PushReply()
     sent = shard.bulk.served
+    assert client.push(*push_of_ones(client, reply, fragment=0, seq=1)) == pb.PushReply()
     header, _ = stream.next()
-    assert header.fragment == 0 and header.version >= 1 and header.bulk_ticket and shard.bulk.served > sent
+    assert header.fragment == 0 and header.version >= 1 and header.bulk_ticket
+    wait_for(lambda: shard.bulk.served > sent, 5, "the answer's bytes counted as sent over the port")
     shard.bulk.close()  # tickets are still issued; nobody answers on the port
     # Pushed in frames, so that only the stream's reader (on its own thread, maybe already reading
     # the answer to this push) tries the port and finds it unreachable.

@@ -9,19 +9,21 @@ it: the ticket (32 bytes), then exactly the bytes the header declares, sent from
 received straight into the learner's tensors. A push the other way round: its header alone over gRPC
 (`PushHeader.bulk`, to a shard whose Join said `bulk_pushes`) is checked and answered with a ticket; the
 learner sends the ticket and exactly the bytes that header declared, and the push's reply comes back on
-the same connection (`REPLY`: a status, then a serialized PushReply or the refusal's one line).
+the same connection (`REPLY`: a status, then a serialized PushReply or the refusal's one line). A
+connection whose transfer ended cleanly stays open for the learner's next ticket (`bulk_client.py` says
+why); between transfers it holds no thread (`IdleConnections`).
 
 Who may read or write: only the holder of a ticket, and a ticket is handed out only by an authenticated
 call (Pull or Push: the shared secret, a learner's credential or its certificate), is unguessable (256
-random bits), good for one connection and for TICKET_TTL_S, and names the values it was issued for (a
+random bits), good for one transfer and for TICKET_TTL_S, and names the values it was issued for (a
 snapshot: the shard's Θ tensors are replaced on commit, never written) or the push header it was issued
 to (so its learner, fragment and sizes were checked before a byte of data was read). With TLS in the
 run's settings the bulk connection is TLS too, the shard presenting the same certificate; a run without
 TLS moves the same bytes in the clear over gRPC as well. What a shard can be made to spend is bounded:
 BULK_CONNECTIONS not yet past their ticket (more are closed at once), TICKET_WAIT_S for one to say its
 ticket (and finish its TLS handshake), MAX_TICKETS held (the oldest go first), UPLOADS_AT_ONCE pushes'
-buffers filled at once. A learner that cannot reach the port pulls and pushes over gRPC from then on
-(`calls.ShardClient`). A wrong, used or expired ticket gets the connection closed with nothing sent, and
+buffers filled at once, IDLE_CONNECTIONS kept between transfers for at most IDLE_S. A learner that cannot
+reach the port pulls and pushes over gRPC from then on (`calls.ShardClient`). A wrong, used or expired ticket gets the connection closed with nothing sent, and
 one line in the shard's log.
 """
 
@@ -32,6 +34,7 @@ import contextlib
 import logging
 import queue
 import secrets
+import selectors
 import socket
 import ssl
 import struct
@@ -63,6 +66,10 @@ BULK_THREADS = BULK_CONNECTIONS + UPLOADS_AT_ONCE
 the process's exit): a push is taken (decoded and merged by torch) on the thread that read it, and a
 thread new to torch pays for a pool of OpenMP threads of its own (a thread per connection cost the merge
 about a tenth more CPU). Connections beyond them wait their turn."""
+IDLE_CONNECTIONS = 256
+"""Connections kept open between transfers (`IdleConnections`; the longest idle closed first)."""
+IDLE_S = 60.0
+"""How long a connection may wait for its next ticket before it is closed."""
 TICKET_WAIT_S = 10.0
 """How long a bulk connection may take to say its ticket."""
 CONNECT_TIMEOUT_S = 10.0
@@ -131,21 +138,6 @@ def server_context(security: TransportSecurity) -> ssl.SSLContext | None:
     return context
 
 
-def client_context(security: TransportSecurity) -> ssl.SSLContext | None:
-    """A learner's TLS for a shard's bulk port: as its gRPC channel verifies the shard (None: no TLS)."""
-    if not security.connects_tls:
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    if security.tls_ca is not None:
-        context.load_verify_locations(cadata=security.tls_ca.decode())
-    else:
-        context.load_default_certs()
-    if security.tls_cert is not None and security.tls_key is not None:
-        with _pem_files(security.tls_cert, security.tls_key) as (cert, key):
-            context.load_cert_chain(cert, key)
-    return context
-
-
 class BulkServer:
     """A shard's bulk port: tickets issued by its authenticated calls (Pull, Push, an update stream); the
     values a ticket names sent to whoever presents it, or a push's data taken from them."""
@@ -172,7 +164,9 @@ class BulkServer:
         """Pushes whose data was read and taken (whatever the shard then decided of them)."""
         self.refused = 0
         self.closed = False
-        self.connections: queue.SimpleQueue[tuple[socket.socket, tuple] | None] = queue.SimpleQueue()
+        self.connections: queue.SimpleQueue[tuple[socket.socket, tuple, bool] | None] = queue.SimpleQueue()
+        self.idle = IdleConnections(lambda conn, peer: self.connections.put((conn, peer, True)))
+        """Connections between transfers, each back to a serving thread when its next ticket comes."""
         for i in range(BULK_THREADS):
             threading.Thread(target=self._serve_each, name=f"bulk-{i}", daemon=True).start()
         threading.Thread(target=self._accept, name="bulk-accept", daemon=True).start()
@@ -205,19 +199,24 @@ class BulkServer:
             if not self.slots.acquire(blocking=False):
                 self._refuse(conn, peer, f"more than {BULK_CONNECTIONS} bulk connections at once")
                 continue
-            self.connections.put((conn, peer))
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a push's reply is small
+            self.connections.put((conn, peer, False))
 
     def _serve_each(self) -> None:
         while (connection := self.connections.get()) is not None:
             self._serve(*connection)
 
-    def _serve(self, conn: socket.socket, peer: tuple) -> None:
-        slot = True  # held until the connection is past its ticket
+    def _serve(self, conn: socket.socket, peer: tuple, kept: bool) -> None:
+        """One transfer: a new connection holds a slot until past its ticket; a kept one (back from the
+        idle, `IdleConnections`) holds none, and its closing before a next ticket is the client's goodbye."""
+        slot, keep = not kept, False
         try:
             conn.settimeout(TICKET_WAIT_S)
-            if self.tls is not None:
+            if self.tls is not None and not kept:
                 conn = self.tls.wrap_socket(conn, server_side=True)
-            ticket = _receive_exactly(conn, TICKET_BYTES)
+            ticket = _receive_ticket(conn, quiet_eof=kept)
+            if ticket is None:
+                return
             now = time.monotonic()
             with self.lock:
                 dropped = self._forget_expired(now)
@@ -229,24 +228,29 @@ class BulkServer:
             if held is None:
                 self._refuse(conn, peer, "a ticket that is wrong, used or expired")
                 return
-            self.slots.release()
-            slot = False
+            if slot:
+                self.slots.release()
+                slot = False
             conn.settimeout(TRANSFER_TIMEOUT_S)
             if isinstance(held.what, Upload):
                 self._take_upload(conn, held.what)
-                return
-            try:
-                for view in held.what:
-                    conn.sendall(view)
-            finally:
-                _tell([held])
-            with self.lock:
-                self.served += 1
+            else:
+                try:
+                    for view in held.what:
+                        conn.sendall(view)
+                finally:
+                    _tell([held])
+                with self.lock:
+                    self.served += 1
+            keep = not self.closed
         except (OSError, ssl.SSLError, BulkTransferError) as exc:
             log.warning("bulk transfer with %s broke: %s", peer, exc)
         finally:
-            with contextlib.suppress(OSError):
-                conn.close()
+            if keep:
+                self.idle.keep(conn, peer)
+            else:
+                with contextlib.suppress(OSError):
+                    conn.close()
             if slot:
                 self.slots.release()
 
@@ -276,6 +280,7 @@ class BulkServer:
             dropped = list(self.tickets.values())
             self.tickets.clear()
         _tell(dropped)
+        self.idle.close()
         for _ in range(BULK_THREADS):
             self.connections.put(None)
 
@@ -302,57 +307,93 @@ def _receive_into(conn: socket.socket, target: memoryview, what: str) -> None:
         got += n
 
 
-@contextlib.contextmanager
-def _connected(host: str, port: int, ticket: bytes, security: TransportSecurity, address: str
-               ) -> Iterator[socket.socket]:
-    """A connection to a shard's bulk port that has said `ticket`; BulkUnreachable if it cannot be made,
-    and any failure after that a BulkTransferError naming the shard at `address`."""
-    if len(ticket) != TICKET_BYTES or not 0 < port < 65536:
-        raise BulkUnreachable(f"syncer at {address} named bulk port {port} with a {len(ticket)}-byte ticket")
-    tls = client_context(security)
-    try:
-        raw = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
-        try:
-            conn = tls.wrap_socket(raw, server_hostname=security.server_name or host) if tls is not None else raw
-        except BaseException:
-            raw.close()
-            raise
-    except (OSError, ssl.SSLError) as exc:
-        raise BulkUnreachable(f"bulk port {port} of the syncer at {address} unreachable: {exc}") from None
-    try:
-        with conn:
-            conn.settimeout(TRANSFER_TIMEOUT_S)
-            conn.sendall(ticket)
-            yield conn
-    except BulkTransferError as exc:
-        raise BulkTransferError(f"bulk transfer with {address} (port {port}): {exc}") from None
-    except (OSError, ssl.SSLError) as exc:
-        raise BulkTransferError(f"bulk transfer with {address} (port {port}) failed: {exc}") from None
+def _receive_ticket(conn: socket.socket, quiet_eof: bool) -> bytes | None:
+    """The ticket a connection says; None if it closed before a byte of it and `quiet_eof` (a kept
+    connection the client let go)."""
+    ticket = bytearray(TICKET_BYTES)
+    first = conn.recv_into(ticket)
+    if first == 0 and quiet_eof:
+        return None
+    if first == 0:
+        raise BulkTransferError("the connection ended before its ticket")
+    _receive_into(conn, memoryview(ticket)[first:], "ticket")
+    return bytes(ticket)
 
 
-def receive(host: str, port: int, ticket: bytes, targets: list[memoryview], security: TransportSecurity,
-            address: str) -> None:
-    """Fill `targets` (byte views, in the header's order) from a shard's bulk port with `ticket`; a
-    BulkTransferError naming the shard at `address` if it cannot be reached or sends anything short."""
-    with _connected(host, port, ticket, security, address) as conn:
-        for i, target in enumerate(targets):
-            _receive_into(conn, target, f"value {i}")
+class IdleConnections:
+    """Connections between transfers, watched by one thread: a connection that has something to say (its
+    next ticket, or its close) goes back to a serving thread (`ready`); one idle IDLE_S, or beyond
+    IDLE_CONNECTIONS (the longest idle first), is closed. A kept connection holds no thread while idle."""
+
+    def __init__(self, ready: Callable[[socket.socket, tuple], None]) -> None:
+        self.ready = ready
+        self.selector = selectors.DefaultSelector()
+        self.incoming: queue.SimpleQueue[tuple[socket.socket, tuple]] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self.selector.register(self._wake_read, selectors.EVENT_READ)
+        self.since: collections.OrderedDict[socket.socket, tuple[tuple, float]] = collections.OrderedDict()
+        self.closed = False
+        self.dropped = 0
+        """Connections closed for a bound (idle too long, or too many idle)."""
+        threading.Thread(target=self._watch, name="bulk-idle", daemon=True).start()
+
+    def keep(self, conn: socket.socket, peer: tuple) -> None:
+        self.incoming.put((conn, peer))
+        with contextlib.suppress(OSError):
+            self._wake_write.send(b"\0")
+
+    def _watch(self) -> None:
+        while not self.closed:
+            for key, _ in self.selector.select(timeout=1.0):
+                if key.fileobj is self._wake_read:
+                    with contextlib.suppress(OSError):
+                        self._wake_read.recv(4096)
+                    continue
+                self.selector.unregister(key.fileobj)
+                peer, _ = self.since.pop(key.fileobj)
+                self.ready(key.fileobj, peer)
+            self._take_incoming()
+            self._close_over(time.monotonic())
+        self._take_incoming()
+        for conn in list(self.since):
+            self._drop(conn)
+
+    def _take_incoming(self) -> None:
+        while True:
+            try:
+                conn, peer = self.incoming.get_nowait()
+            except queue.Empty:
+                return
+            if self.closed:
+                _close_quietly(conn)
+                continue
+            if isinstance(conn, ssl.SSLSocket) and conn.pending():  # its next ticket is read already
+                self.ready(conn, peer)
+                continue
+            self.selector.register(conn, selectors.EVENT_READ)
+            self.since[conn] = (peer, time.monotonic())
+
+    def _close_over(self, now: float) -> None:
+        while self.since:
+            conn, (_, since) = next(iter(self.since.items()))
+            if len(self.since) <= IDLE_CONNECTIONS and now - since < IDLE_S:
+                return
+            self._drop(conn)
+            self.dropped += 1
+
+    def _drop(self, conn: socket.socket) -> None:
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self.selector.unregister(conn)
+        _close_quietly(conn)
+        self.since.pop(conn, None)
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self._wake_write.send(b"\0")
 
 
-def send(host: str, port: int, ticket: bytes, data: list[memoryview], security: TransportSecurity,
-         address: str) -> tuple[int, bytes]:
-    """Send a push's `data` (byte views, in its header's order) to a shard's bulk port with `ticket`; the
-    shard's reply (TAKEN and a serialized PushReply, or REFUSED/UNAVAILABLE and one line)."""
-    with _connected(host, port, ticket, security, address) as conn:
-        for view in data:
-            conn.sendall(view)
-        status, size = REPLY.unpack(_receive_exactly(conn, REPLY.size))
-        if status not in (TAKEN, REFUSED, UNAVAILABLE) or size > MAX_REPLY_BYTES:
-            raise BulkTransferError(f"a reply of status {status} and {size} bytes")
-        return status, _receive_exactly(conn, size)
-
-
-def bulk_host(address: str) -> str:
-    """The host part of a shard's gRPC address (HOST:PORT, IPv6 in brackets): its bulk port is there."""
-    return address.rpartition(":")[0].strip("[]") or "127.0.0.1"
-
+def _close_quietly(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.close()

@@ -14,7 +14,8 @@ import torch
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
 from diloco.errors import DilocoError
-from diloco.transport.bulk import TAKEN, UNAVAILABLE, BulkTransferError, BulkUnreachable, bulk_host, receive, send
+from diloco.transport.bulk import TAKEN, UNAVAILABLE, BulkTransferError, BulkUnreachable
+from diloco.transport.bulk_client import BulkConnections, bulk_host, receive, send
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
 from diloco.transport.frames import data_views, message_frames, read_message, read_values
 from diloco.transport.stream_calls import syncer_stub
@@ -80,6 +81,7 @@ class ShardClient:
         """The shard's Join said it takes a push's data on its bulk port (`transport/bulk.py`)."""
         self.bulk_misses = 0
         """Times in a row its bulk port could not be reached for a push or an answer."""
+        self.bulk_connections = BulkConnections(security)
         self.identity = ClientIdentity(security)
         self.channel = make_channel(address, security, CHANNEL_OPTIONS, self.identity)
         self.stub = syncer_stub(self.channel)
@@ -196,7 +198,8 @@ class ShardClient:
 
     def receive_bulk(self, header: pb.StateHeader | pb.UpdateHeader, targets: list[memoryview]) -> None:
         """Fill `targets` with the data a header's bulk ticket names, from the shard's bulk port."""
-        receive(bulk_host(self.address), header.bulk_port, header.bulk_ticket, targets, self.security, self.address)
+        receive(self.bulk_connections, bulk_host(self.address), header.bulk_port, header.bulk_ticket, targets,
+                self.address)
 
     def push(self, header: pb.PushHeader, tensors: dict[str, Encoded]) -> pb.PushReply:
         """One push (`header`'s tensor list in `tensors`' order): its data over the shard's bulk port where its
@@ -220,8 +223,8 @@ class ShardClient:
         the push is sent again and counted once (its seq)."""
         data = data_views(tensors.values())
         try:
-            status, body = send(bulk_host(self.address), ticket.bulk_port, ticket.bulk_ticket, data, self.security,
-                                self.address)
+            status, body = send(self.bulk_connections, bulk_host(self.address), ticket.bulk_port, ticket.bulk_ticket,
+                                data, self.address)
         except BulkUnreachable as exc:
             self._bulk_missed(exc)
             return None
@@ -287,6 +290,7 @@ class ShardClient:
 
     def close(self) -> None:
         self.cancel_updates()
+        self.bulk_connections.close()
         self.channel.unsubscribe(self._on_connectivity)
         _await_poller(self.channel)
         self.channel.close()
