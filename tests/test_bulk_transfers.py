@@ -144,6 +144,14 @@ def test_connections_kept_by_a_shard_are_bounded_the_longest_idle_closed_first(s
                             "shard 0")
         assert torch.equal(out, value)
     assert [c.opened for c in clients] == [2, 2, 1] and server.refused == 0
+    monkeypatch.setattr(bulk_client, "KEPT_IDLE_S", 0.0)  # kept past their time: closed by the next kept
+    other = BulkServer("127.0.0.1", PLAINTEXT)  # as a restarted shard's new port
+    try:
+        bulk_client.receive(clients[0], "127.0.0.1", other.port, other.ticket(byte_views(value)), byte_views(out),
+                            "shard 0")
+        assert list(clients[0]._idle) == [("127.0.0.1", other.port)]  # nothing left kept for the old port
+    finally:
+        other.close()
     for client in clients:
         client.close()
 

@@ -129,12 +129,22 @@ class BulkConnections:
             _close(conn)
 
     def _keep(self, host: str, port: int, conn: socket.socket) -> None:
+        """Keep `conn` for the next transfer to its port; close those kept past KEPT_IDLE_S, to any port (a
+        restarted shard's bulk port is a new one: nothing would take them)."""
+        now = time.monotonic()
         with self._lock:
+            stale = [c for kept in self._idle.values() for c, since in kept if now - since >= KEPT_IDLE_S]
+            for where in list(self._idle):
+                self._idle[where] = [(c, since) for c, since in self._idle[where] if now - since < KEPT_IDLE_S]
+                if not self._idle[where]:
+                    del self._idle[where]
             kept = self._idle.setdefault((host, port), [])
             if len(kept) < KEPT_PER_PORT:
-                kept.append((conn, time.monotonic()))
-                return
-        _close(conn)
+                kept.append((conn, now))
+            else:
+                stale.append(conn)
+        for old in stale:
+            _close(old)
 
     def close(self) -> None:
         with self._lock:
