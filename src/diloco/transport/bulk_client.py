@@ -155,8 +155,12 @@ class BulkConnections:
 
 
 def _readable(conn: socket.socket) -> bool:
+    """Whether the shard has said anything (between transfers: only its close). poll, not select: a
+    descriptor above select's 1024 is common in a process that holds many."""
     try:
-        return bool(select.select([conn], [], [], 0)[0])
+        poller = select.poll()
+        poller.register(conn, select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
 
