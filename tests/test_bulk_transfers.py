@@ -172,7 +172,8 @@ def test_with_tls_in_the_run_the_bulk_port_speaks_tls_only(pki):  # noqa: F811
         assert connections.opened == 1
         connections.close()
         with pytest.raises(BulkTransferError):  # a client that does not speak TLS gets nothing
-            receive_once("127.0.0.1", server.port, server.ticket(byte_views(value)), byte_views(out), PLAINTEXT, "shard 0")
+            receive_once("127.0.0.1", server.port, server.ticket(byte_views(value)), byte_views(out), PLAINTEXT,
+                         "shard 0")
         untrusting = TransportSecurity(tls_ca=(pki / "server.pem").read_bytes())  # trusts no CA that signed it
         with pytest.raises(BulkTransferError, match="failed"):
             receive_once("127.0.0.1", server.port, server.ticket(byte_views(value)), byte_views(out), untrusting,

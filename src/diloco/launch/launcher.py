@@ -63,7 +63,8 @@ class Launcher:
                  env: dict[str, str] | None = None, http_auth: bool = False, bulk_port: bool = True) -> None:
         """`config_args` (CONFIG and --set), `security` and `env` (a generated shared secret) reach every
         child: options by argv, the secret only by environment. HTTP endpoints listen on loopback only
-        (`http_auth`: requiring the secret). `bulk_port`: shards move Θ and pushes on a bulk port too (`transport/bulk.py`)."""
+        (`http_auth`: requiring the secret). `bulk_port`: shards move Θ, pushes and answers on a bulk port
+        too (`transport/bulk.py`)."""
         settings_of(config)  # refuses a strategy the real runtime cannot run, with the reason
         shards = placed_shard_count(config, shards)  # with `placement = "links"`, one per home region
         check_shards(config, shards)

@@ -23,8 +23,8 @@ TLS moves the same bytes in the clear over gRPC as well. What a shard can be mad
 BULK_CONNECTIONS not yet past their ticket (more are closed at once), TICKET_WAIT_S for one to say its
 ticket (and finish its TLS handshake), MAX_TICKETS held (the oldest go first), UPLOADS_AT_ONCE pushes'
 buffers filled at once, IDLE_CONNECTIONS kept between transfers for at most IDLE_S. A learner that cannot
-reach the port pulls and pushes over gRPC from then on (`calls.ShardClient`). A wrong, used or expired ticket gets the connection closed with nothing sent, and
-one line in the shard's log.
+reach the port pulls and pushes over gRPC from then on (`calls.ShardClient`). A wrong, used or expired
+ticket gets the connection closed with nothing sent, and one line in the shard's log.
 """
 
 from __future__ import annotations
