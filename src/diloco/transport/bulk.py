@@ -292,12 +292,6 @@ def _tell(dropped: list[_Held]) -> None:
             held.done()
 
 
-def _receive_exactly(conn: socket.socket, n: int) -> bytes:
-    data = bytearray(n)
-    _receive_into(conn, memoryview(data), "ticket")
-    return bytes(data)
-
-
 def _receive_into(conn: socket.socket, target: memoryview, what: str) -> None:
     got = 0
     while got < target.nbytes:

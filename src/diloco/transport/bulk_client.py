@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from diloco.transport.bulk import (CONNECT_TIMEOUT_S, MAX_REPLY_BYTES, REFUSED, REPLY, TAKEN, TICKET_BYTES,
                                    TRANSFER_TIMEOUT_S, UNAVAILABLE, BulkTransferError, BulkUnreachable,
-                                   _pem_files, _receive_exactly, _receive_into)
+                                   _pem_files, _receive_into)
 from diloco.transport.security_settings import TransportSecurity
 
 T = TypeVar("T")
@@ -205,7 +205,9 @@ def send(connections: BulkConnections, host: str, port: int, ticket: bytes, data
         status, size = REPLY.unpack(head)
         if status not in (TAKEN, REFUSED, UNAVAILABLE) or size > MAX_REPLY_BYTES:
             raise BulkTransferError(f"a reply of status {status} and {size} bytes")
-        return status, _receive_exactly(conn, size)
+        body = bytearray(size)
+        _receive_into(conn, memoryview(body), "the reply")
+        return status, bytes(body)
 
     return connections.exchange(host, port, ticket, address, data, memoryview(head)[:1],
                                 f"{REPLY.size} bytes of the reply", rest)
