@@ -4,7 +4,8 @@ bounded here before anything changes.
 A refused message raises ProtocolError with one line saying why, and leaves the core as it was.
 Pushed tensors must be finite and, with the outlier rule on, no larger than `outliers.py` allows (an
 outlier is clipped or refused); counters must be plausible (`claims.py`): steps no faster than the
-learner's rate, tokens no more than its tokens per step, sequence numbers no jump. It keeps what it
+learner's rate, tokens no more than its tokens per step, sequence numbers no jump (a report beyond the
+rate is believed in part, not refused: `claims.py`). It keeps what it
 judges against: the learners' declared rates and accepted claims, and the history of push sizes.
 """
 
@@ -15,7 +16,8 @@ import math
 
 import torch
 
-from diloco.core.claims import MAX_SEQ_JUMP, Claims, overlap_problem, step_problem, token_problem
+from diloco.core.claims import (MAX_SEQ_JUMP, Claims, impossible_step, overlap_problem, plausible, step_problem,
+                                 token_problem)
 from diloco.core.accumulate import norm_of
 from diloco.core.closing import all_finite
 from diloco.core.membership import Membership
@@ -133,10 +135,20 @@ class Admission:
             raise ProtocolError(f"progress of learner {report.learner} with an impossible schedule "
                                 f"({len(report.due_in_s)} fragments, due in {list(report.due_in_s)[:4]} s)")
         counters = self.claims.of(report.learner, now)
-        problem = step_problem(counters, report.step, now) or \
+        problem = impossible_step(counters, report.step, now) or \
             token_problem(counters, report.step, report.tokens, self.claims.tokens_per_step(report.learner), members.budget)
         if problem:
             raise ProtocolError(f"progress of learner {report.learner}: {problem}")
+
+    def believe_progress(self, learner: int, step: int, tokens: int, now: float) -> tuple[int, int]:
+        """Keep a checked report's counters as far as they are plausible (`claims.plausible`: clipped, not
+        refused); return the step and tokens believed."""
+        counters = self.claims.of(learner, now)
+        believed = plausible(counters, step, tokens, self.claims.tokens_per_step(learner), now)
+        counters = self.claims.accept(learner, believed[0], now, believed[1])
+        if believed != (step, tokens):
+            counters.clipped += 1
+        return believed
 
     def admit_push(self, push: Push, now: float) -> Push | None:
         """Take a checked push's counters: None for a retry of one already taken (counted once), else the

@@ -2,9 +2,21 @@
 
 - Steps may rise no faster than the learner's measured rate allows: before RATE_KNOWN_S of its claims
   are seen, at most 1/MIN_STEP_S steps per second (a generous bootstrap); after, RATE_FACTOR× its
-  measured rate. Either way plus RATE_SLACK_STEPS. Claims come from progress reports, heartbeats and
-  pushes, on the core's own clock (`now`), so a replayed journal decides the same.
-- Tokens may rise by at most the steps risen × the learner's tokens per step (what it `declare`d at
+  measured rate. Either way plus RATE_SLACK_STEPS. The rate is measured from its first claim of a step
+  (not from its join: the minutes a large model takes to load and compile are not its pace). Claims come
+  from progress reports, heartbeats and pushes, on the core's own clock (`now`), so a replayed journal
+  decides the same.
+- A progress report or heartbeat above that bound, but not above what 1/MIN_STEP_S steps per second
+  since its join could reach (`impossible_step`, refused), is clipped, not refused (`plausible`): the learner is
+  heard, and its step and tokens count as far as the bound allows, the rest on later reports. Refusing
+  it would lock out an honest learner that sped up past RATE_FACTOR× its average (a paused learner
+  resuming, a region whose learners came back): its rate is measured from accepted claims only, so it
+  would never catch up, and with its heartbeats refused it would be found silent. Clipped claims raise
+  the measured rate as accepted ones do, so the bound catches up with an honest learner within seconds,
+  while a liar gains nothing beyond it. A push above the bound is still refused: its tokens weigh in the
+  merge and are counted as merged, so they cannot be believed in part.
+- Tokens may rise by at most the steps risen × the learner's tokens per step (of the steps believed, for
+  a clipped report) (what it `declare`d at
   join, else DEFAULT_TOKENS_PER_STEP), and one claim may add at most MAX_CLAIM_SHARE of the shared
   budget: no single message can spend it.
 - A declared tokens per step is itself a claim: at most PLAUSIBLE_STEP_FACTOR × the run's own batch ×
@@ -67,6 +79,8 @@ class Counters:
     life_tokens: int = 0
     burst: int = 0
     """Steps one claim may add beyond the rate (`Claims.bursts`)."""
+    clipped: int = 0
+    """Progress reports and heartbeats counted only in part (`plausible`)."""
     covered: dict[int, int] = field(default_factory=dict)
     """Per fragment, the highest inner step a push of this life covered: a push covers the steps since
     the learner's previous push of the fragment, so two pushes never cover the same step."""
@@ -74,7 +88,7 @@ class Counters:
     def allowed_steps(self, now: float) -> float:
         """Most the step count may rise to by `now`."""
         if self.origin_step is None:
-            return RATE_SLACK_STEPS + self.burst + max(0.0, now - self.joined_at) / MIN_STEP_S
+            return self.possible_steps(now)
         span = self.at - self.origin_at
         elapsed = max(0.0, now - self.at)
         if span < RATE_KNOWN_S:
@@ -82,6 +96,12 @@ class Counters:
         else:
             rate = RATE_FACTOR * (self.step - self.origin_step) / span
         return self.step + RATE_SLACK_STEPS + self.burst + elapsed * rate
+
+    def possible_steps(self, now: float) -> float:
+        """Most the step count can have reached by `now` at all: 1/MIN_STEP_S steps per second since it
+        joined. A claim above it is a lie or a broken counter, refused; one below it but above
+        `allowed_steps` is believed in part (`plausible`)."""
+        return RATE_SLACK_STEPS + self.burst + max(0.0, now - self.joined_at) / MIN_STEP_S
 
     def plain(self) -> dict:
         return asdict(self)
@@ -98,8 +118,16 @@ def step_problem(counters: Counters, step: int, now: float) -> str | None:
     return None
 
 
+def impossible_step(counters: Counters, step: int, now: float) -> str | None:
+    """Why claiming `step` at `now` is impossible for any learner, or None."""
+    possible = counters.possible_steps(now)
+    if step > possible:
+        return f"step {step} is above the {int(possible)} any learner could have taken since it joined"
+    return None
+
+
 def token_problem(counters: Counters, step: int, tokens: int, tokens_per_step: int, budget: int | None) -> str | None:
-    """Why claiming `tokens` (this life) at `step` is implausible, or None."""
+    """Why claiming `tokens` (this life) at `step` is implausible even if the step is believed, or None."""
     base_step, base_tokens = (0, 0) if counters.life_step is None else (counters.life_step, counters.life_tokens)
     rise = tokens - base_tokens
     if rise > max(0, step - base_step) * tokens_per_step:
@@ -107,6 +135,15 @@ def token_problem(counters: Counters, step: int, tokens: int, tokens_per_step: i
     if budget is not None and rise > max(tokens_per_step, int(MAX_CLAIM_SHARE * budget)):
         return f"tokens {tokens} add more than {MAX_CLAIM_SHARE:g} of the shared budget at once"
     return None
+
+
+def plausible(counters: Counters, step: int, tokens: int, tokens_per_step: int, now: float) -> tuple[int, int]:
+    """The step and tokens (this life) of a report that passed `token_problem`, as far as they are
+    believed: the step no higher than its rate allows, the tokens risen by no more than the steps
+    believed risen allow."""
+    step = min(step, max(counters.step, int(counters.allowed_steps(now))))
+    base_step, base_tokens = (0, 0) if counters.life_step is None else (counters.life_step, counters.life_tokens)
+    return step, min(tokens, base_tokens + max(0, step - base_step) * tokens_per_step)
 
 
 def overlap_problem(counters: Counters, fragment: int, step: int, steps: int) -> str | None:
@@ -120,10 +157,11 @@ def overlap_problem(counters: Counters, fragment: int, step: int, steps: int) ->
 
 
 def record(counters: Counters, step: int, now: float, tokens: int | None = None) -> None:
-    """An accepted claim: the rate and the life's tokens go on from it."""
-    if counters.origin_step is None:
-        counters.origin_step, counters.origin_at = 0, counters.joined_at
+    """An accepted claim: the rate and the life's tokens go on from it. The rate is measured from the
+    first claim of a step."""
     if step > counters.step:
+        if counters.origin_step is None:
+            counters.origin_step, counters.origin_at = step, now
         counters.step, counters.at = step, now
     if tokens is not None:
         counters.life_step, counters.life_tokens = step, tokens

@@ -356,8 +356,8 @@ class SyncerCore:
         return self._count_tokens(report.learner, report.step, report.tokens, now) + self.merging.evaluate_all(now)
 
     def _count_tokens(self, learner: int, step: int, tokens: int, now: float) -> list[Action]:
-        """A learner's tokens in this life, as it reported them: Stop once the shared budget is spent."""
-        self.claims.accept(learner, step, now, tokens)
+        """A learner's tokens in this life, as far as they are believed: Stop once the shared budget is spent."""
+        step, tokens = self.admission.believe_progress(learner, step, tokens, now)
         return [Stop()] if self.membership.count_tokens(learner, tokens) else []
 
     @atomic

@@ -32,7 +32,8 @@ def shard_report(shard: ShardView) -> dict:
     out["memory"] = core.memory()
     out["versions"] = {p: s.version for p, s in core.fragments.items()}
     out["ledger"] = {m: {"pushes": e.pushes, "duplicates": e.duplicates, "last_seq": e.last_seq,
-                         "steps_merged": e.steps_merged, "merged": dict(e.merged), "stale": dict(e.stale)}
+                         "steps_merged": e.steps_merged, "merged": dict(e.merged), "stale": dict(e.stale),
+                         "claims_clipped": core.claims.of(m, core.claims.clock).clipped}
                      for m, e in core.ledger.items()}
     out["rounds"] = [round_view(shard, r) for r in core.rounds]
     if shard.tier is not None:
