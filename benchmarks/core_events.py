@@ -1,13 +1,16 @@
 """CPU time per event of the syncer core, 4 vs 64 learners: its per-event cost must not grow with them.
 
     python benchmarks/core_events.py [--events N] [--json PATH]
-    python benchmarks/core_events.py --merge [--numel N] [--rounds R] [--json PATH]
+    python benchmarks/core_events.py --merge [--numel N] [--rounds R] [--codec int4] [--threads T] [--json PATH]
 
 With --merge, the merge arithmetic instead: one fragment of --numel parameters (default 10M), 8 learners,
 fp32 pushes already decoded, the default config's decoupled wiring at quorum 1, no gRPC or journal; CPU
 ns per pushed parameter of `handle`, each push alone (each closes its own round) and as groups of 8
 (`PushesArrived`: one round per group), against a roofline measured in the same run (one fused in-place
-pass, Θ += w·Δ, over a tensor of the fragment's size). One thread.
+pass, Θ += w·Δ, over a tensor of the fragment's size). One thread (--threads: torch's intra-op threads,
+as `diloco syncer --threads` sets them). With --codec, the pushes arrive encoded, as a shard takes them off
+the wire (decoded by the core as it reads them), and the answers go out in that codec too: the shard's
+arithmetic without its transport.
 
 Drives `SyncerCore.handle` by hand (no gRPC, no journal), with the core built as both drivers build it:
 from the default config's strategy spec (`build_strategy(load_config()).syncer_core`). The model is a few
@@ -30,9 +33,11 @@ import torch
 
 from diloco.config import load_config
 from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived, PushesArrived
+from diloco.codecs import get_codec
 from diloco.core.messages import Progress, Push
 from diloco.fragments import Fragment
 from diloco.strategies import build_strategy
+from diloco.transport.wire_messages import DecodedOnUse
 from scale_baselines import roofline_ns_per_param  # benchmarks/scale_baselines.py
 
 SIZES = (4, 64)
@@ -87,23 +92,26 @@ def measure(learners: int, events: int) -> dict[str, float]:
     return {kind: spent[kind] / counted[kind] for kind in KINDS}
 
 
-def merge_cost(numel: int, rounds: int, group: int, learners: int = 8) -> float:
+def merge_cost(numel: int, rounds: int, group: int, learners: int = 8, codec: str = "fp32") -> float:
     """CPU ns per pushed parameter of `handle` over `rounds` rounds of `learners` pushes of one fragment,
     handed as groups of `group` pushes (1: each push alone). Every push is a tensor of its own, as off the
     wire (the core remembers a tensor's norm: the same tensor pushed again would skip its check's pass)."""
     spec = build_strategy(load_config(overrides=[f"learners.count={learners}", "learners.speeds=[]",
-                                                 "outer.fragments=1", "outer.quorum=1"]))
+                                                 "outer.fragments=1", "outer.quorum=1", f"codec.up={codec}",
+                                                 f"codec.down={codec}"]))
     generator = torch.Generator().manual_seed(0)
     core = spec.syncer_core({"w": torch.randn(numel, generator=generator) * 0.05},
                             [Fragment(0, ("w",), numel, False)], range(learners), embeddings=())
     deltas = [torch.randn(numel, generator=generator) * 1e-3 for _ in range(learners)]
+    encoded = [get_codec(codec).encode(d) for d in deltas] if codec != "fp32" else None
     for m in range(learners):
         core.declare(m, TOKENS_PER_STEP)
         core.rejoin_state(m, after_seq=0)
     spent = pushed = 0
     now = 0.0
     for r in range(rounds + 1):  # the first round warms up (weights judged, buffers allocated)
-        pushes = [Push(m, 0, core.version(0), r + 1, {"w": deltas[m].clone()}, STEPS_PER_PUSH * TOKENS_PER_STEP,
+        pushes = [Push(m, 0, core.version(0), r + 1,
+                       DecodedOnUse({"w": encoded[m]}) if encoded else {"w": deltas[m].clone()}, STEPS_PER_PUSH * TOKENS_PER_STEP,
                        STEPS_PER_PUSH, step_time_s=TICK_S, sent_at=now, step=(r + 1) * STEPS_PER_PUSH)
                   for m in range(learners)]
         for k in range(0, learners, group):
@@ -122,12 +130,15 @@ def main_merge(args: argparse.Namespace) -> None:
     from diloco.shard.serving import huge_pages_for_tensors
 
     huge_pages_for_tensors()  # as a shard runs its core
+    torch.set_num_threads(args.threads)
     line = roofline_ns_per_param(args.numel)
-    alone, grouped = merge_cost(args.numel, args.rounds, 1), merge_cost(args.numel, args.rounds, 8)
-    result = {"numel": args.numel, "learners": 8, "roofline_ns_per_param": line,
+    alone = merge_cost(args.numel, args.rounds, 1, codec=args.codec)
+    grouped = merge_cost(args.numel, args.rounds, 8, codec=args.codec)
+    result = {"numel": args.numel, "learners": 8, "codec": args.codec, "threads": args.threads,
+              "roofline_ns_per_param": line,
               "cpu_ns_per_param": {"alone": alone, "group_of_8": grouped},
               "vs_roofline": {"alone": alone / line, "group_of_8": grouped / line}}
-    print(f"roofline {line:.3f} ns/param; handle: each push alone {alone:.2f} ns/param ({alone / line:.1f}x), "
+    print(f"{args.codec}, {args.threads} thread(s): roofline {line:.3f} ns/param; handle: each push alone {alone:.2f} ns/param ({alone / line:.1f}x), "
           f"groups of 8 {grouped:.2f} ns/param ({grouped / line:.1f}x)")
     out = Path(args.json or Path(__file__).parent / "results" / "core_merge.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -143,6 +154,9 @@ def main() -> None:
     parser.add_argument("--merge", action="store_true", help="the merge arithmetic per pushed parameter instead")
     parser.add_argument("--numel", type=int, default=10_000_000, help="--merge: parameters of the fragment")
     parser.add_argument("--rounds", type=int, default=3, help="--merge: timed rounds of 8 pushes")
+    parser.add_argument("--codec", default="fp32", help="--merge: codec of the pushes and answers (int4: as a "
+                        "run sends them; fp32: already decoded)")
+    parser.add_argument("--threads", type=int, default=1, help="--merge: torch's intra-op threads")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.merge:

@@ -87,6 +87,8 @@ def listening_hosts(port: int) -> set[str]:
      "'learners.count' must be in [1, 4,096]: the syncer keeps a copy of Θ"),
     (["syncer", "--metrics-port", "70000"], "argument --metrics-port: 70000 is not a port number (0..65535)"),
     (["syncer", "--status-port", "-1"], "argument --status-port: -1 is not a port number"),
+    (["syncer", "--threads", "0"], "argument --threads: 0 is not a thread count (1..1024)"),
+    (["syncer", "--threads", "many"], "argument --threads: 'many' is not a thread count"),
     (["learner", "--metrics-port", "http"], "'http' is not a port number"),
     (["sim", "--out", "/sys/kernel"], "cannot write into --out /sys/kernel"),
 ])

@@ -28,6 +28,18 @@ if TYPE_CHECKING:  # these load torch and gRPC: the command imports them when it
 
 METRICS_EVERY_S = 2.0
 """How often a syncer shard records its own metrics."""
+MAX_THREADS = 1024
+
+
+def thread_count(text: str) -> int:
+    """argparse type of --threads: 1..MAX_THREADS."""
+    try:
+        threads = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a thread count (1..{MAX_THREADS})") from None
+    if not 1 <= threads <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{threads} is not a thread count (1..{MAX_THREADS})")
+    return threads
 
 
 def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +61,10 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
                         "their pushes' data there over plain TCP (TLS with --tls-cert), several times faster than "
                         "over gRPC, with a one-use ticket their authenticated Pull or Push hands out; open it in "
                         "firewalls as the gRPC port (--bulk-pulls: the same, its earlier name)")
+    p.add_argument("--threads", type=thread_count, default=1, metavar="N",
+                   help="torch threads for the merge arithmetic (default 1). More shorten a round's wall time but "
+                        "cost more CPU per pushed parameter: its passes are chunks of a few MB, which threads share "
+                        "poorly (1.5-1.8x the CPU with 2; docs/runtime.md). To merge more, run more shards")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
     p.add_argument("--region", metavar="NAME",
@@ -73,6 +89,9 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     from diloco.shard.serving import huge_pages_for_tensors
 
     huge_pages_for_tensors()  # before a resumed state is loaded: torch reads it at its first large tensor
+    import torch
+
+    torch.set_num_threads(args.threads)
     die_with_parent()
     setup_logging(args.verbose)
     config = runtime_config(args)
