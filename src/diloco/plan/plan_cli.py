@@ -45,7 +45,8 @@ DIRECT_FLAGS = (
                                            "spread over them in turn and share their region's link"),
     ("--shards", "N", "syncer shards to show (default: as many as --shard-memory needs, else 1)"),
     ("--shard-memory", "SIZE", "memory of one shard, e.g. 64GiB: how many shards the fragments need"),
-    ("--shard-cores", "N", "CPU cores of one shard: how many shards the syncer's merging needs"),
+    ("--shard-cores", "N", "CPU cores of one shard's merging: how many shards it needs (a shard merges on one "
+                           "core unless started with `diloco syncer --threads N`)"),
 )
 
 
