@@ -6,7 +6,7 @@
   (not from its join: the minutes a large model takes to load and compile are not its pace). Claims come
   from progress reports, heartbeats and pushes, on the core's own clock (`now`), so a replayed journal
   decides the same.
-- A progress report or heartbeat above that bound, but not above what 1/MIN_STEP_S steps per second
+- A progress report or heartbeat above that bound, but not above what 1/FASTEST_STEP_S steps per second
   since its join could reach (`impossible_step`, refused), is clipped, not refused (`plausible`): the learner is
   heard, and its step and tokens count as far as the bound allows, the rest on later reports. Refusing
   it would lock out an honest learner that sped up past RATE_FACTOR× its average (a paused learner
@@ -34,6 +34,10 @@ from diloco.core.undo import UndoLog
 
 MIN_STEP_S = 1e-4
 """Shortest inner step believed before a learner's rate is measured."""
+FASTEST_STEP_S = 1e-6
+"""Shortest inner step possible at all, on average since a learner joined: a step count above it is refused,
+not clipped. Far below any real step, since a regional syncer's count sums its learners' steps and its
+merged ones: honest claims must never reach it."""
 RATE_KNOWN_S = 1.0
 """Time a learner's step claims must span before its measured rate is used."""
 RATE_FACTOR = 4.0
@@ -88,7 +92,7 @@ class Counters:
     def allowed_steps(self, now: float) -> float:
         """Most the step count may rise to by `now`."""
         if self.origin_step is None:
-            return self.possible_steps(now)
+            return RATE_SLACK_STEPS + self.burst + max(0.0, now - self.joined_at) / MIN_STEP_S
         span = self.at - self.origin_at
         elapsed = max(0.0, now - self.at)
         if span < RATE_KNOWN_S:
@@ -98,10 +102,10 @@ class Counters:
         return self.step + RATE_SLACK_STEPS + self.burst + elapsed * rate
 
     def possible_steps(self, now: float) -> float:
-        """Most the step count can have reached by `now` at all: 1/MIN_STEP_S steps per second since it
+        """Most the step count can have reached by `now` at all: a step every FASTEST_STEP_S since it
         joined. A claim above it is a lie or a broken counter, refused; one below it but above
         `allowed_steps` is believed in part (`plausible`)."""
-        return RATE_SLACK_STEPS + self.burst + max(0.0, now - self.joined_at) / MIN_STEP_S
+        return RATE_SLACK_STEPS + self.burst + max(0.0, now - self.joined_at) / FASTEST_STEP_S
 
     def plain(self) -> dict:
         return asdict(self)
