@@ -6,19 +6,19 @@
   (not from its join: the minutes a large model takes to load and compile are not its pace). Claims come
   from progress reports, heartbeats and pushes, on the core's own clock (`now`), so a replayed journal
   decides the same.
-- A progress report or heartbeat above that bound, but not above what 1/FASTEST_STEP_S steps per second
-  since its join could reach (`impossible_step`, refused), is clipped, not refused (`plausible`): the learner is
-  heard, and its step and tokens count as far as the bound allows, the rest on later reports. Refusing
-  it would lock out an honest learner that sped up past RATE_FACTOR× its average (a paused learner
-  resuming, a region whose learners came back): its rate is measured from accepted claims only, so it
-  would never catch up, and with its heartbeats refused it would be found silent. Clipped claims raise
-  the measured rate as accepted ones do, so the bound catches up with an honest learner within seconds,
-  while a liar gains nothing beyond it. A push above the bound is still refused: its tokens weigh in the
-  merge and are counted as merged, so they cannot be believed in part.
-- Tokens may rise by at most the steps risen × the learner's tokens per step (of the steps believed, for
-  a clipped report) (what it `declare`d at
-  join, else DEFAULT_TOKENS_PER_STEP), and one claim may add at most MAX_CLAIM_SHARE of the shared
-  budget: no single message can spend it.
+- A progress report or heartbeat above that bound, but not above what 1/FASTEST_STEP_S steps per
+  second since its join could reach (`impossible_step`, refused), is clipped, not refused
+  (`plausible`): the learner is heard, and its step and tokens count as far as the bound allows, the
+  rest on later reports. Refusing it would lock out an honest learner that sped up past RATE_FACTOR×
+  its average (a paused learner resuming, a region whose learners came back): its rate is measured
+  from accepted claims only, so it would never catch up, and with its heartbeats refused it would be
+  found silent. Clipped claims raise the measured rate as accepted ones do, so the bound catches up
+  with an honest learner within seconds, while a liar gains nothing beyond it. A push above the bound
+  is still refused: its tokens weigh in the merge and are counted as merged, so they cannot be
+  believed in part.
+- Tokens may rise by at most the steps risen × the learner's tokens per step (what it `declare`d at
+  join, else DEFAULT_TOKENS_PER_STEP; for a clipped report, the steps believed), and one claim may add
+  at most MAX_CLAIM_SHARE of the shared budget: no single message can spend it.
 - A declared tokens per step is itself a claim: at most PLAUSIBLE_STEP_FACTOR × the run's own batch ×
   sequence (`tokens_per_step_ceiling`), which also caps the default of a learner that declared none.
 - A push's sequence number may be at most MAX_SEQ_JUMP above the learner's last one, and the steps it

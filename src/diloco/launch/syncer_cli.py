@@ -64,7 +64,7 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=thread_count, default=1, metavar="N",
                    help="torch threads for the merge arithmetic (default 1). More shorten a round's wall time but "
                         "cost more CPU per pushed parameter: its passes are chunks of a few MB, which threads share "
-                        "poorly (1.5-1.8x the CPU with 2; docs/runtime.md). To merge more, run more shards")
+                        "poorly (1.4-1.7x the CPU with 2; docs/runtime.md). To merge more, run more shards")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
     p.add_argument("--region", metavar="NAME",
