@@ -1,7 +1,8 @@
 """CPU time per event of the syncer core, 4 vs 64 learners: its per-event cost must not grow with them.
 
     python benchmarks/core_events.py [--events N] [--json PATH]
-    python benchmarks/core_events.py --merge [--numel N] [--rounds R] [--codec int4] [--threads T] [--json PATH]
+    python benchmarks/core_events.py --merge [--numel N] [--rounds R] [--codec int4] [--threads T]
+        [--codec-loops torch,compiled] [--json PATH]
 
 With --merge, the merge arithmetic instead: one fragment of --numel parameters (default 10M), 8 learners,
 fp32 pushes already decoded, the default config's decoupled wiring at quorum 1, no gRPC or journal; CPU
@@ -10,7 +11,8 @@ ns per pushed parameter of `handle`, each push alone (each closes its own round)
 pass, Θ += w·Δ, over a tensor of the fragment's size). One thread (--threads: torch's intra-op threads,
 as `diloco syncer --threads` sets them). With --codec, the pushes arrive encoded, as a shard takes them off
 the wire (decoded by the core as it reads them), and the answers go out in that codec too: the shard's
-arithmetic without its transport.
+arithmetic without its transport. --codec-loops torch,compiled measures the codecs' eager torch ops and
+their compiled loops (numba) in turn, with their ratio.
 
 Drives `SyncerCore.handle` by hand (no gRPC, no journal), with the core built as both drivers build it:
 from the default config's strategy spec (`build_strategy(load_config()).syncer_core`). The model is a few
@@ -33,7 +35,7 @@ import torch
 
 from diloco.config import load_config
 from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived, PushesArrived
-from diloco.codecs import get_codec
+from diloco.codecs import compiled, get_codec
 from diloco.core.messages import Progress, Push
 from diloco.fragments import Fragment
 from diloco.strategies import build_strategy
@@ -132,14 +134,25 @@ def main_merge(args: argparse.Namespace) -> None:
     huge_pages_for_tensors()  # as a shard runs its core
     torch.set_num_threads(args.threads)
     line = roofline_ns_per_param(args.numel)
-    alone = merge_cost(args.numel, args.rounds, 1, codec=args.codec)
-    grouped = merge_cost(args.numel, args.rounds, 8, codec=args.codec)
-    result = {"numel": args.numel, "learners": 8, "codec": args.codec, "threads": args.threads,
-              "roofline_ns_per_param": line,
-              "cpu_ns_per_param": {"alone": alone, "group_of_8": grouped},
-              "vs_roofline": {"alone": alone / line, "group_of_8": grouped / line}}
-    print(f"{args.codec}, {args.threads} thread(s): roofline {line:.3f} ns/param; handle: each push alone {alone:.2f} ns/param ({alone / line:.1f}x), "
-          f"groups of 8 {grouped:.2f} ns/param ({grouped / line:.1f}x)")
+    result: dict = {"numel": args.numel, "learners": 8, "codec": args.codec, "threads": args.threads,
+                    "roofline_ns_per_param": line, "codec_loops": {}}
+    for loops in args.codec_loops.split(","):
+        compiled.set_enabled(loops == "compiled")
+        if loops == "compiled" and not compiled.usable(args.numel, torch.device("cpu")):
+            raise SystemExit("--codec-loops compiled needs numba: pip install 'diloco[fast]'")
+        alone = merge_cost(args.numel, args.rounds, 1, codec=args.codec)
+        grouped = merge_cost(args.numel, args.rounds, 8, codec=args.codec)
+        result["codec_loops"][loops] = {"cpu_ns_per_param": {"alone": alone, "group_of_8": grouped},
+                                        "vs_roofline": {"alone": alone / line, "group_of_8": grouped / line}}
+        print(f"{args.codec}, {args.threads} thread(s), {loops} codec loops: roofline {line:.3f} ns/param; handle: "
+              f"each push alone {alone:.2f} ns/param ({alone / line:.1f}x), groups of 8 {grouped:.2f} ns/param "
+              f"({grouped / line:.1f}x)")
+    result.update(result["codec_loops"][loops])  # the last variant's figures at the top, as before
+    if {"torch", "compiled"} <= set(result["codec_loops"]):
+        before, after = (result["codec_loops"][k]["cpu_ns_per_param"] for k in ("torch", "compiled"))
+        result["compiled_vs_torch"] = {k: after[k] / before[k] for k in before}
+        print("compiled / torch codec loops: " + ", ".join(f"{k} {v:.2f}x" for k, v in
+                                                          result["compiled_vs_torch"].items()))
     out = Path(args.json or Path(__file__).parent / "results" / "core_merge.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -157,6 +170,10 @@ def main() -> None:
     parser.add_argument("--codec", default="fp32", help="--merge: codec of the pushes and answers (int4: as a "
                         "run sends them; fp32: already decoded)")
     parser.add_argument("--threads", type=int, default=1, help="--merge: torch's intra-op threads")
+    parser.add_argument("--codec-loops", default="compiled" if compiled.usable(1 << 20, torch.device("cpu"))
+                        else "torch", help="--merge: which codec loops decode and encode, a comma list of "
+                        "compiled (numba) and torch (eager ops), each measured in turn (default compiled "
+                        "where numba is installed)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.merge:

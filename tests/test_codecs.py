@@ -12,7 +12,7 @@ import torch
 
 from diloco import cache_chunks
 from diloco.codecs import (CODEC_NAMES, DEFAULT_BLOCK, SCALE_BYTES, TENSOR_HEADER_BYTES, Encoded, ErrorFeedback,
-                           get_codec)
+                           compiled, get_codec)
 from diloco.errors import DilocoError
 
 BLOCK_CODECS = ("int8", "int4", "fp4")
@@ -20,6 +20,16 @@ LEVELS = {"int8": 127, "int4": 7}
 SHAPES = [(0,), (1,), (63,), (64,), (65,), (1000,), (4097,), (3, 5, 7), (2, 0, 3), (17, 31)]
 FLT_MAX = torch.finfo(torch.float32).max
 SUBNORMAL_STEP = 2.0**-149
+
+
+@pytest.fixture(autouse=True, params=["torch", "compiled"])
+def codec_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice: with the codecs' torch ops, and with their compiled loops at any size."""
+    if request.param == "compiled":
+        pytest.importorskip("numba")
+        monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(compiled, "_enabled", request.param == "compiled")
+    return request.param
 
 
 def _normal(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

@@ -9,10 +9,11 @@ Keeping the absmax itself (not absmax/levels) keeps subnormal and huge blocks ex
 payload byte up in a 256-entry table of the values its codes stand for (relative to the scale), then
 scales each block; codes no encoder writes stand for NaN, so a corrupt payload shows in the result.
 
-On the CPU work goes in chunks that stay in cache (`cache_chunks.py`): a decode scales, checks and
-(`decode_onto`) adds to each chunk as it is looked up, and `encode_difference` takes its difference a
-chunk at a time. On an accelerator each loop runs once over the whole tensor, and nothing leaves the
-device before the final bytes.
+On the CPU, large tensors are decoded (and linear codes encoded) by compiled loops where numba is
+installed (`compiled.py`), giving the same bytes. Otherwise work goes in chunks that stay in cache
+(`cache_chunks.py`): a decode scales, checks and (`decode_onto`) adds to each chunk as it is looked up,
+and `encode_difference` takes its difference a chunk at a time. On an accelerator each loop runs once
+over the whole tensor, and nothing leaves the device before the final bytes.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from diloco.cache_chunks import chunks
+import diloco.codecs.compiled as compiled
 from diloco.codecs.base import Codec, DeviceLike, flat_input, from_bytes, require_finite, to_bytes
 from diloco.codecs.encoded import MAX_BLOCK, Encoded
 from diloco.errors import DilocoError
@@ -55,6 +58,8 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 class BlockCodec(Codec):
     bits: int
     """Bits per element code: 8, or 4 (packed two per byte)."""
+    levels: int | None = None
+    """A linear code's largest code L (an element x of absmax s codes as round(x/s·L)); None otherwise."""
 
     def __init__(self, block: int = DEFAULT_BLOCK):
         if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= MAX_BLOCK:
@@ -93,6 +98,8 @@ class BlockCodec(Codec):
         """The codes of x − `minus` (x where None), the difference taken a chunk at a time in cache."""
         numel, block = x.numel(), self.block
         pad = numel % 2 if self.bits == 4 else 0  # an odd count's last byte has an empty high nibble
+        if self.levels is not None and compiled.usable(numel, x.device):
+            return self._encode_compiled(x, minus, shape, pad)
         codes = torch.empty(numel + pad, dtype=torch.int8, device=x.device)
         codes[numel:] = 0
         scales = torch.empty(-(-numel // block), dtype=torch.float32, device=x.device)
@@ -106,6 +113,16 @@ class BlockCodec(Codec):
         require_finite(scales, "tensor to encode")  # NaN and Inf reach the block absmax
         payload = pack_nibbles(codes) if self.bits == 4 else codes
         return Encoded(self.name, shape, block, to_bytes(payload), to_bytes(scales))
+
+    def _encode_compiled(self, x: torch.Tensor, minus: torch.Tensor | None, shape: tuple[int, ...],
+                         pad: int) -> Encoded:
+        """`_encode` of a linear code in one compiled pass per block: the same bytes."""
+        codes = np.zeros(x.numel() + pad, dtype=np.int8)
+        scales = np.empty(-(-x.numel() // self.block), dtype=np.float32)
+        compiled.encode_linear(x, minus, self.block, self.levels, codes, scales)
+        require_finite(torch.from_numpy(scales), "tensor to encode")
+        payload = compiled.pack_nibbles(codes) if self.bits == 4 else codes
+        return Encoded(self.name, shape, self.block, payload.tobytes(), scales.tobytes())
 
     def byte_table(self) -> torch.Tensor:
         """What each payload byte decodes to, before scaling, as raw bits: int32 (one fp32 value per
@@ -136,9 +153,22 @@ class BlockCodec(Codec):
         if scales.numel() and bool((scales < 0).any()):
             raise DilocoError(f"corrupt {self.name} tensor: a block scale is negative")
         payload = from_bytes(encoded.payload, torch.uint8, device)
+        if compiled.usable(numel, payload.device) and compiled.decodes(per_byte, block):
+            flat = torch.empty(numel, dtype=torch.float32)
+            values = self.byte_table().view(torch.float32).view(256, per_byte).numpy()
+            corrupt = compiled.decode(payload.numpy(), values, scales.numpy(), block, flat, plus)
+        else:
+            flat, corrupt = self._decode_chunks(payload, scales, numel, block, plus)
+        if corrupt:
+            raise DilocoError(f"corrupt {self.name} tensor: the payload holds a code no encoder writes")
+        return flat[:numel].view(encoded.shape)
+
+    def _decode_chunks(self, payload: torch.Tensor, scales: torch.Tensor, numel: int, block: int,
+                       plus: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """The decoded values (one more for an odd int4 count) and whether a value was NaN, in torch ops."""
+        per_byte = 8 // self.bits
         table = self.byte_table().to(payload.device)
-        size = len(encoded.payload) * per_byte  # an odd int4 count decodes one element more, dropped
-        flat = torch.empty(size, dtype=torch.float32, device=payload.device)
+        flat = torch.empty(payload.numel() * per_byte, dtype=torch.float32, device=payload.device)
         words = flat.view(table.dtype)
         highest = []
         for start, stop in chunks(numel, payload.device, block * per_byte):  # whole bytes and blocks
@@ -152,6 +182,5 @@ class BlockCodec(Codec):
             highest.append(part.amax())
             if plus is not None:
                 part.add_(plus[start:stop])
-        if highest and bool(torch.isnan(torch.stack(highest)).any()):
-            raise DilocoError(f"corrupt {self.name} tensor: the payload holds a code no encoder writes")
+        return flat, bool(highest) and bool(torch.isnan(torch.stack(highest)).any())
         return flat[:numel].view(encoded.shape)

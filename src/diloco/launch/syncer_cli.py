@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,9 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     torch.set_num_threads(args.threads)
     die_with_parent()
     setup_logging(args.verbose)
+    from diloco.codecs import compiled
+
+    logging.getLogger("diloco.syncer").info("codecs: %s", compiled.describe())
     config = runtime_config(args)
     security = security_from_args(args, role="server")
     index, count = parse_shard(args.shard)

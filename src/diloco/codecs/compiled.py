@@ -1,0 +1,196 @@
+"""Compiled CPU loops for the block codecs, where numba is installed (`pip install "diloco[fast]"`).
+
+Why: in eager torch every op is a pass over memory, and a block codec's decode is several (a lookup,
+an index conversion, a scale, a check) and its encode more (a difference, an abs, a max, a divide, a
+round, a pack). A shard decodes every push and encodes and decodes every answer, so these passes were
+half of its merge's CPU. One compiled loop does a block's work while the block is in registers.
+
+Each loop does the fp32 arithmetic of the torch ops it replaces, element by element in the same order
+(no fast-math), so its values are the same bit for bit (`tests/test_compiled_codecs.py` compares
+both). Without numba, on an accelerator, or for small tensors (whose work is Python's, not memory's)
+the torch ops run. Numba is imported on the first large tensor, not at import: a learner that never
+codes one never pays for it, and compiled loops are cached on disk after the first process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import numpy as np
+import torch
+
+MIN_ELEMENTS = 1 << 16
+"""Below this a tensor takes the torch path: a call's fixed cost is then most of the work."""
+
+_enabled = importlib.util.find_spec("numba") is not None
+
+
+def set_enabled(flag: bool) -> None:
+    """Turn the compiled loops off (or on again, where numba is installed): benchmarks compare both."""
+    global _enabled
+    _enabled = flag and importlib.util.find_spec("numba") is not None
+
+
+def describe() -> str:
+    """Which loops large tensors take, for a shard's log."""
+    if _enabled:
+        return f"compiled loops (numba) for tensors of {MIN_ELEMENTS} elements or more"
+    return "torch ops (numba is not installed: `pip install \"diloco[fast]\"` codes 2-4x faster)"
+
+
+def usable(numel: int, device: torch.device) -> bool:
+    """Whether coding `numel` elements on `device` takes the compiled loops."""
+    return _enabled and device.type == "cpu" and numel >= MIN_ELEMENTS
+
+
+def decode(payload: np.ndarray, values: np.ndarray, scales: np.ndarray, block: int, out: torch.Tensor,
+           plus: torch.Tensor | None) -> bool:
+    """out[i] = values[code of element i] · scale of its block (+ plus[i]); True where any value before
+    `plus` is NaN (a code no encoder writes). `values` is (256, codes per byte) fp32: a byte's codes'
+    values, the earlier element's first. Two codes per byte need an even `block` (`decodes`)."""
+    target = out.numpy()
+    added = target if plus is None else plus.reshape(-1).numpy()
+    corrupt = np.isnan(values).any(axis=1).astype(np.uint8)  # a value is NaN exactly where its code's is
+    first = np.ascontiguousarray(values[:, 0])
+    if values.shape[1] == 1:
+        return bool(_kernels()["singles"](payload, first, corrupt, scales, block, target, added, plus is not None))
+    second = np.ascontiguousarray(values[:, 1])
+    return bool(_kernels()["pairs"](payload, first, second, corrupt, scales, block, target, added,
+                                    plus is not None))
+
+
+def decodes(codes_per_byte: int, block: int) -> bool:
+    """Whether `decode` takes this layout: a byte's two codes in one block."""
+    return codes_per_byte == 1 or block % 2 == 0
+
+
+def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, levels: int, codes: np.ndarray,
+                  scales: np.ndarray) -> None:
+    """The linear codes of x − minus (x where None): per block its absmax s into `scales` (NaN or Inf if
+    the block holds one, for the caller's finite check) and round_half_even((x − minus)/s · levels) into
+    `codes` (int8), with s = 1 for an all-zero block."""
+    source = x.numpy()
+    subtracted = source if minus is None else minus.numpy()
+    scratch = np.empty(min(block, max(source.shape[0], 1)), dtype=np.float32)
+    _kernels()["encode_linear"](source, subtracted, minus is not None, block, levels, codes, scales, scratch)
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """Even-length int8 codes → bytes of two 4-bit codes each, the earlier in the low nibble."""
+    packed = np.empty(codes.size // 2, dtype=np.uint8)
+    _kernels()["pack"](codes, packed)
+    return packed
+
+
+@cache
+def _kernels() -> dict[str, Callable[..., Any]]:
+    """The loops, compiled on first use. Each loop indexes slices from 0, so that the compiler sees
+    contiguous accesses and vectorizes them; `error_model="numpy"` keeps division free of Python's
+    zero check, which stops vectorization (no divisor is ever zero here)."""
+    import numba
+
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+    round_shift = np.float32(1.5 * 2**23)
+    """y + 1.5·2^23 − 1.5·2^23 rounds |y| < 2^22 to an integer, half to even, as torch's `round` does."""
+
+    @jit
+    def pairs(payload, first, second, corrupt, scales, block, out, plus, add):  # type: ignore[no-untyped-def]
+        half = block // 2
+        numel = out.shape[0]
+        whole_bytes = numel // 2
+        flag = np.uint8(0)
+        for b in range(scales.shape[0]):
+            scale = scales[b]
+            start = b * half
+            stop = min(start + half, whole_bytes)
+            if stop <= start:
+                break
+            source = payload[start:stop]
+            target = out[2 * start:2 * stop]
+            if add:
+                extra = plus[2 * start:2 * stop]
+                for j in range(source.shape[0]):
+                    byte = source[j]
+                    flag |= corrupt[byte]
+                    target[2 * j] = first[byte] * scale + extra[2 * j]
+                    target[2 * j + 1] = second[byte] * scale + extra[2 * j + 1]
+            else:
+                for j in range(source.shape[0]):
+                    byte = source[j]
+                    flag |= corrupt[byte]
+                    target[2 * j] = first[byte] * scale
+                    target[2 * j + 1] = second[byte] * scale
+        if numel % 2:  # an odd count's last byte holds one code
+            byte = payload[whole_bytes]
+            flag |= corrupt[byte]
+            value = first[byte] * scales[scales.shape[0] - 1]
+            out[numel - 1] = value + plus[numel - 1] if add else value
+        return flag != 0
+
+    @jit
+    def singles(payload, first, corrupt, scales, block, out, plus, add):  # type: ignore[no-untyped-def]
+        numel = out.shape[0]
+        flag = np.uint8(0)
+        for b in range(scales.shape[0]):
+            scale = scales[b]
+            start = b * block
+            stop = min(start + block, numel)
+            source = payload[start:stop]
+            target = out[start:stop]
+            if add:
+                extra = plus[start:stop]
+                for i in range(source.shape[0]):
+                    byte = source[i]
+                    flag |= corrupt[byte]
+                    target[i] = first[byte] * scale + extra[i]
+            else:
+                for i in range(source.shape[0]):
+                    byte = source[i]
+                    flag |= corrupt[byte]
+                    target[i] = first[byte] * scale
+        return flag != 0
+
+    @jit
+    def encode_linear_kernel(x, minus, subtract, block, levels, codes, scales, scratch):  # type: ignore[no-untyped-def]
+        top = np.float32(levels)
+        numel = x.shape[0]
+        word = np.zeros(1, np.uint32)
+        word_value = word.view(np.float32)
+        magnitude = np.uint32(0x7FFFFFFF)
+        infinity = np.uint32(0x7F800000)
+        for b in range(scales.shape[0]):
+            start = b * block
+            stop = min(start + block, numel)
+            part = scratch[:stop - start]
+            source = x[start:stop]
+            if subtract:
+                other = minus[start:stop]
+                for i in range(part.shape[0]):
+                    part[i] = source[i] - other[i]
+            else:
+                for i in range(part.shape[0]):
+                    part[i] = source[i]
+            # the absmax as the largest |x|'s bits: exact, and NaN's bits exceed every number's
+            bits = part.view(np.uint32)
+            top_bits = np.uint32(0)
+            for i in range(bits.shape[0]):
+                top_bits = max(top_bits, np.uint32(bits[i] & magnitude))
+            word[0] = top_bits
+            absmax = word_value[0]
+            scales[b] = absmax
+            if top_bits >= infinity:
+                continue  # NaN or Inf: the caller's finite check refuses it
+            divisor = absmax if top_bits > 0 else np.float32(1)
+            target = codes[start:stop]
+            for i in range(part.shape[0]):
+                target[i] = np.int8((part[i] / divisor * top + round_shift) - round_shift)
+
+    @jit
+    def pack(codes, packed):  # type: ignore[no-untyped-def]
+        for j in range(packed.shape[0]):
+            packed[j] = np.uint8(codes[2 * j] & 15) | np.uint8((codes[2 * j + 1] & 15) << 4)
+
+    return {"pairs": pairs, "singles": singles, "encode_linear": encode_linear_kernel, "pack": pack}
