@@ -23,7 +23,8 @@ SHARD_CPU_NS_PER_PARAM = 7.71
 --socket-seconds 2 --json benchmarks/results/scale-after-q1-s39-4.json` (one shard, 8 learners, int4
 pushes, each closing its own round: CPU-seconds of the shard process ÷ parameters pushed in the window;
 7.71 there, the higher of the two runs of the same code, 6.51 in -s39-3; 9.51 before the round's
-recycled buffers and the passes fused in cache)."""
+recycled buffers and the passes fused in cache). Measured again with `--bulk-port` and the compiled codec
+loops (s51, `scale-q1-loops-after-s51-{1..4}.json`): 7.31-8.58, median 7.54, within 2%: kept."""
 SHARD_PULL_BYTES_PER_S = 408e6
 """Bytes/s of Θ one shard serves a joining learner over gRPC (a shard without `--bulk-port`):
 `join_bytes ÷ join_s` of the same run (80 MB of fp32 Θ from one shard in 0.196 s, 4 fragments on 4
