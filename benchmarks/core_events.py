@@ -138,7 +138,7 @@ def main_merge(args: argparse.Namespace) -> None:
                     "roofline_ns_per_param": line, "codec_loops": {}}
     for loops in args.codec_loops.split(","):
         compiled.set_enabled(loops == "compiled")
-        if loops == "compiled" and not compiled.usable(args.numel, torch.device("cpu")):
+        if loops == "compiled" and not compiled.usable(args.numel, torch.empty(0)):
             raise SystemExit("--codec-loops compiled needs numba: pip install 'diloco[fast]'")
         alone = merge_cost(args.numel, args.rounds, 1, codec=args.codec)
         grouped = merge_cost(args.numel, args.rounds, 8, codec=args.codec)
@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--codec", default="fp32", help="--merge: codec of the pushes and answers (int4: as a "
                         "run sends them; fp32: already decoded)")
     parser.add_argument("--threads", type=int, default=1, help="--merge: torch's intra-op threads")
-    parser.add_argument("--codec-loops", default="compiled" if compiled.usable(1 << 20, torch.device("cpu"))
+    parser.add_argument("--codec-loops", default="compiled" if compiled.usable(1 << 20, torch.empty(0))
                         else "torch", help="--merge: which codec loops decode and encode, a comma list of "
                         "compiled (numba) and torch (eager ops), each measured in turn (default compiled "
                         "where numba is installed)")

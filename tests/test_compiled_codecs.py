@@ -118,7 +118,22 @@ def test_a_code_no_encoder_writes_is_refused_in_the_same_words(name, position, m
     assert torch.equal(base, torch.zeros(LARGE))  # decode_onto wrote a new tensor, never its base
 
 
-def test_small_tensors_and_accelerators_take_the_torch_ops():
-    assert not compiled.usable(compiled.MIN_ELEMENTS - 1, torch.device("cpu"))
-    assert not compiled.usable(compiled.MIN_ELEMENTS, torch.device("meta"))
-    assert compiled.usable(compiled.MIN_ELEMENTS, torch.device("cpu")) == compiled._enabled
+def test_small_tensors_subclasses_and_accelerators_take_the_torch_ops():
+    plain = torch.zeros(4)
+    assert compiled.usable(compiled.MIN_ELEMENTS, plain)
+    assert not compiled.usable(compiled.MIN_ELEMENTS - 1, plain)
+    assert not compiled.usable(compiled.MIN_ELEMENTS, plain, torch.zeros(4, device="meta"))
+    assert not compiled.usable(compiled.MIN_ELEMENTS, torch.nn.Parameter(plain))  # a subclass
+
+
+def test_a_numba_that_will_not_import_leaves_the_torch_ops(monkeypatch, caplog):
+    def broken():
+        raise ImportError("numpy 9 is not supported")
+
+    monkeypatch.setattr(compiled, "_kernels", broken)
+    monkeypatch.setattr(compiled, "_enabled", True)
+    x = torch.randn(LARGE)
+    encoded = get_codec("int4").encode(x)
+    assert not compiled._enabled and "numba did not load (ImportError: numpy 9" in caplog.text
+    monkeypatch.setattr(compiled, "_enabled", False)
+    assert get_codec("int4").encode(x) == encoded

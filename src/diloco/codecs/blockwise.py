@@ -98,7 +98,7 @@ class BlockCodec(Codec):
         """The codes of x − `minus` (x where None), the difference taken a chunk at a time in cache."""
         numel, block = x.numel(), self.block
         pad = numel % 2 if self.bits == 4 else 0  # an odd count's last byte has an empty high nibble
-        if self.levels is not None and compiled.usable(numel, x.device):
+        if self.levels is not None and compiled.usable(numel, x, *([] if minus is None else [minus])):
             return self._encode_compiled(x, minus, shape, pad)
         codes = torch.empty(numel + pad, dtype=torch.int8, device=x.device)
         codes[numel:] = 0
@@ -153,7 +153,7 @@ class BlockCodec(Codec):
         if scales.numel() and bool((scales < 0).any()):
             raise DilocoError(f"corrupt {self.name} tensor: a block scale is negative")
         payload = from_bytes(encoded.payload, torch.uint8, device)
-        if compiled.usable(numel, payload.device) and compiled.decodes(per_byte, block):
+        if compiled.decodes(per_byte, block) and compiled.usable(numel, payload, *([] if plus is None else [plus])):
             flat = torch.empty(numel, dtype=torch.float32)
             values = self.byte_table().view(torch.float32).view(256, per_byte).numpy()
             corrupt = compiled.decode(payload.numpy(), values, scales.numpy(), block, flat, plus)

@@ -15,6 +15,7 @@ codes one never pays for it, and compiled loops are cached on disk after the fir
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -41,9 +42,27 @@ def describe() -> str:
     return "torch ops (numba is not installed: `pip install \"diloco[fast]\"` codes 2-4x faster)"
 
 
-def usable(numel: int, device: torch.device) -> bool:
-    """Whether coding `numel` elements on `device` takes the compiled loops."""
-    return _enabled and device.type == "cpu" and numel >= MIN_ELEMENTS
+def usable(numel: int, *tensors: torch.Tensor) -> bool:
+    """Whether coding `numel` elements held in `tensors` takes the compiled loops: plain CPU tensors (not
+    a subclass such as a DTensor, whose local data numpy cannot see), numba importable."""
+    return (_enabled and numel >= MIN_ELEMENTS
+            and all(type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
+                    and not t.is_neg() for t in tensors)
+            and _loaded())
+
+
+def _loaded() -> bool:
+    """numba imported and the loops defined; where numba is installed but will not import (a numpy it
+    does not support), the torch ops from now on, said once."""
+    global _enabled
+    try:
+        _kernels()
+    except Exception as exc:  # noqa: BLE001 — any failure to import leaves the torch ops, which always work
+        _enabled = False
+        logging.getLogger(__name__).warning("codecs: numba did not load (%s: %s); using torch ops",
+                                            type(exc).__name__, exc)
+        return False
+    return True
 
 
 def decode(payload: np.ndarray, values: np.ndarray, scales: np.ndarray, block: int, out: torch.Tensor,
