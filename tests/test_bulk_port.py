@@ -103,9 +103,8 @@ def push_of_ones(client: ShardClient, reply: pb.JoinReply, fragment: int, seq: i
     return header, tensors
 
 
-@pytest.mark.integration  # a live shard over real gRPC
-def test_a_push_over_the_bulk_port_is_taken_as_the_same_push_in_frames(bulk_shard, monkeypatch):
-    shard, address = bulk_shard
+def recording_pushes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bytes, list[bytes]]]:
+    """Every push a shard takes, as (its header's bytes, each tensor's bytes), however its data came."""
     seen: list[tuple[bytes, list[bytes]]] = []
     take_push = PushIntake.take_push
 
@@ -114,6 +113,13 @@ def test_a_push_over_the_bulk_port_is_taken_as_the_same_push_in_frames(bulk_shar
         return take_push(self, header, tensors, peer)
 
     monkeypatch.setattr(PushIntake, "take_push", recording)
+    return seen
+
+
+@pytest.mark.integration  # a live shard over real gRPC
+def test_a_push_over_the_bulk_port_is_taken_as_the_same_push_in_frames(bulk_shard, monkeypatch):
+    shard, address = bulk_shard
+    seen = recording_pushes(monkeypatch)
     over_bulk, in_frames = ShardClient(address), ShardClient(address)
     reply = over_bulk.join(1)
     in_frames.join(1)

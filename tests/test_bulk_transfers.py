@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import wait_for
-from diloco.transport import bulk, bulk_client
+from diloco.transport import bulk, bulk_client, bulk_idle
 from diloco.transport.bulk import TAKEN, BulkServer, BulkTransferError, Upload
 from diloco.transport.bulk_client import BulkConnections
 from diloco.transport.security import PLAINTEXT, TransportSecurity, load_security
@@ -111,12 +111,12 @@ def test_transfers_to_one_port_share_a_kept_connection_and_a_closed_one_is_never
     bulk_client.receive(connections, "127.0.0.1", server.port, server.ticket(byte_views(value)), byte_views(out),
                         "shard 0")  # and the next transfer opens another
     assert connections.opened == 3
-    monkeypatch.setattr(bulk, "IDLE_S", 0.0)  # the shard closes what waits: the client sees it closed, opens anew
+    monkeypatch.setattr(bulk_idle, "IDLE_S", 0.0)  # the shard closes what waits: the client sees it closed, opens anew
     wait_for(lambda: server.idle.dropped == 1, 5, "the idle connection closed by the shard")
     bulk_client.receive(connections, "127.0.0.1", server.port, server.ticket(byte_views(value)), byte_views(out),
                         "shard 0")
     assert connections.opened == 4 and server.refused == 2  # only the wrong ticket was refused
-    monkeypatch.setattr(bulk, "IDLE_S", 60.0)
+    monkeypatch.setattr(bulk_idle, "IDLE_S", 60.0)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="diloco.syncer"):
         bulk_client.receive(connections, "127.0.0.1", server.port, server.ticket(byte_views(value)),
@@ -128,7 +128,7 @@ def test_transfers_to_one_port_share_a_kept_connection_and_a_closed_one_is_never
 
 
 def test_connections_kept_by_a_shard_are_bounded_the_longest_idle_closed_first(server, monkeypatch):
-    monkeypatch.setattr(bulk, "IDLE_CONNECTIONS", 2)
+    monkeypatch.setattr(bulk_idle, "IDLE_CONNECTIONS", 2)
     clients = [BulkConnections(PLAINTEXT) for _ in range(3)]
     value, out = torch.randn(100), torch.empty(100)
     for client in clients:

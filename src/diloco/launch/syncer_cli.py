@@ -97,7 +97,7 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     setup_logging(args.verbose)
     from diloco.codecs import compiled
 
-    logging.getLogger("diloco.syncer").info("codecs: %s", compiled.describe())
+    logging.getLogger("diloco.syncer").debug("codecs: %s", compiled.describe())  # start's output stays one line
     config = runtime_config(args)
     security = security_from_args(args, role="server")
     index, count = parse_shard(args.shard)

@@ -5,7 +5,9 @@ Both ways end in `take_push`: the push queued for its group (`group_commit.py`),
 PushReply or a `Refusal` that the way it came turns into its own answer (a gRPC status, or a bulk
 reply). Every check of the header (size, fragment, who may speak for the learner) is made before a byte
 of its data is read, by the gRPC call that carries the header; a bulk ticket is issued only after them,
-and only for the bytes that header declares.
+and only for the bytes that header declares. A push taken off the bulk port is answered with a ticket for
+its learner's next push, whose header then comes on the port with its data and is checked there, the same
+checks, for that learner only.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from __future__ import annotations
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from diloco.core.messages import Push, Update
 from diloco.core.syncer_core import Publish
 from diloco.shard.group_commit import QueuedPush, take_group
 from diloco.shard.shard_state import ShardState
-from diloco.transport.bulk import REFUSED, TAKEN, UNAVAILABLE, Upload
-from diloco.transport.frames import FrameError, decode, tensors_of
+from diloco.transport.bulk import REFUSED, TAKEN, UNAVAILABLE, PushAhead, Upload
+from diloco.transport.frames import FrameError, decode, open_message, tensors_of
 from diloco.transport.wire_messages import DecodedOnUse, push_of, push_payload
 from diloco.v1 import diloco_pb2 as pb
 
@@ -81,22 +84,59 @@ class PushIntake(ShardState):
             self.carry_out([Publish(push.fragment, notice.version, {push.learner: notice})])
         return pb.PushReply()
 
+    def checked_push_header(self, frames) -> tuple[pb.PushHeader, int]:
+        """The push header at the front of `frames` and the data bytes it declares, once every tensor header is
+        checked and its fragment is one this shard holds (a FrameError otherwise): what both ways of taking a
+        push check before a byte of its data is read."""
+        opened = open_message(frames, "push", limit=self.push_limit())
+        if opened is None:
+            raise FrameError("empty push stream")
+        header, nbytes = opened
+        if header.fragment not in self.core.fragments:
+            raise FrameError(f"fragment {header.fragment} is not held by shard {self.plan.index}")
+        return header, nbytes
+
     def bulk_ticket(self, header: pb.PushHeader, nbytes: int, peer: str) -> pb.PushReply:
         """The answer to a checked push header whose data is to follow on the bulk port: that port and a
-        ticket for exactly `nbytes`, taken as `take_push` takes frames. A shard without a bulk port answers
-        with no ticket, and the learner sends the data in frames."""
+        ticket for exactly `nbytes`. A shard without a bulk port answers with no ticket, and the learner sends
+        the data in frames."""
         if self.bulk is None:
             return pb.PushReply()
+        return pb.PushReply(bulk_port=self.bulk.port, bulk_ticket=self.bulk.ticket(self._upload(header, nbytes, peer)))
+
+    def _upload(self, header: pb.PushHeader, nbytes: int, peer: str) -> Upload:
+        """A checked header's data, read off the bulk port and taken as `take_push` takes frames. The reply of a
+        push taken carries a ticket for its learner's next push (`BulkServer.ticket_ahead`)."""
         header.bulk = False  # as the journal keeps it: a push whose data is in hand
+        learner = header.learner
 
         def take(data: memoryview) -> tuple[int, bytes]:
             try:
-                return TAKEN, self.take_push(header, tensors_of(header, data), peer).SerializeToString()
+                reply = self.take_push(header, tensors_of(header, data), peer)
             except Refusal as exc:
                 return (UNAVAILABLE if exc.code == grpc.StatusCode.UNAVAILABLE else REFUSED), str(exc).encode()
             except Exception as exc:  # noqa: BLE001 - the learner gets one line, the shard goes on
                 log.error("push %d from learner %d over the bulk port failed: %s: %s", header.seq, header.learner,
                           type(exc).__name__, exc)
                 return REFUSED, f"the shard failed to take it: {type(exc).__name__}: {exc}".encode()
+            if (bulk := self.bulk) is not None:
+                reply.next_ticket = bulk.ticket_ahead(learner, PushAhead(lambda raw: self._push_ahead(learner, raw, peer)))
+            return TAKEN, reply.SerializeToString()
 
-        return pb.PushReply(bulk_port=self.bulk.port, bulk_ticket=self.bulk.ticket(Upload(nbytes, take)))
+        return Upload(nbytes, take)
+
+    def _push_ahead(self, learner: int, raw: bytes, peer: str) -> Upload | str:
+        """The Upload of a push whose header came on the bulk port with a ticket issued to `learner` (by the
+        reply to its last push, itself authenticated), checked as the gRPC call checks one; else why not."""
+        try:
+            header = pb.PushHeader.FromString(raw)
+        except DecodeError:
+            return "the header does not parse"
+        if header.learner != learner:
+            return f"the ticket is learner {learner}'s, the header speaks for learner {header.learner}"
+        try:
+            _, nbytes = self.checked_push_header(iter([pb.Frame(push=header)]))
+        except FrameError as exc:
+            self.push_errors += 1
+            return f"bad push: {exc}"
+        return self._upload(header, nbytes, peer)

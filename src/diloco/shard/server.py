@@ -24,7 +24,7 @@ from diloco.shard.ownership import ShardPlan, fragments_of, parse_shard
 from diloco.shard.push_intake import PushIntake, Refusal
 from diloco.shard.serving import serve
 from diloco.transport.bulk import BulkServer
-from diloco.transport.frames import FrameError, buffered, decode, open_message, read_message
+from diloco.transport.frames import FrameError, buffered, decode, read_message
 from diloco.transport.security import current_caller
 from diloco.transport.wire_messages import bulk_state_frame, fragment_versions, progress_of, state_frames, update_frames
 from diloco.v1 import diloco_pb2 as pb
@@ -169,21 +169,16 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
         """A push's header and its data in frames, or (`PushHeader.bulk`) its header alone, answered with a
         ticket to send the data on the bulk port (`push_intake.py`)."""
-        core = self._require_core(context)
+        self._require_core(context)
         frames = iter(request_iterator)
         try:
-            opened = open_message(frames, "push", limit=self.push_limit())
-            if opened is None:
-                raise FrameError("empty push stream")
-            header, nbytes = opened
+            header, nbytes = self.checked_push_header(frames)
             tensors = None if header.bulk else buffered(frames, header, nbytes)
             if next(frames, None) is not None:
                 raise FrameError("a push stream carries one message" if tensors is not None else
                                  "a bulk push's data goes to the bulk port, not in frames")
             if not context.is_active():  # gRPC ends the requests quietly when one fails to parse
                 raise FrameError("the stream broke")
-            if header.fragment not in core.fragments:
-                raise FrameError(f"fragment {header.fragment} is not held by shard {self.plan.index}")
         except FrameError as exc:
             self.push_errors += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}")

@@ -13,6 +13,13 @@ the same connection (`REPLY`: a status, then a serialized PushReply or the refus
 connection whose transfer ended cleanly stays open for the learner's next ticket (`bulk_client.py` says
 why); between transfers it holds no thread (`IdleConnections`).
 
+A push's reply that came over the port carries a ticket for the same learner's next push to the shard
+(`PushReply.next_ticket`, `ticket_ahead`): that push then says the ticket, its header (`AHEAD_HEADER`: its
+length; then the serialized PushHeader) and its data together, one round trip instead of a gRPC call and
+a transfer after it. The header is checked as the gRPC call would check it (`PushAhead.check`), for the
+learner the ticket was issued to, before a byte of data is read; a header refused there, or a ticket
+wrong, used or expired, gets the connection closed, and the learner sends that push the two-step way.
+
 Who may read or write: only the holder of a ticket, and a ticket is handed out only by an authenticated
 call (Pull or Push: the shared secret, a learner's credential or its certificate), is unguessable (256
 random bits), good for one transfer and for TICKET_TTL_S, and names the values it was issued for (a
@@ -22,7 +29,7 @@ run's settings the bulk connection is TLS too, the shard presenting the same cer
 TLS moves the same bytes in the clear over gRPC as well. What a shard can be made to spend is bounded:
 BULK_CONNECTIONS not yet past their ticket (more are closed at once), TICKET_WAIT_S for one to say its
 ticket (and finish its TLS handshake), MAX_TICKETS held (the oldest go first), UPLOADS_AT_ONCE pushes'
-buffers filled at once, IDLE_CONNECTIONS kept between transfers for at most IDLE_S. A learner that cannot
+buffers filled at once, IDLE_CONNECTIONS kept between transfers for at most IDLE_S (`bulk_idle.py`). A learner that cannot
 reach the port pulls and pushes over gRPC from then on (`calls.ShardClient`). A wrong, used or expired
 ticket gets the connection closed with nothing sent, and one line in the shard's log.
 """
@@ -34,7 +41,6 @@ import contextlib
 import logging
 import queue
 import secrets
-import selectors
 import socket
 import ssl
 import struct
@@ -46,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.errors import DilocoError
+from diloco.transport.bulk_idle import IdleConnections
 from diloco.transport.security_settings import TransportSecurity
 
 log = logging.getLogger("diloco.syncer")
@@ -66,10 +73,6 @@ BULK_THREADS = BULK_CONNECTIONS + UPLOADS_AT_ONCE
 the process's exit): a push is taken (decoded and merged by torch) on the thread that read it, and a
 thread new to torch pays for a pool of OpenMP threads of its own (a thread per connection cost the merge
 about a tenth more CPU). Connections beyond them wait their turn."""
-IDLE_CONNECTIONS = 256
-"""Connections kept open between transfers (`IdleConnections`; the longest idle closed first)."""
-IDLE_S = 60.0
-"""How long a connection may wait for its next ticket before it is closed."""
 TICKET_WAIT_S = 10.0
 """How long a bulk connection may take to say its ticket."""
 CONNECT_TIMEOUT_S = 10.0
@@ -78,6 +81,14 @@ TRANSFER_TIMEOUT_S = 300.0
 """The longest any one send or receive of a transfer may stall (a pull over gRPC has the same bound)."""
 
 
+AHEAD_TTL_S = 60.0
+"""A ticket for a learner's next push is void after this long: its learner then asks by a gRPC call again."""
+MAX_AHEAD = 1024
+"""Tickets for next pushes held at once, one per learner (a new one replaces its learner's last), the oldest
+dropped first. They hold no values: what a dropped one costs is its learner's next push going the two-step way."""
+AHEAD_HEADER = struct.Struct("<I")
+MAX_AHEAD_HEADER_BYTES = 1 << 20
+"""The longest push header said on the port: a header names each tensor of a fragment once."""
 REPLY = struct.Struct("<BI")
 """After a push's data, the shard's reply: a status (TAKEN, REFUSED, UNAVAILABLE), then that many bytes of body."""
 TAKEN, REFUSED, UNAVAILABLE = 0, 1, 2
@@ -110,6 +121,14 @@ class Upload:
 
     nbytes: int
     take: Callable[[memoryview], tuple[int, bytes]]
+
+
+@dataclass(frozen=True)
+class PushAhead:
+    """What a ticket for a learner's next push stands for: `check` of the header said on the connection
+    gives the push's `Upload`, or the line why it is refused."""
+
+    check: Callable[[bytes], Upload | str]
 
 
 @contextlib.contextmanager
@@ -155,6 +174,9 @@ class BulkServer:
         self.listener.listen(BULK_CONNECTIONS)
         self.port: int = self.listener.getsockname()[1]
         self.tickets: collections.OrderedDict[bytes, _Held] = collections.OrderedDict()
+        self.ahead: collections.OrderedDict[bytes, tuple[object, _Held]] = collections.OrderedDict()
+        """Tickets for next pushes (`ticket_ahead`) and their owners (learners), the oldest first."""
+        self.ahead_of: dict[object, bytes] = {}
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(BULK_CONNECTIONS)
         self.uploads = threading.BoundedSemaphore(UPLOADS_AT_ONCE)
@@ -183,6 +205,31 @@ class BulkServer:
             self.tickets[ticket] = _Held(now + TICKET_TTL_S, what, done)
         _tell(dropped)
         return ticket
+
+    def ticket_ahead(self, owner: object, what: PushAhead) -> bytes:
+        """A one-use ticket for `owner`'s next push, good for AHEAD_TTL_S; `owner`'s earlier one is void."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        with self.lock:
+            self.ahead.pop(self.ahead_of.pop(owner, b""), None)
+            while len(self.ahead) >= MAX_AHEAD:
+                self.ahead_of.pop(self.ahead.popitem(last=False)[1][0])
+            self.ahead[ticket] = (owner, _Held(time.monotonic() + AHEAD_TTL_S, what, None))
+            self.ahead_of[owner] = ticket
+        return ticket
+
+    def _held(self, ticket: bytes, now: float) -> _Held | None:
+        """What `ticket` stands for, taken out (one use), or None if it is wrong, used or expired."""
+        with self.lock:
+            dropped = self._forget_expired(now)
+            held = self.tickets.pop(ticket, None)
+            if held is None and (ahead := self.ahead.pop(ticket, None)) is not None:
+                owner, held = ahead
+                del self.ahead_of[owner]
+        if held is not None and held.expires <= now:
+            dropped.append(held)
+            held = None
+        _tell(dropped)
+        return held
 
     def _forget_expired(self, now: float) -> list[_Held]:
         dropped = []
@@ -217,17 +264,16 @@ class BulkServer:
             ticket = _receive_ticket(conn, quiet_eof=kept)
             if ticket is None:
                 return
-            now = time.monotonic()
-            with self.lock:
-                dropped = self._forget_expired(now)
-                held = self.tickets.pop(ticket, None)
-            if held is not None and held.expires <= now:
-                dropped.append(held)
-                held = None
-            _tell(dropped)
+            held = self._held(ticket, time.monotonic())
             if held is None:
                 self._refuse(conn, peer, "a ticket that is wrong, used or expired")
                 return
+            if isinstance(held.what, PushAhead):  # its header first, checked before the data is read
+                upload = held.what.check(_receive_header(conn))
+                if isinstance(upload, str):
+                    self._refuse(conn, peer, f"a push header said with a ticket ahead: {upload}")
+                    return
+                held = _Held(held.expires, upload, None)
             if slot:
                 self.slots.release()
                 slot = False
@@ -279,6 +325,8 @@ class BulkServer:
         with self.lock:
             dropped = list(self.tickets.values())
             self.tickets.clear()
+            self.ahead.clear()
+            self.ahead_of.clear()
         _tell(dropped)
         self.idle.close()
         for _ in range(BULK_THREADS):
@@ -301,6 +349,18 @@ def _receive_into(conn: socket.socket, target: memoryview, what: str) -> None:
         got += n
 
 
+def _receive_header(conn: socket.socket) -> bytes:
+    """A push header said after a ticket ahead: its length (at most MAX_AHEAD_HEADER_BYTES), then itself."""
+    length = bytearray(AHEAD_HEADER.size)
+    _receive_into(conn, memoryview(length), "the push header's length")
+    (size,) = AHEAD_HEADER.unpack(length)
+    if size > MAX_AHEAD_HEADER_BYTES:
+        raise BulkTransferError(f"a push header of {size} bytes, more than the {MAX_AHEAD_HEADER_BYTES} allowed")
+    header = bytearray(size)
+    _receive_into(conn, memoryview(header), "the push header")
+    return bytes(header)
+
+
 def _receive_ticket(conn: socket.socket, quiet_eof: bool) -> bytes | None:
     """The ticket a connection says; None if it closed before a byte of it and `quiet_eof` (a kept
     connection the client let go)."""
@@ -312,82 +372,3 @@ def _receive_ticket(conn: socket.socket, quiet_eof: bool) -> bytes | None:
         raise BulkTransferError("the connection ended before its ticket")
     _receive_into(conn, memoryview(ticket)[first:], "ticket")
     return bytes(ticket)
-
-
-class IdleConnections:
-    """Connections between transfers, watched by one thread: a connection that has something to say (its
-    next ticket, or its close) goes back to a serving thread (`ready`); one idle IDLE_S, or beyond
-    IDLE_CONNECTIONS (the longest idle first), is closed. A kept connection holds no thread while idle."""
-
-    def __init__(self, ready: Callable[[socket.socket, tuple], None]) -> None:
-        self.ready = ready
-        self.selector = selectors.DefaultSelector()
-        self.incoming: queue.SimpleQueue[tuple[socket.socket, tuple]] = queue.SimpleQueue()
-        self._wake_read, self._wake_write = socket.socketpair()
-        self._wake_read.setblocking(False)
-        self.selector.register(self._wake_read, selectors.EVENT_READ)
-        self.since: collections.OrderedDict[socket.socket, tuple[tuple, float]] = collections.OrderedDict()
-        self.closed = False
-        self.dropped = 0
-        """Connections closed for a bound (idle too long, or too many idle)."""
-        threading.Thread(target=self._watch, name="bulk-idle", daemon=True).start()
-
-    def keep(self, conn: socket.socket, peer: tuple) -> None:
-        self.incoming.put((conn, peer))
-        with contextlib.suppress(OSError):
-            self._wake_write.send(b"\0")
-
-    def _watch(self) -> None:
-        while not self.closed:
-            for key, _ in self.selector.select(timeout=1.0):
-                if key.fileobj is self._wake_read:
-                    with contextlib.suppress(OSError):
-                        self._wake_read.recv(4096)
-                    continue
-                self.selector.unregister(key.fileobj)
-                peer, _ = self.since.pop(key.fileobj)
-                self.ready(key.fileobj, peer)
-            self._take_incoming()
-            self._close_over(time.monotonic())
-        self._take_incoming()
-        for conn in list(self.since):
-            self._drop(conn)
-
-    def _take_incoming(self) -> None:
-        while True:
-            try:
-                conn, peer = self.incoming.get_nowait()
-            except queue.Empty:
-                return
-            if self.closed:
-                _close_quietly(conn)
-                continue
-            if isinstance(conn, ssl.SSLSocket) and conn.pending():  # its next ticket is read already
-                self.ready(conn, peer)
-                continue
-            self.selector.register(conn, selectors.EVENT_READ)
-            self.since[conn] = (peer, time.monotonic())
-
-    def _close_over(self, now: float) -> None:
-        while self.since:
-            conn, (_, since) = next(iter(self.since.items()))
-            if len(self.since) <= IDLE_CONNECTIONS and now - since < IDLE_S:
-                return
-            self._drop(conn)
-            self.dropped += 1
-
-    def _drop(self, conn: socket.socket) -> None:
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            self.selector.unregister(conn)
-        _close_quietly(conn)
-        self.since.pop(conn, None)
-
-    def close(self) -> None:
-        self.closed = True
-        with contextlib.suppress(OSError):
-            self._wake_write.send(b"\0")
-
-
-def _close_quietly(conn: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        conn.close()

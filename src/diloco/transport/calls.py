@@ -14,7 +14,7 @@ import torch
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded
 from diloco.errors import DilocoError
-from diloco.transport.bulk import TAKEN, UNAVAILABLE, BulkTransferError, BulkUnreachable
+from diloco.transport.bulk import AHEAD_HEADER, TAKEN, UNAVAILABLE, BulkTransferError, BulkUnreachable
 from diloco.transport.bulk_client import BulkConnections, bulk_host, receive, send
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
 from diloco.transport.frames import data_views, message_frames, read_message, read_values
@@ -82,6 +82,9 @@ class ShardClient:
         self.bulk_misses = 0
         """Times in a row its bulk port could not be reached for a push or an answer."""
         self.bulk_connections = BulkConnections(security)
+        self.ahead: tuple[int, bytes] | None = None
+        """The bulk port and the ticket the last push's reply gave for the next push (`bulk.ticket_ahead`)."""
+        self._ahead_lock = threading.Lock()
         self.identity = ClientIdentity(security)
         self.channel = make_channel(address, security, CHANNEL_OPTIONS, self.identity)
         self.stub = syncer_stub(self.channel)
@@ -203,36 +206,62 @@ class ShardClient:
 
     def push(self, header: pb.PushHeader, tensors: dict[str, Encoded]) -> pb.PushReply:
         """One push (`header`'s tensor list in `tensors`' order): its data over the shard's bulk port where its
-        Join said it takes it (the header alone over gRPC, answered with a ticket), else (or once that port
-        could not be reached) in gRPC frames behind the header."""
+        Join said it takes it, else (or once that port could not be reached) in gRPC frames behind the header.
+        Over the port, header and data go together where the last push's reply gave a ticket for this one;
+        else the header alone goes over gRPC first, answered with a ticket for the data."""
         if self.bulk_pushes and not self.bulk_failed:
+            with self._ahead_lock:
+                ahead, self.ahead = self.ahead, None
+            if ahead is not None:
+                taken = self._push_ahead(ahead, header, tensors)
+                if taken is not None:
+                    return taken
             bulk_header = pb.PushHeader()
             bulk_header.CopyFrom(header)
             bulk_header.bulk = True
             reply = self._call("push", self.stub.Push, iter([pb.Frame(push=bulk_header)]), timeout=600)
             if reply.bulk_ticket:  # none: the shard has no bulk port now (restarted without one)
-                taken = self._push_bulk(reply, tensors)
+                taken = self._push_bulk(reply.bulk_port, reply.bulk_ticket, [], tensors)
                 if taken is not None:
                     return taken
         frames = message_frames(pb.Frame(push=header), tensors)
         return self._call("push", self.stub.Push, frames, timeout=600)
 
-    def _push_bulk(self, ticket: pb.PushReply, tensors: dict[str, Encoded]) -> pb.PushReply | None:
-        """The push's data sent with its ticket and the shard's reply read; None if the port is unreachable
-        (then frames; after BULK_TRIES in a row, from now on). A transfer that broke is SyncerUnavailable:
-        the push is sent again and counted once (its seq)."""
-        data = data_views(tensors.values())
+    def _push_ahead(self, ahead: tuple[int, bytes], header: pb.PushHeader, tensors: dict[str, Encoded]
+                    ) -> pb.PushReply | None:
+        """The push's header and data with the ticket the last push's reply gave; None if that did not go
+        through (the ticket void, the shard restarted, the connection broke): the caller then sends it the
+        two-step way, and a push that went through after all is counted once (its seq)."""
+        raw = header.SerializeToString()
         try:
-            status, body = send(self.bulk_connections, bulk_host(self.address), ticket.bulk_port, ticket.bulk_ticket,
-                                data, self.address)
+            return self._push_bulk(*ahead, [memoryview(AHEAD_HEADER.pack(len(raw)) + raw)], tensors, ahead=True)
+        except (SyncerUnavailable, BulkUnreachable):
+            return None
+
+    def _push_bulk(self, port: int, ticket: bytes, head: list[memoryview], tensors: dict[str, Encoded],
+                   ahead: bool = False) -> pb.PushReply | None:
+        """`head` and the push's data sent with `ticket` and the shard's reply read; None if the port is
+        unreachable (then frames; after BULK_TRIES in a row, from now on; `ahead`: BulkUnreachable, not
+        counted, as the port may be a restarted shard's old one). A transfer that broke is SyncerUnavailable:
+        the push is sent again and counted once (its seq). A reply's ticket for the next push is kept for it."""
+        try:
+            status, body = send(self.bulk_connections, bulk_host(self.address), port, ticket,
+                                head + data_views(tensors.values()), self.address)
         except BulkUnreachable as exc:
+            if ahead:
+                raise
             self._bulk_missed(exc)
             return None
         except BulkTransferError as exc:
             raise SyncerUnavailable(f"syncer at {self.address} unavailable during push ({exc})") from None
         self.bulk_misses = 0
         if status == TAKEN:
-            return pb.PushReply.FromString(body)
+            reply = pb.PushReply.FromString(body)
+            if reply.next_ticket:  # the transport's, not the caller's
+                with self._ahead_lock:
+                    self.ahead = (port, reply.next_ticket)
+                reply.ClearField("next_ticket")
+            return reply
         why = body.decode(errors="replace")
         if status == UNAVAILABLE:
             raise SyncerUnavailable(f"syncer at {self.address} unavailable during push ({why})")

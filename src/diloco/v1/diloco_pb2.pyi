@@ -228,16 +228,18 @@ class PullRequest(_message.Message):
     def __init__(self, learner: _Optional[int] = ..., observer: _Optional[bool] = ..., after_seq: _Optional[int] = ..., fragments: _Optional[_Iterable[int]] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("duplicate", "clipped", "bulk_port", "bulk_ticket")
+    __slots__ = ("duplicate", "clipped", "bulk_port", "bulk_ticket", "next_ticket")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     CLIPPED_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     BULK_TICKET_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TICKET_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     clipped: bool
     bulk_port: int
     bulk_ticket: bytes
-    def __init__(self, duplicate: _Optional[bool] = ..., clipped: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ...) -> None: ...
+    next_ticket: bytes
+    def __init__(self, duplicate: _Optional[bool] = ..., clipped: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ..., next_ticket: _Optional[bytes] = ...) -> None: ...
 
 class UpdatesRequest(_message.Message):
     __slots__ = ("learner", "holds", "bulk")
