@@ -21,16 +21,18 @@ learner the ticket was issued to, before a byte of data is read; a header refuse
 wrong, used or expired, gets the connection closed, and the learner sends that push the two-step way.
 
 Who may read or write: only the holder of a ticket, and a ticket is handed out only by an authenticated
-call (Pull or Push: the shared secret, a learner's credential or its certificate), is unguessable (256
-random bits), good for one transfer and for TICKET_TTL_S, and names the values it was issued for (a
+call (Pull or Push: the shared secret, a learner's credential or its certificate) or, for the same learner,
+by the reply to a push that such a ticket carried; it is unguessable (256 random bits), good for one
+transfer and for TICKET_TTL_S (a ticket ahead AHEAD_TTL_S), and names the values it was issued for (a
 snapshot: the shard's Θ tensors are replaced on commit, never written) or the push header it was issued
 to (so its learner, fragment and sizes were checked before a byte of data was read). With TLS in the
 run's settings the bulk connection is TLS too, the shard presenting the same certificate; a run without
 TLS moves the same bytes in the clear over gRPC as well. What a shard can be made to spend is bounded:
 BULK_CONNECTIONS not yet past their ticket (more are closed at once), TICKET_WAIT_S for one to say its
-ticket (and finish its TLS handshake), MAX_TICKETS held (the oldest go first), UPLOADS_AT_ONCE pushes'
-buffers filled at once, IDLE_CONNECTIONS kept between transfers for at most IDLE_S (`bulk_idle.py`). A learner that cannot
-reach the port pulls and pushes over gRPC from then on (`calls.ShardClient`). A wrong, used or expired
+ticket and a ticket ahead's header (and finish its TLS handshake), MAX_TICKETS and MAX_AHEAD held (the
+oldest go first), UPLOADS_AT_ONCE pushes' buffers filled at once, IDLE_CONNECTIONS kept between transfers
+for at most IDLE_S (`bulk_idle.py`). A learner that cannot reach the port pulls and pushes over gRPC from
+then on (`calls.ShardClient`). A wrong, used or expired
 ticket gets the connection closed with nothing sent, and one line in the shard's log.
 """
 
