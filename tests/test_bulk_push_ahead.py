@@ -144,3 +144,18 @@ def test_a_void_ticket_or_a_gone_port_leaves_the_push_to_the_two_step_way(bulk_s
     with shard.lock:
         assert shard.core.ledger[1].pushes == 3 and shard.core.ledger[1].duplicates == 0
     client.close()
+
+
+def test_a_shard_with_pushes_waiting_hands_out_no_ticket_ahead(bulk_shard, monkeypatch):
+    """Pushes back to back took the CPU a saturated shard's answers needed (docs/benchmarks.md): while a push
+    waits for the shard, the reply gives no ticket ahead, and the learner's next push asks by a gRPC call."""
+    shard, address = bulk_shard
+    client = ShardClient(address)
+    reply = client.join(1)
+    monkeypatch.setattr(shard.push_queue, "waiting", lambda: 1)
+    client.push(*push_of_ones(client, reply, 0, 1))
+    assert client.ahead is None and not shard.bulk.ahead
+    monkeypatch.undo()
+    client.push(*push_of_ones(client, reply, 0, 2))
+    assert client.ahead is not None and len(shard.bulk.ahead) == 1
+    client.close()

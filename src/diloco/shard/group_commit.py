@@ -52,6 +52,11 @@ class PushQueue:
         with self._lock:
             self._items.append(item)
 
+    def waiting(self) -> int:
+        """Pushes queued for a group now."""
+        with self._lock:
+            return len(self._items)
+
     def take(self) -> list[QueuedPush]:
         """The oldest waiting pushes, at most `most` of them."""
         with self._lock:

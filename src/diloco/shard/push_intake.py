@@ -7,7 +7,8 @@ reply). Every check of the header (size, fragment, who may speak for the learner
 of its data is read, by the gRPC call that carries the header; a bulk ticket is issued only after them,
 and only for the bytes that header declares. A push taken off the bulk port is answered with a ticket for
 its learner's next push, whose header then comes on the port with its data and is checked there, the same
-checks, for that learner only.
+checks, for that learner only; but not while other pushes wait for the shard, so that a shard that is
+behind paces its learners by the two-step way's gRPC call.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class PushIntake(ShardState):
                 log.error("push %d from learner %d over the bulk port failed: %s: %s", header.seq, header.learner,
                           type(exc).__name__, exc)
                 return REFUSED, f"the shard failed to take it: {type(exc).__name__}: {exc}".encode()
-            if (bulk := self.bulk) is not None:
+            if (bulk := self.bulk) is not None and not self.push_queue.waiting():
                 reply.next_ticket = bulk.ticket_ahead(learner, PushAhead(lambda raw: self._push_ahead(learner, raw, peer)))
             return TAKEN, reply.SerializeToString()
 
