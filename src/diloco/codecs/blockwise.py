@@ -66,6 +66,7 @@ class BlockCodec(Codec):
             raise DilocoError(f"codec block size must be an integer in 1..{MAX_BLOCK}, got {block!r}")
         self.block = block
         self._byte_table: torch.Tensor | None = None
+        self._loop_tables: compiled.DecodeTables | None = None
 
     @abstractmethod
     def quantize(self, x: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor) -> None:
@@ -155,8 +156,10 @@ class BlockCodec(Codec):
         payload = from_bytes(encoded.payload, torch.uint8, device)
         if compiled.decodes(per_byte, block) and compiled.usable(numel, payload, *([] if plus is None else [plus])):
             flat = torch.empty(numel, dtype=torch.float32)
-            values = self.byte_table().view(torch.float32).view(256, per_byte).numpy()
-            corrupt = compiled.decode(payload.numpy(), values, scales.numpy(), block, flat, plus)
+            if self._loop_tables is None:
+                values = self.byte_table().view(torch.float32).view(256, per_byte).numpy()
+                self._loop_tables = compiled.DecodeTables.of(values)
+            corrupt = compiled.decode(payload.numpy(), self._loop_tables, scales.numpy(), block, flat, plus)
         else:
             flat, corrupt = self._decode_chunks(payload, scales, numel, block, plus)
         if corrupt:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -65,20 +66,34 @@ def _loaded() -> bool:
     return True
 
 
-def decode(payload: np.ndarray, values: np.ndarray, scales: np.ndarray, block: int, out: torch.Tensor,
+@dataclass(frozen=True)
+class DecodeTables:
+    """A codec's byte table as the loops read it, made once per codec: each byte's first and (two codes
+    per byte) second value, and whether the byte holds a code no encoder writes."""
+
+    first: np.ndarray
+    second: np.ndarray | None
+    corrupt: np.ndarray
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> DecodeTables:
+        """From (256, codes per byte) fp32 values, the earlier element's first."""
+        second = np.ascontiguousarray(values[:, 1]) if values.shape[1] == 2 else None
+        return cls(np.ascontiguousarray(values[:, 0]), second,
+                   np.isnan(values).any(axis=1).astype(np.uint8))  # a value is NaN exactly where its code's is
+
+
+def decode(payload: np.ndarray, tables: DecodeTables, scales: np.ndarray, block: int, out: torch.Tensor,
            plus: torch.Tensor | None) -> bool:
-    """out[i] = values[code of element i] · scale of its block (+ plus[i]); True where any value before
-    `plus` is NaN (a code no encoder writes). `values` is (256, codes per byte) fp32: a byte's codes'
-    values, the earlier element's first. Two codes per byte need an even `block` (`decodes`)."""
+    """out[i] = the value of element i's code · its block's scale (+ plus[i]); True where any value before
+    `plus` is NaN (a code no encoder writes). Two codes per byte need an even `block` (`decodes`)."""
     target = out.numpy()
     added = target if plus is None else plus.reshape(-1).numpy()
-    corrupt = np.isnan(values).any(axis=1).astype(np.uint8)  # a value is NaN exactly where its code's is
-    first = np.ascontiguousarray(values[:, 0])
-    if values.shape[1] == 1:
-        return bool(_kernels()["singles"](payload, first, corrupt, scales, block, target, added, plus is not None))
-    second = np.ascontiguousarray(values[:, 1])
-    return bool(_kernels()["pairs"](payload, first, second, corrupt, scales, block, target, added,
-                                    plus is not None))
+    if tables.second is None:
+        return bool(_kernels()["singles"](payload, tables.first, tables.corrupt, scales, block, target, added,
+                                          plus is not None))
+    return bool(_kernels()["pairs"](payload, tables.first, tables.second, tables.corrupt, scales, block, target,
+                                    added, plus is not None))
 
 
 def decodes(codes_per_byte: int, block: int) -> bool:
