@@ -4,8 +4,9 @@ this kind of host), the same op over a chunk just written or read is a pass over
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,11 +24,37 @@ def chunks(numel: int, device: torch.device, multiple: int = 1) -> Iterator[tupl
         yield start, min(start + step, numel)
 
 
-def add_scaled(outs: list[torch.Tensor], totals: list[torch.Tensor | None], delta: torch.Tensor,
+class Coded(Protocol):
+    """A tensor still in its wire form that can be measured, sampled and added to sums without being decoded
+    (`codecs.coded_blocks`): a push as a shard takes it in. `coded_of` finds one in a push's deltas."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    def numel(self) -> int: ...
+
+    def norm(self) -> float: ...
+
+    def sample(self, index: torch.Tensor) -> torch.Tensor: ...
+
+    def add_scaled(self, outs: list[torch.Tensor], totals: list[torch.Tensor | None],
+                   alphas: list[float]) -> list[torch.Tensor]: ...
+
+
+def coded_of(deltas: Mapping[str, torch.Tensor], name: str) -> Coded | None:
+    """`deltas[name]` in its coded form where the mapping keeps one (`DecodedOnUse.coded`), else None."""
+    get = getattr(deltas, "coded", None)
+    return None if get is None else get(name)
+
+
+def add_scaled(outs: list[torch.Tensor], totals: list[torch.Tensor | None], delta: torch.Tensor | Coded,
                alphas: list[float]) -> list[torch.Tensor]:
     """outs[i] = totals[i] + alphas[i]·delta (alphas[i]·delta where totals[i] is None; in place where
     outs[i] is totals[i]), a chunk of `delta` at a time, so that it is read from memory once for all of
     them. Element by element the same arithmetic as one `torch.add` per sum over the whole tensor."""
+    if not isinstance(delta, torch.Tensor):
+        return delta.add_scaled(outs, totals, alphas)
     flat = delta.reshape(-1)
     targets = [(out.view(-1), None if total is None else total.reshape(-1), alpha)
                for out, total, alpha in zip(outs, totals, alphas)]

@@ -149,22 +149,30 @@ class BlockCodec(Codec):
         added to while it is in cache, the same arithmetic as separate passes over the whole tensor."""
         numel = self.checked_numel(encoded)
         block, per_byte = encoded.block, 8 // self.bits
-        scales = from_bytes(encoded.scales, torch.float32, device)
-        require_finite(scales, f"{self.name} tensor's scales")
-        if scales.numel() and bool((scales < 0).any()):
-            raise DilocoError(f"corrupt {self.name} tensor: a block scale is negative")
+        scales = self.check_scales(from_bytes(encoded.scales, torch.float32, device))
         payload = from_bytes(encoded.payload, torch.uint8, device)
         if compiled.decodes(per_byte, block) and compiled.usable(numel, payload, *([] if plus is None else [plus])):
             flat = torch.empty(numel, dtype=torch.float32)
-            if self._loop_tables is None:
-                values = self.byte_table().view(torch.float32).view(256, per_byte).numpy()
-                self._loop_tables = compiled.DecodeTables.of(values)
-            corrupt = compiled.decode(payload.numpy(), self._loop_tables, scales.numpy(), block, flat, plus)
+            corrupt = compiled.decode(payload.numpy(), self.loop_tables(), scales.numpy(), block, flat, plus)
         else:
             flat, corrupt = self._decode_chunks(payload, scales, numel, block, plus)
         if corrupt:
             raise DilocoError(f"corrupt {self.name} tensor: the payload holds a code no encoder writes")
         return flat[:numel].view(encoded.shape)
+
+    def check_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """`scales` if every block scale is finite and not negative, as an encoder writes them."""
+        require_finite(scales, f"{self.name} tensor's scales")
+        if scales.numel() and bool((scales < 0).any()):
+            raise DilocoError(f"corrupt {self.name} tensor: a block scale is negative")
+        return scales
+
+    def loop_tables(self) -> compiled.DecodeTables:
+        """The byte table as the compiled loops read it, made once."""
+        if self._loop_tables is None:
+            values = self.byte_table().view(torch.float32).view(256, 8 // self.bits).numpy()
+            self._loop_tables = compiled.DecodeTables.of(values)
+        return self._loop_tables
 
     def _decode_chunks(self, payload: torch.Tensor, scales: torch.Tensor, numel: int, block: int,
                        plus: torch.Tensor | None) -> tuple[torch.Tensor, bool]:

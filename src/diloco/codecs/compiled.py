@@ -36,6 +36,10 @@ def set_enabled(flag: bool) -> None:
     _enabled = flag and importlib.util.find_spec("numba") is not None
 
 
+def is_enabled() -> bool:
+    return _enabled
+
+
 def describe() -> str:
     """Which loops large tensors take, for a shard's log."""
     if _enabled:
@@ -49,10 +53,10 @@ def usable(numel: int, *tensors: torch.Tensor) -> bool:
     return (_enabled and numel >= MIN_ELEMENTS
             and all(type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
                     and not t.is_neg() for t in tensors)
-            and _loaded())
+            and loaded())
 
 
-def _loaded() -> bool:
+def loaded() -> bool:
     """numba imported and the loops defined; where numba is installed but will not import (a numpy it
     does not support), the torch ops from now on, said once."""
     global _enabled
@@ -74,13 +78,16 @@ class DecodeTables:
     first: np.ndarray
     second: np.ndarray | None
     corrupt: np.ndarray
+    squares: np.ndarray
+    """Σ value² of each byte's codes, in float64: a block's Σ value² is its scale² times the sum of these."""
 
     @classmethod
     def of(cls, values: np.ndarray) -> DecodeTables:
         """From (256, codes per byte) fp32 values, the earlier element's first."""
         second = np.ascontiguousarray(values[:, 1]) if values.shape[1] == 2 else None
         return cls(np.ascontiguousarray(values[:, 0]), second,
-                   np.isnan(values).any(axis=1).astype(np.uint8))  # a value is NaN exactly where its code's is
+                   np.isnan(values).any(axis=1).astype(np.uint8),  # a value is NaN exactly where its code's is
+                   np.nan_to_num((values.astype(np.float64) ** 2).sum(axis=1)))
 
 
 def decode(payload: np.ndarray, tables: DecodeTables, scales: np.ndarray, block: int, out: torch.Tensor,
@@ -94,6 +101,7 @@ def decode(payload: np.ndarray, tables: DecodeTables, scales: np.ndarray, block:
                                           plus is not None))
     return bool(_kernels()["pairs"](payload, tables.first, tables.second, tables.corrupt, scales, block, target,
                                     added, plus is not None))
+
 
 
 def decodes(codes_per_byte: int, block: int) -> bool:

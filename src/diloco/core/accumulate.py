@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from diloco.cache_chunks import coded_of
 from diloco.core.messages import Push
 from diloco.outer.merge import tensor_norm
 
@@ -41,6 +43,18 @@ def norm_of(tensor: torch.Tensor) -> float:
         _norms.clear()
     _norms[id(tensor)] = (weakref.ref(tensor), tensor._version, norm)
     return norm
+
+
+def delta_norm(deltas: Mapping[str, torch.Tensor], name: str) -> float:
+    """`norm_of(deltas[name])`, from its codes where a push keeps them (`cache_chunks.coded_of`): a shard
+    that folds pushes from their codes never decodes them."""
+    coded = coded_of(deltas, name)
+    return coded.norm() if coded is not None else norm_of(deltas[name])
+
+
+def delta_shape(deltas: Mapping[str, torch.Tensor], name: str) -> torch.Size:
+    coded = coded_of(deltas, name)
+    return coded.shape if coded is not None else deltas[name].shape
 
 
 SAMPLE = 4096
@@ -101,6 +115,7 @@ class Sampler:
                 self.indices[name] = torch.arange(first, numel, stride)
             offset += numel
 
-    def sample(self, deltas: dict[str, torch.Tensor]) -> torch.Tensor:
-        parts = [deltas[name].reshape(-1)[index].to(torch.float64) for name, index in self.indices.items()]
+    def sample(self, deltas: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        parts = [coded.sample(index) if (coded := coded_of(deltas, name)) is not None
+                 else deltas[name].reshape(-1)[index].to(torch.float64) for name, index in self.indices.items()]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)

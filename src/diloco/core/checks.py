@@ -18,7 +18,7 @@ import torch
 
 from diloco.core.claims import (MAX_SEQ_JUMP, Claims, impossible_step, overlap_problem, plausible, step_problem,
                                  token_problem)
-from diloco.core.accumulate import norm_of
+from diloco.core.accumulate import delta_norm, delta_shape
 from diloco.core.closing import all_finite
 from diloco.core.membership import Membership
 from diloco.core.merging import Merging
@@ -85,12 +85,12 @@ class Admission:
                                 f"({push.step_time_s!r} s) or send time ({push.sent_at!r})")
         if set(push.deltas) != set(state.fragment.names):
             raise ProtocolError(f"push of fragment {push.fragment} does not carry exactly the fragment's tensors")
-        for name, delta in push.deltas.items():
-            if delta.shape != self.merging.theta[name].shape:
+        for name in push.deltas:
+            if (shape := delta_shape(push.deltas, name)) != self.merging.theta[name].shape:
                 raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} has shape "
-                                    f"{tuple(delta.shape)}, expected {tuple(self.merging.theta[name].shape)}")
-        for name, delta in push.deltas.items():
-            if not math.isfinite(norm_of(delta)) and not all_finite([delta]):  # the norm, taken once for all
+                                    f"{tuple(shape)}, expected {tuple(self.merging.theta[name].shape)}")
+        for name in push.deltas:  # the norm, taken once for all: finite exactly when every element is
+            if not math.isfinite(delta_norm(push.deltas, name)) and not all_finite([push.deltas[name]]):
                 raise ProtocolError(f"push of fragment {push.fragment}: tensor {name!r} holds a value that is not finite")
         entry = members.ledger[push.learner]
         last_seq = max(entry.last_seq, members.session_start.get(push.learner, 0))

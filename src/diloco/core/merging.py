@@ -20,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
+from collections.abc import Mapping
 from typing import Callable, Iterable, Iterator
 
 import torch
 
-from diloco.cache_chunks import add_scaled
+from diloco.cache_chunks import Coded, add_scaled
 from diloco.codecs import Codec
-from diloco.core.accumulate import Contribution, Sampler, norm_of, trip_of
+from diloco.core.accumulate import Contribution, Sampler, delta_norm, trip_of
 from diloco.core.actions import Action, Publish, Timer
 from diloco.core.answering import Answering
 from diloco.core.closing import corrected_theta, judged_weight, next_theta, participation_share
@@ -111,7 +112,7 @@ class Merging:
             held.add(push, now, state.sampler.sample(push.deltas))
             return self.evaluate(state, now)
         raw = token_weight(push.tokens, push.steps) or 1.0  # weightless pushes still average, as equals
-        norms = {n: norm_of(d) for n, d in push.deltas.items()
+        norms = {n: delta_norm(push.deltas, n) for n in push.deltas
                  if self.merge_rule == "rda" and n not in self.embeddings}
         contribution = Contribution(push.learner, push.base_version, push.tokens, push.steps, push.seq, raw, norms,
                                     state.sampler.sample(push.deltas), now, push.final, trip_of(push, now))
@@ -137,12 +138,13 @@ class Merging:
             self._fold(state, state.whole[learner], contribution)
         state.whole = {}
 
-    def _fold(self, state: FragmentState, deltas: dict[str, torch.Tensor], contribution: Contribution,
+    def _fold(self, state: FragmentState, deltas: Mapping[str, torch.Tensor], contribution: Contribution,
               own_norms: bool = False, new: bool = True) -> None:
         state.sums.fold(deltas, contribution.weight, radial=contribution.norms, weighted=self._keeps_weighted(),
                         plain=self.merge_rule == "mean", own_norms=own_norms, new=new, add=self._add)
 
-    def _add(self, totals: list[torch.Tensor | None], delta: torch.Tensor, alphas: list[float]) -> list[torch.Tensor]:
+    def _add(self, totals: list[torch.Tensor | None], delta: torch.Tensor | Coded,
+             alphas: list[float]) -> list[torch.Tensor]:
         """total + alpha·delta for each of a round's sums of one tensor, reading `delta` once for all
         (`cache_chunks.add_scaled`): in place into a sum this transaction made (nobody else holds it: a
         refused transaction drops it whole), else into a free buffer (`scratch.py`), which the undo log's

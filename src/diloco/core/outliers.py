@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 
 import torch
 
-from diloco.core.accumulate import norm_of
+from diloco.core.accumulate import delta_norm
 from diloco.core.messages import Push
 from diloco.core.undo import UndoLog
 
@@ -45,10 +46,10 @@ GROWTH = 1.25
 """Most the reference size may grow per accepted push of a fragment."""
 
 
-def push_norm(deltas: dict[str, torch.Tensor]) -> float:
+def push_norm(deltas: Mapping[str, torch.Tensor]) -> float:
     """‖Δ‖ over a fragment's tensors: each tensor's in float32 (float64 where that overflows), summed in
     float64, so no finite float32 input overflows it."""
-    return math.sqrt(sum(norm_of(d) ** 2 for d in deltas.values()))
+    return math.sqrt(sum(delta_norm(deltas, name) ** 2 for name in deltas))
 
 
 def _lower_median(values: list[float]) -> float:

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Callable, Literal, Sequence
 
 import torch
 
-from diloco.cache_chunks import Scaled, add_scaled
+from diloco.cache_chunks import Coded, Scaled, add_scaled, coded_of
 from diloco.outer.buffers import NewTensor, fp32_like
 
 MergeRule = Literal["mean", "weighted", "rda"]
-Adder = Callable[[list[torch.Tensor | None], torch.Tensor, list[float]], list[torch.Tensor]]
+Adder = Callable[[list[torch.Tensor | None], "torch.Tensor | Coded", list[float]], list[torch.Tensor]]
 """add(totals, delta, alphas): each total + alpha·delta (alpha·delta where the total is None)."""
 MERGE_RULES: tuple[str, ...] = ("mean", "weighted", "rda")
 CANCEL_TOLERANCE = 1e-6
@@ -55,7 +56,7 @@ class MergeSums:
     count: int = 0
     """Contributions, for the plain mean."""
 
-    def fold(self, deltas: dict[str, torch.Tensor], weight: float, *, radial: dict[str, float],
+    def fold(self, deltas: Mapping[str, torch.Tensor], weight: float, *, radial: dict[str, float],
              weighted: bool = True, plain: bool = False, new: bool = True, own_norms: bool = False,
              add: Adder | None = None) -> None:
         """Add one outer gradient with `weight`. `radial` names the tensors averaged radially, each with
@@ -64,8 +65,9 @@ class MergeSums:
         not more of one already in. `add(totals, delta, alphas)` adds to all of a tensor's sums at once,
         reading the delta once (default: into new tensors)."""
         add = add or _added
-        for name, delta in deltas.items():
-            delta = delta.to(torch.float32)
+        for name in deltas:
+            coded = coded_of(deltas, name)  # a push folded from its codes, never decoded
+            delta = coded if coded is not None else deltas[name].to(torch.float32)
             sums: list[dict[str, torch.Tensor]] = []
             alphas: list[float] = []
             if weighted:
@@ -73,7 +75,7 @@ class MergeSums:
             if plain:
                 sums.append(self.plain_sum), alphas.append(1.0)
             if name in radial:
-                norm = radial[name] if own_norms else tensor_norm(delta)
+                norm = radial[name] if own_norms else coded.norm() if coded is not None else tensor_norm(delta)
                 self.radius[name] = self.radius.get(name, 0.0) + weight * norm
                 if radial[name] > 0:
                     sums.append(self.directions), alphas.append(weight / radial[name])
@@ -129,9 +131,10 @@ class MergeSums:
                    dict(plain["radius"]), float(plain["weight"]), int(plain["count"]))
 
 
-def _added(totals: list[torch.Tensor | None], delta: torch.Tensor, alphas: list[float]) -> list[torch.Tensor]:
+def _added(totals: list[torch.Tensor | None], delta: torch.Tensor | Coded, alphas: list[float]) -> list[torch.Tensor]:
     """total + alpha·delta for each, as new tensors."""
-    return add_scaled([torch.empty_like(delta) for _ in totals], totals, delta, alphas)
+    return add_scaled([torch.empty(delta.shape, dtype=torch.float32, device=delta.device) for _ in totals],
+                      totals, delta, alphas)
 
 
 def _check(count: int, weights: Sequence[float]) -> None:

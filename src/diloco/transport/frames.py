@@ -15,6 +15,8 @@ from typing import Any, Union
 import torch
 
 from diloco.codecs import CODEC_NAMES, DEFAULT_BLOCK, Encoded, get_codec
+from diloco.codecs.blockwise import BlockCodec
+from diloco.codecs.coded_blocks import CodedBlocks, coded_blocks
 from diloco.codecs.encoded import MAX_NDIM
 from diloco.errors import DilocoError
 from diloco.v1 import diloco_pb2 as pb
@@ -268,6 +270,16 @@ def decode(encoded: Encoded) -> torch.Tensor:
         return get_codec(encoded.codec, encoded.block or DEFAULT_BLOCK).decode(encoded).reshape(encoded.shape)
     except (DilocoError, RuntimeError, ValueError) as exc:
         raise FrameError(str(exc)) from None
+
+
+def coded(encoded: Encoded, complain: Callable[[str], Exception]) -> CodedBlocks | None:
+    """`encoded` readable from its codes, without decoding it, where its codec and this host allow
+    (`codecs.coded_blocks`); None: decode it. Bytes that do not fit are refused through `complain`."""
+    try:
+        codec = get_codec(encoded.codec, encoded.block or DEFAULT_BLOCK)
+    except DilocoError as exc:
+        raise complain(str(exc)) from None
+    return coded_blocks(codec, encoded, complain) if isinstance(codec, BlockCodec) else None
 
 
 def encode_fp32(values: dict[str, torch.Tensor]) -> dict[str, Encoded]:

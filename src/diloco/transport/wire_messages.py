@@ -18,6 +18,7 @@ import torch
 
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded, get_codec
+from diloco.codecs.coded_blocks import CodedBlocks
 from diloco.config import Config
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.core.refusals import ProtocolError
@@ -25,7 +26,7 @@ from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.strategies import StrategySpec, Wiring, build_strategy
 from diloco.transport.bulk import BulkServer
-from diloco.transport.frames import (Frame, FrameError, data_frames, data_views, decode, encode_fp32,
+from diloco.transport.frames import (Frame, FrameError, coded, data_frames, data_views, decode, encode_fp32,
                                      encode_snapshot, message_frames, tensor_header)
 from diloco.v1 import diloco_pb2 as pb
 
@@ -44,13 +45,23 @@ class DecodedOnUse(Mapping):
     def __init__(self, tensors: dict[str, Encoded]) -> None:
         self.tensors = tensors
         self.decoded: dict[str, torch.Tensor] = {}
+        self._coded: dict[str, CodedBlocks | None] = {}
+
+    def coded(self, name: str) -> CodedBlocks | None:
+        """The tensor readable from its codes, never decoded (`codecs.coded_blocks`), where its codec and this
+        host allow and it was not decoded already; None: read it as a tensor."""
+        if name in self.decoded:
+            return None
+        if name not in self._coded:
+            self._coded[name] = coded(self.tensors[name], _bad_push)
+        return self._coded[name]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.decoded:
             try:
                 self.decoded[name] = decode(self.tensors[name])
             except FrameError as exc:
-                raise ProtocolError(f"bad push: {exc}") from None
+                raise _bad_push(str(exc)) from None
         return self.decoded[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -61,7 +72,11 @@ class DecodedOnUse(Mapping):
 
     def release(self) -> None:
         """The core took the push in: its decoded values are no longer needed here."""
-        self.decoded = {}
+        self.decoded, self._coded = {}, {}
+
+
+def _bad_push(why: str) -> ProtocolError:
+    return ProtocolError(f"bad push: {why}")
 
 
 def push_header(sender: int, push: Push, encoded: dict[str, Encoded]) -> pb.PushHeader:

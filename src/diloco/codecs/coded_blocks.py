@@ -1,0 +1,108 @@
+"""A block-coded push measured, sampled and folded into a round's sums straight from its codes.
+
+Why: a shard reads each push three times after decoding it (its norm, a sample, the fold into the
+round's sums), and the decoded tensor itself is new memory, four bytes per element written and paged in
+before it is read again. From its codes the push is read as half a byte (int4) per element: once for its
+norm and once per sum it is folded into, and its fp32 values are never written.
+
+The fold is bit for bit what decoding and then `cache_chunks.add_scaled` gives (`compiled_sums.fold`, checked
+against this torch by `compiled_sums.folds_like_torch`). The norm is not: each block's is its scale² times its
+codes' Σ (code value)², summed in float64, which differs from the decoded values' own norm by their fp32
+rounding (about 1e-7 relative), where `tensor_norm` sums the decoded values in fp32 and is off by its
+summation error (about 1e-6 relative for a few million elements). That moves the radial merge's scale
+and the outlier bound's measure by as much; the finite check is unaffected (code values are at most 1,
+so a finite scale gives finite values). A shard without the compiled loops decodes as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+import diloco.codecs.compiled as compiled
+import diloco.codecs.compiled_sums as compiled_sums
+from diloco.cache_chunks import add_scaled
+from diloco.codecs.base import from_bytes
+from diloco.codecs.encoded import Encoded
+from diloco.errors import DilocoError
+
+if TYPE_CHECKING:
+    from diloco.codecs.blockwise import BlockCodec
+
+Complaint = Callable[[str], Exception]
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class CodedBlocks:
+    """One block-coded tensor, readable as a tensor is where a round takes a push in: shape, norm, a
+    sample of coordinates, and `add_scaled` into sums. Made only by `coded_blocks` (checked bytes)."""
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def __init__(self, codec: BlockCodec, encoded: Encoded, numel: int, complain: Complaint) -> None:
+        self.codec, self.encoded, self._numel, self.complain = codec, encoded, numel, complain
+        self.shape = torch.Size(encoded.shape)
+        self.payload = from_bytes(encoded.payload, torch.uint8, "cpu").numpy()
+        self.scales = from_bytes(encoded.scales, torch.float32, "cpu").numpy()
+        self.tables = codec.loop_tables()
+        self._norm: float | None = None
+
+    def numel(self) -> int:
+        return self._numel
+
+    def norm(self) -> float:
+        """‖values‖ from the codes in float64, rounded to fp32 (left float64 where an fp32 sum of squares would
+        overflow, as in `tensor_norm`); a code no encoder writes is refused as decoding refuses it."""
+        if self._norm is None:
+            squares, corrupt = compiled_sums.square_sum(self.payload, self.tables, self.scales, self.encoded.block,
+                                                   self._numel)
+            if corrupt:
+                raise self.complain(f"corrupt {self.codec.name} tensor: the payload holds a code no encoder writes")
+            norm = math.sqrt(squares)  # fp32 as where its sum of squares fits, as `tensor_norm`'s does
+            self._norm = float(np.float32(norm)) if squares <= FP32_MAX else norm
+        return self._norm
+
+    def sample(self, index: torch.Tensor) -> torch.Tensor:
+        """The values at flat positions `index`, as float64: each its code's value times its block's scale,
+        the decode's fp32 product."""
+        per_byte = 8 // self.codec.bits
+        payload = torch.from_numpy(self.payload)[index // per_byte].long()  # a gather: a copy, never written
+        codes = (payload >> (4 * (index % per_byte))) & 15 if per_byte == 2 else payload
+        values = self.codec.code_values()[codes] * torch.from_numpy(self.scales)[index // self.encoded.block]
+        return values.to(torch.float64)
+
+    def add_scaled(self, outs: list[torch.Tensor], totals: list[torch.Tensor | None],
+                   alphas: list[float]) -> list[torch.Tensor]:
+        """`cache_chunks.add_scaled` of the decoded values, each sum read and written once, the values never
+        written; through a decoded tensor where a sum is not a plain CPU tensor."""
+        self.norm()  # the codes are checked before anything is written
+        if not compiled.usable(self._numel, *outs, *(t for t in totals if t is not None)):
+            return add_scaled(outs, totals, self.decoded(), alphas)
+        compiled_sums.fold(self.payload, self.tables, self.scales, self.encoded.block, outs, totals, alphas)
+        return outs
+
+    def decoded(self) -> torch.Tensor:
+        try:
+            return self.codec.decode(self.encoded)
+        except DilocoError as exc:
+            raise self.complain(str(exc)) from None
+
+
+def coded_blocks(codec: BlockCodec, encoded: Encoded, complain: Complaint = DilocoError) -> CodedBlocks | None:
+    """`encoded` as CodedBlocks where the compiled loops fold it on this host, else None (decode it).
+    Its bytes and scales are checked here as decoding checks them, refused through `complain`."""
+    per_byte = 8 // codec.bits
+    if not (compiled.decodes(per_byte, encoded.block) and encoded.numel() >= compiled.MIN_ELEMENTS
+            and compiled_sums.folds()):
+        return None
+    try:
+        numel = codec.checked_numel(encoded)
+        codec.check_scales(from_bytes(encoded.scales, torch.float32, "cpu"))
+    except DilocoError as exc:
+        raise complain(str(exc)) from None
+    return CodedBlocks(codec, encoded, numel, complain)

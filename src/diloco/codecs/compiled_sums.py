@@ -1,0 +1,218 @@
+"""Compiled loops that fold a block-coded push into a round's sums, and measure it, from its codes (the
+`fast` extra, as `compiled.py`; used by `coded_blocks.py`).
+
+The fold is one fused multiply-add per element, which is what torch's `add(total, values, alpha=alpha)`
+computes wherever its CPU kernels are vectorized; `folds_like_torch` checks that against the torch in this
+process once, and without it nothing here is used. The sum of squares is float64 and is not bit for bit
+any torch op's (see `square_sum`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import numpy as np
+import torch
+
+import diloco.codecs.compiled as compiled
+from diloco.codecs.compiled import DecodeTables
+
+
+def square_sum(payload: np.ndarray, tables: DecodeTables, scales: np.ndarray, block: int, numel: int) -> tuple[float, bool]:
+    """Σ value² in float64, each block's as its scale² times its codes' Σ (code value)², and whether any code
+    is one no encoder writes. It differs from the decoded values' own Σ value² by their fp32 rounding
+    (about 1e-7 relative); no sum of fp32 squares overflows it. Nothing is written."""
+    per_byte = 1 if tables.second is None else 2
+    total, corrupt = _kernels()["square_sum"](payload, tables.squares, tables.first, tables.corrupt, scales,
+                                              block // per_byte, numel // per_byte, numel % per_byte)
+    return float(total), bool(corrupt)
+
+
+def fold(payload: np.ndarray, tables: DecodeTables, scales: np.ndarray, block: int, outs: list[torch.Tensor],
+         totals: list[torch.Tensor | None], alphas: list[float]) -> None:
+    """outs[i] = totals[i] + alphas[i]·value for each decoded value (alphas[i]·value where totals[i] is None;
+    outs[i] may be totals[i]), as one fused multiply-add per element: what torch's `add(total, values,
+    alpha=alpha)` computes on this CPU, which `folds_like_torch` checks before anyone relies on it. The values
+    are never written; two sums are folded in one pass, each value decoded once for both."""
+    kernels = _kernels()
+    kind = "singles" if tables.second is None else "pairs"
+    codes = (payload, tables.first) if tables.second is None else (payload, tables.first, tables.second)
+    pending = list(zip(outs, totals, alphas))
+    while pending:
+        if len(pending) >= 2 and pending[0][1] is not None and pending[1][1] is not None:
+            (out0, total0, alpha0), (out1, total1, alpha1) = pending[:2]
+            kernels[f"fold_{kind}_two"](*codes, scales, block, _flat(out0), _flat(total0), np.float32(alpha0),
+                                        _flat(out1), _flat(total1), np.float32(alpha1))
+            pending = pending[2:]
+            continue
+        out, total, alpha = pending.pop(0)
+        target = _flat(out)
+        base = target if total is None else _flat(total)
+        kernels[f"fold_{kind}"](*codes, scales, block, target, base, np.float32(alpha), total is not None)
+
+
+def _flat(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.reshape(-1).numpy()
+
+
+def folds() -> bool:
+    """Whether pushes are folded into sums from their codes (`coded_blocks.py`): the loops on, and checked."""
+    return compiled.is_enabled() and folds_like_torch()
+
+
+@cache
+def folds_like_torch() -> bool:
+    """Whether `fold` gives torch's values bit for bit here: torch's `add` with an alpha is a fused
+    multiply-add wherever its CPU kernels are vectorized (every x86-64 and arm64 build), but not on every
+    build, so it is checked once on this process's torch before decoding into sums replaces decoding."""
+    if not (compiled.is_enabled() and compiled.loaded()):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    numel, block = compiled.MIN_ELEMENTS + 37, 64
+    values = torch.randn(numel, generator=generator)
+    scales = torch.rand(-(-numel // block), generator=generator).numpy() + np.float32(0.5)
+    codes = torch.randint(-7, 8, (numel + 1,), generator=generator, dtype=torch.int8).numpy()
+    table = np.arange(256, dtype=np.int64)
+    pair = np.stack([((table & 15) ^ 8) - 8, ((table >> 4) ^ 8) - 8], axis=1).astype(np.float32) / np.float32(7)
+    tables = DecodeTables.of(pair)
+    payload = compiled.pack_nibbles(codes)
+    decoded = torch.empty(numel)
+    compiled.decode(payload, tables, scales, block, decoded, None)
+    total, other, alpha = values.clone(), values.flip(0), 0.3712345
+    fold(payload, tables, scales, block, [total, other], [total, other], [alpha, 1.0])
+    scaled = torch.empty(numel)
+    fold(payload, tables, scales, block, [scaled], [None], [alpha])
+    return bool(torch.equal(total, torch.add(values, decoded, alpha=alpha))
+                and torch.equal(other, torch.add(values.flip(0), decoded))
+                and torch.equal(scaled, torch.mul(decoded, alpha)))
+
+
+@cache
+def _kernels() -> dict[str, Callable[..., Any]]:
+    """The loops, compiled on first use (see `compiled._kernels` for how they are written to vectorize)."""
+    import numba
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+    summing = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", fastmath={"reassoc"})
+    """For the float64 sums of squares alone: reordering their adds lets the compiler vectorize them, and
+    the sums are rounded to fp32 afterwards, which float64's reordered adds do not reach."""
+
+    @intrinsic
+    def fma32(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+        """a·b + c rounded once, as torch's vectorized `add(alpha=)` computes it."""
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            return builder.fma(*args)
+        return types.float32(types.float32, types.float32, types.float32), codegen
+
+    @summing
+    def square_sum(payload, squares, first, corrupt, scales, bytes_per_block, whole_bytes, odd):  # type: ignore[no-untyped-def]
+        flag = np.uint8(0)
+        total = 0.0
+        for b in range(scales.shape[0]):
+            source = payload[b * bytes_per_block:min((b + 1) * bytes_per_block, whole_bytes)]
+            part = 0.0
+            for j in range(source.shape[0]):
+                byte = source[j]
+                flag |= corrupt[byte]
+                part += squares[byte]
+            scale = np.float64(scales[b])
+            total += part * scale * scale
+        if odd:  # an odd int4 count's last byte holds one code (its byte checked whole, as `pairs` does)
+            byte = payload[whole_bytes]
+            flag |= corrupt[byte]
+            value = np.float64(first[byte]) * np.float64(scales[scales.shape[0] - 1])
+            total += value * value
+        return total, flag != 0
+
+    @jit
+    def fold_pairs(payload, first, second, scales, block, out, total, alpha, add):  # type: ignore[no-untyped-def]
+        half = block // 2
+        numel = out.shape[0]
+        whole_bytes = numel // 2
+        for b in range(scales.shape[0]):
+            scale = scales[b]
+            start = b * half
+            stop = min(start + half, whole_bytes)
+            if stop <= start:
+                break
+            source = payload[start:stop]
+            target = out[2 * start:2 * stop]
+            if add:
+                base = total[2 * start:2 * stop]
+                for j in range(source.shape[0]):
+                    byte = source[j]
+                    target[2 * j] = fma32(first[byte] * scale, alpha, base[2 * j])
+                    target[2 * j + 1] = fma32(second[byte] * scale, alpha, base[2 * j + 1])
+            else:
+                for j in range(source.shape[0]):
+                    byte = source[j]
+                    target[2 * j] = first[byte] * scale * alpha
+                    target[2 * j + 1] = second[byte] * scale * alpha
+        if numel % 2:
+            value = first[payload[whole_bytes]] * scales[scales.shape[0] - 1]
+            out[numel - 1] = fma32(value, alpha, total[numel - 1]) if add else value * alpha
+
+    @jit
+    def fold_singles(payload, first, scales, block, out, total, alpha, add):  # type: ignore[no-untyped-def]
+        numel = out.shape[0]
+        for b in range(scales.shape[0]):
+            scale = scales[b]
+            start = b * block
+            stop = min(start + block, numel)
+            source = payload[start:stop]
+            target = out[start:stop]
+            if add:
+                base = total[start:stop]
+                for i in range(source.shape[0]):
+                    target[i] = fma32(first[source[i]] * scale, alpha, base[i])
+            else:
+                for i in range(source.shape[0]):
+                    target[i] = first[source[i]] * scale * alpha
+
+    @jit
+    def fold_pairs_two(payload, first, second, scales, block, out0, base0, alpha0, out1, base1, alpha1):  # type: ignore[no-untyped-def]
+        half = block // 2
+        numel = out0.shape[0]
+        whole_bytes = numel // 2
+        for b in range(scales.shape[0]):
+            scale = scales[b]
+            start = b * half
+            stop = min(start + half, whole_bytes)
+            if stop <= start:
+                break
+            source = payload[start:stop]
+            target0, target1 = out0[2 * start:2 * stop], out1[2 * start:2 * stop]
+            sum0, sum1 = base0[2 * start:2 * stop], base1[2 * start:2 * stop]
+            for j in range(source.shape[0]):
+                byte = source[j]
+                low = first[byte] * scale
+                high = second[byte] * scale
+                target0[2 * j] = fma32(low, alpha0, sum0[2 * j])
+                target0[2 * j + 1] = fma32(high, alpha0, sum0[2 * j + 1])
+                target1[2 * j] = fma32(low, alpha1, sum1[2 * j])
+                target1[2 * j + 1] = fma32(high, alpha1, sum1[2 * j + 1])
+        if numel % 2:
+            value = first[payload[whole_bytes]] * scales[scales.shape[0] - 1]
+            out0[numel - 1] = fma32(value, alpha0, base0[numel - 1])
+            out1[numel - 1] = fma32(value, alpha1, base1[numel - 1])
+
+    @jit
+    def fold_singles_two(payload, first, scales, block, out0, base0, alpha0, out1, base1, alpha1):  # type: ignore[no-untyped-def]
+        numel = out0.shape[0]
+        for b in range(scales.shape[0]):
+            scale = scales[b]
+            start = b * block
+            stop = min(start + block, numel)
+            source = payload[start:stop]
+            target0, target1, sum0, sum1 = out0[start:stop], out1[start:stop], base0[start:stop], base1[start:stop]
+            for i in range(source.shape[0]):
+                value = first[source[i]] * scale
+                target0[i] = fma32(value, alpha0, sum0[i])
+                target1[i] = fma32(value, alpha1, sum1[i])
+
+    return {"square_sum": square_sum, "fold_pairs": fold_pairs, "fold_singles": fold_singles,
+            "fold_pairs_two": fold_pairs_two, "fold_singles_two": fold_singles_two}
