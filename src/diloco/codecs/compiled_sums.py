@@ -93,20 +93,13 @@ def folds_like_torch() -> bool:
 def _kernels() -> dict[str, Callable[..., Any]]:
     """The loops, compiled on first use (see `compiled._kernels` for how they are written to vectorize)."""
     import numba
-    from numba.core import types
-    from numba.extending import intrinsic
 
-    jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+    fusing = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", fastmath={"contract"})
+    """For the folds alone: value·alpha + sum contracted into one fused multiply-add, as torch's `add(alpha=)`
+    is (a·b + c is the only product-and-sum in them that the compiler may fuse; `folds_like_torch` checks)."""
     summing = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", fastmath={"reassoc"})
     """For the float64 sums of squares alone: reordering their adds lets the compiler vectorize them, and
     the sums are rounded to fp32 afterwards, which float64's reordered adds do not reach."""
-
-    @intrinsic
-    def fma32(typingctx, a, b, c):  # type: ignore[no-untyped-def]
-        """a·b + c rounded once, as torch's vectorized `add(alpha=)` computes it."""
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            return builder.fma(*args)
-        return types.float32(types.float32, types.float32, types.float32), codegen
 
     @summing
     def square_sum(payload, squares, first, corrupt, scales, bytes_per_block, whole_bytes, odd):  # type: ignore[no-untyped-def]
@@ -128,7 +121,7 @@ def _kernels() -> dict[str, Callable[..., Any]]:
             total += value * value
         return total, flag != 0
 
-    @jit
+    @fusing
     def fold_pairs(payload, first, second, scales, block, out, total, alpha, add):  # type: ignore[no-untyped-def]
         half = block // 2
         numel = out.shape[0]
@@ -145,8 +138,8 @@ def _kernels() -> dict[str, Callable[..., Any]]:
                 base = total[2 * start:2 * stop]
                 for j in range(source.shape[0]):
                     byte = source[j]
-                    target[2 * j] = fma32(first[byte] * scale, alpha, base[2 * j])
-                    target[2 * j + 1] = fma32(second[byte] * scale, alpha, base[2 * j + 1])
+                    target[2 * j] = first[byte] * scale * alpha + base[2 * j]
+                    target[2 * j + 1] = second[byte] * scale * alpha + base[2 * j + 1]
             else:
                 for j in range(source.shape[0]):
                     byte = source[j]
@@ -154,9 +147,9 @@ def _kernels() -> dict[str, Callable[..., Any]]:
                     target[2 * j + 1] = second[byte] * scale * alpha
         if numel % 2:
             value = first[payload[whole_bytes]] * scales[scales.shape[0] - 1]
-            out[numel - 1] = fma32(value, alpha, total[numel - 1]) if add else value * alpha
+            out[numel - 1] = value * alpha + total[numel - 1] if add else value * alpha
 
-    @jit
+    @fusing
     def fold_singles(payload, first, scales, block, out, total, alpha, add):  # type: ignore[no-untyped-def]
         numel = out.shape[0]
         for b in range(scales.shape[0]):
@@ -168,12 +161,12 @@ def _kernels() -> dict[str, Callable[..., Any]]:
             if add:
                 base = total[start:stop]
                 for i in range(source.shape[0]):
-                    target[i] = fma32(first[source[i]] * scale, alpha, base[i])
+                    target[i] = first[source[i]] * scale * alpha + base[i]
             else:
                 for i in range(source.shape[0]):
                     target[i] = first[source[i]] * scale * alpha
 
-    @jit
+    @fusing
     def fold_pairs_two(payload, first, second, scales, block, out0, base0, alpha0, out1, base1, alpha1):  # type: ignore[no-untyped-def]
         half = block // 2
         numel = out0.shape[0]
@@ -191,16 +184,16 @@ def _kernels() -> dict[str, Callable[..., Any]]:
                 byte = source[j]
                 low = first[byte] * scale
                 high = second[byte] * scale
-                target0[2 * j] = fma32(low, alpha0, sum0[2 * j])
-                target0[2 * j + 1] = fma32(high, alpha0, sum0[2 * j + 1])
-                target1[2 * j] = fma32(low, alpha1, sum1[2 * j])
-                target1[2 * j + 1] = fma32(high, alpha1, sum1[2 * j + 1])
+                target0[2 * j] = low * alpha0 + sum0[2 * j]
+                target0[2 * j + 1] = high * alpha0 + sum0[2 * j + 1]
+                target1[2 * j] = low * alpha1 + sum1[2 * j]
+                target1[2 * j + 1] = high * alpha1 + sum1[2 * j + 1]
         if numel % 2:
             value = first[payload[whole_bytes]] * scales[scales.shape[0] - 1]
-            out0[numel - 1] = fma32(value, alpha0, base0[numel - 1])
-            out1[numel - 1] = fma32(value, alpha1, base1[numel - 1])
+            out0[numel - 1] = value * alpha0 + base0[numel - 1]
+            out1[numel - 1] = value * alpha1 + base1[numel - 1]
 
-    @jit
+    @fusing
     def fold_singles_two(payload, first, scales, block, out0, base0, alpha0, out1, base1, alpha1):  # type: ignore[no-untyped-def]
         numel = out0.shape[0]
         for b in range(scales.shape[0]):
@@ -211,8 +204,8 @@ def _kernels() -> dict[str, Callable[..., Any]]:
             target0, target1, sum0, sum1 = out0[start:stop], out1[start:stop], base0[start:stop], base1[start:stop]
             for i in range(source.shape[0]):
                 value = first[source[i]] * scale
-                target0[i] = fma32(value, alpha0, sum0[i])
-                target1[i] = fma32(value, alpha1, sum1[i])
+                target0[i] = value * alpha0 + sum0[i]
+                target1[i] = value * alpha1 + sum1[i]
 
     return {"square_sum": square_sum, "fold_pairs": fold_pairs, "fold_singles": fold_singles,
             "fold_pairs_two": fold_pairs_two, "fold_singles_two": fold_singles_two}
