@@ -57,6 +57,22 @@ class SeededShard:
                                step_time_s=0.1, tensors=[tensor_header(n, encoded[n]) for n in names])
         return header, encoded
 
+    def assert_resumes_as(self, state_dir: Path, live: dict,
+                          keys: tuple[str, ...] = ("theta", "fragments", "rounds", "last_weight", "ledger")) -> None:
+        """Killed now, a shard resumed from `state_dir` (its saved state and journal) holds `live`'s `keys`
+        (`frozen` core state) bit for bit."""
+        from diloco.shard.server import ShardPlan, SyncerShard
+        from core_state import frozen, same
+
+        self.kill()
+        resumed = SyncerShard(self.config, ShardPlan(0, 1, ("",)), state_dir=state_dir, resume=True)
+        try:
+            after = frozen(resumed.core)
+            for key in keys:
+                assert same(live[key], after[key]), key
+        finally:
+            resumed.stop()
+
     def kill(self) -> None:
         """As SIGKILL: nothing more is saved (the journal is what is on disk)."""
         self.client.close()

@@ -196,3 +196,55 @@ def test_any_size_folds_samples_and_measures_as_decoded(numel, name, block, monk
                        add_scaled([torch.empty(numel)], [total], decoded, [0.25])[0])
     assert math.isclose(coded.norm(), math.sqrt(float((decoded.double() ** 2).sum())), rel_tol=2e-7, abs_tol=1e-30)
     assert torch.equal(coded.sample(torch.arange(numel)), decoded.double())
+
+
+@pytest.mark.integration
+def test_a_shard_resumed_from_its_journal_replays_coded_pushes_as_it_took_them(tmp_path, monkeypatch):
+    """The live shard took int4 pushes from their codes (radial merge: norms from the codes); its journal's
+    replay must take them the same way, or the resumed Θ would differ from the one learners were sent."""
+    from diloco.shard.group_commit import QueuedPush, take_group
+    from diloco.transport.frames import tensor_header
+    from diloco.transport.wire_messages import push_payload
+    from diloco.v1 import diloco_pb2 as pb
+    from core_state import frozen
+    from shard_on_disk import SeededShard, _no_shard_left  # noqa: F401 (an autouse fixture)
+
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)  # the tiny model's tensors take the coded path too
+    seeded = SeededShard(tmp_path)
+    shard = seeded.shard
+    codec = get_codec("int4", 64)
+
+    def message(seq: int):
+        encoded = {n: codec.encode(torch.randn(t.shape, generator=torch.Generator().manual_seed(seq)) * 1e-2)
+                   for n, t in shard.core.theta.items()}
+        header = pb.PushHeader(learner=0, fragment=0, base_version=shard.core.version(0), seq=seq, tokens=8, steps=1,
+                               step=seq, step_time_s=0.1, tensors=[tensor_header(n, e) for n, e in encoded.items()])
+        return header, encoded
+
+    def corrupt(header, tensors):  # a code no encoder writes: refused in the group, journaled with it
+        name = next(iter(tensors))
+        e = tensors[name]
+        bad = Encoded(e.codec, e.shape, e.block, b"\x88" + bytes(e.payload)[1:], e.scales)
+        return header, {**tensors, name: bad}
+
+    with shard.lock:
+        for seq in (1, 2, 3):
+            header, tensors = message(seq)
+            push = push_of_coded(header, tensors)
+            assert any(push.deltas.coded(n) is not None for n in tensors)
+            item = QueuedPush(push, push_payload(header, tensors))
+            take_group(shard, [item], shard.clock.now())
+            assert item.outcome == "taken"
+        group = [message(4), corrupt(*message(5)), message(6)]
+        group[1][0].seq, group[2][0].seq = 5, 6
+        items = [QueuedPush(push_of_coded(h, t), push_payload(h, t)) for h, t in group]
+        take_group(shard, items, shard.clock.now())
+        assert [q.outcome for q in items] == ["taken", "refused", "taken"]
+        assert "code no encoder writes" in items[1].why
+        live = frozen(shard.core)
+    seeded.assert_resumes_as(tmp_path, live)
+
+
+def push_of_coded(header, tensors):
+    from diloco.transport.wire_messages import push_of
+    return push_of(header, tensors, DecodedOnUse(tensors))

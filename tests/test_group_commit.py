@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diloco.codecs import Encoded
 from diloco.config import load_config
 from diloco.core.actions import Publish, PushRefused
 from diloco.core.events import PushArrived, PushesArrived
@@ -104,7 +105,6 @@ def test_journal_replay_of_a_grouped_round_gives_the_identical_state(tmp_path):
     """A group journaled as one record, one of its pushes refused: a shard resumed from the journal holds
     exactly what the live shard held (Θ, rounds, optimizer, ledger), the refused push taken by neither."""
     from diloco.shard.group_commit import QueuedPush, take_group
-    from diloco.shard.server import ShardPlan, SyncerShard
     from diloco.transport.wire_messages import DecodedOnUse, push_of, push_payload
 
     seeded = SeededShard(tmp_path)
@@ -119,14 +119,29 @@ def test_journal_replay_of_a_grouped_round_gives_the_identical_state(tmp_path):
         live = frozen(shard.core)
     kinds = [r.kind for r in Journal.scan(tmp_path / "shard-0.journal").records]
     assert "PushesArrived" in kinds
-    seeded.kill()
-    resumed = SyncerShard(seeded.config, ShardPlan(0, 1, ("",)), state_dir=tmp_path, resume=True)
-    try:
-        after = frozen(resumed.core)
-        for key in ("theta", "fragments", "rounds", "last_weight", "ledger"):
-            assert same(live[key], after[key]), key
-    finally:
-        resumed.stop()
+    seeded.assert_resumes_as(tmp_path, live)
+
+
+@pytest.mark.integration
+def test_a_group_with_a_push_that_does_not_decode_is_replayed_from_the_journal(tmp_path):
+    """A push whose values are not finite is refused when the core reads it, inside its group, and the group
+    is journaled whole: replay must read it the same way (refused again), not fail to read the journal."""
+    from diloco.shard.group_commit import QueuedPush, take_group
+    from diloco.transport.wire_messages import DecodedOnUse, push_of, push_payload
+
+    seeded = SeededShard(tmp_path)
+    shard = seeded.shard
+    messages = [seeded.push_message(1), seeded.push_message(2), seeded.push_message(3)]
+    header, tensors = messages[1]
+    name = next(iter(tensors))
+    nan = Encoded("fp32", tensors[name].shape, 0, torch.full(tensors[name].shape, float("nan")).numpy().tobytes())
+    messages[1] = header, {**tensors, name: nan}  # as a learner that does not check would send it
+    group = [QueuedPush(push_of(h, t, DecodedOnUse(t)), push_payload(h, t)) for h, t in messages]
+    with shard.lock:
+        take_group(shard, group, shard.clock.now())
+        assert [q.outcome for q in group] == ["taken", "refused", "taken"]
+        live = frozen(shard.core)
+    seeded.assert_resumes_as(tmp_path, live)
 
 
 @pytest.mark.integration
