@@ -204,7 +204,7 @@ def test_a_shard_resumed_from_its_journal_replays_coded_pushes_as_it_took_them(t
     replay must take them the same way, or the resumed Θ would differ from the one learners were sent."""
     from diloco.shard.group_commit import QueuedPush, take_group
     from diloco.transport.frames import tensor_header
-    from diloco.transport.wire_messages import push_payload
+    from diloco.transport.wire_messages import push_of, push_payload
     from diloco.v1 import diloco_pb2 as pb
     from core_state import frozen
     from shard_on_disk import SeededShard, _no_shard_left  # noqa: F401 (an autouse fixture)
@@ -230,21 +230,16 @@ def test_a_shard_resumed_from_its_journal_replays_coded_pushes_as_it_took_them(t
     with shard.lock:
         for seq in (1, 2, 3):
             header, tensors = message(seq)
-            push = push_of_coded(header, tensors)
+            push = push_of(header, tensors)
             assert any(push.deltas.coded(n) is not None for n in tensors)
             item = QueuedPush(push, push_payload(header, tensors))
             take_group(shard, [item], shard.clock.now())
             assert item.outcome == "taken"
         group = [message(4), corrupt(*message(5)), message(6)]
         group[1][0].seq, group[2][0].seq = 5, 6
-        items = [QueuedPush(push_of_coded(h, t), push_payload(h, t)) for h, t in group]
+        items = [QueuedPush(push_of(h, t), push_payload(h, t)) for h, t in group]
         take_group(shard, items, shard.clock.now())
         assert [q.outcome for q in items] == ["taken", "refused", "taken"]
         assert "code no encoder writes" in items[1].why
         live = frozen(shard.core)
     seeded.assert_resumes_as(tmp_path, live)
-
-
-def push_of_coded(header, tensors):
-    from diloco.transport.wire_messages import push_of
-    return push_of(header, tensors, DecodedOnUse(tensors))

@@ -40,12 +40,10 @@ from pathlib import Path
 from diloco.core.events import (AnswerTaken, HeartbeatArrived, LearnerLeft, LearnerRejoined, ProgressArrived,
                                 PushArrived, PushesArrived, StreamLost, StreamOpened, SyncerEvent, SyncerResumed,
                                 TimerFired)
-from diloco.codecs import Encoded
-from diloco.core.messages import Progress, Push
+from diloco.core.messages import Progress
 from diloco.errors import DilocoError
 from diloco.transport.frames import read_message
-from diloco.transport.wire_messages import DecodedOnUse, payload_frames, push_of
-from diloco.v1 import diloco_pb2 as pb
+from diloco.transport.wire_messages import payload_frames, push_of
 
 RECORD_MARK = b"DJR2"
 RECORD_HEADER = struct.Struct("<4sIQBQI")
@@ -268,12 +266,12 @@ def decode_event(kind: str, payload: bytes) -> tuple[SyncerEvent, float]:
     body = payload[NOW.size:]
     if kind == "PushArrived":
         header, tensors = read_message(payload_frames(body), "push", limit=1 << 40)
-        return PushArrived(taken_push(header, tensors)), now
+        return PushArrived(push_of(header, tensors)), now
     if kind == "PushesArrived":
         pushes = []
         for frames in group_members(body):
             header, tensors = read_message(payload_frames(frames), "push", limit=1 << 40)
-            pushes.append(taken_push(header, tensors))
+            pushes.append(push_of(header, tensors))
         return PushesArrived(tuple(pushes)), now
     fields = json.loads(body)
     if kind == "ProgressArrived":
@@ -285,12 +283,6 @@ def decode_event(kind: str, payload: bytes) -> tuple[SyncerEvent, float]:
     if kind not in PLAIN_EVENTS:
         raise ValueError(f"unknown journal event {kind!r}")
     return PLAIN_EVENTS[kind](**fields), now
-
-
-def taken_push(header: pb.PushHeader, tensors: dict[str, Encoded]) -> Push:
-    """A journaled push as the live shard took it: decoded on use, or read from its codes where this host
-    folds pushes that way (`DecodedOnUse`), so that replay makes the live shard's arithmetic again."""
-    return push_of(header, tensors, DecodedOnUse(tensors))
 
 
 def group_payload(pushes: list[bytes]) -> bytes:

@@ -24,7 +24,7 @@ from diloco.shard.group_commit import QueuedPush, take_group
 from diloco.shard.shard_state import ShardState
 from diloco.transport.bulk import REFUSED, TAKEN, UNAVAILABLE, PushAhead, Upload
 from diloco.transport.frames import FrameError, decode, open_message, tensors_of
-from diloco.transport.wire_messages import DecodedOnUse, push_of, push_payload
+from diloco.transport.wire_messages import push_of, push_payload
 from diloco.v1 import diloco_pb2 as pb
 
 log = logging.getLogger("diloco.syncer")
@@ -57,7 +57,7 @@ class PushIntake(ShardState):
                     raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {exc}") from None
                 push = push_of(header, tensors, deltas)
         else:
-            push = push_of(header, tensors, DecodedOnUse(tensors))
+            push = push_of(header, tensors)  # decoded on use
         if self.sink:
             return self._sink_push(push)
         item = QueuedPush(push, push_payload(header, tensors) if self.store else b"")

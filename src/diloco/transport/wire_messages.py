@@ -92,10 +92,13 @@ def message_bytes(tensors: dict[str, Encoded]) -> int:
     return MESSAGE_HEADER_BYTES + sum(e.wire_bytes() for e in tensors.values())
 
 
-def push_of(header: pb.PushHeader, tensors: dict[str, Encoded], deltas: dict | None = None) -> Push:
-    """A push as the core takes it, from its header and tensors as they travelled."""
+def push_of(header: pb.PushHeader, tensors: dict[str, Encoded], deltas: Mapping | None = None) -> Push:
+    """A push as the core takes it, from its header and tensors as they travelled: by default decoded on use
+    (`DecodedOnUse`), as a shard takes it live and as its journal's replay takes it again, so that replay
+    makes the same arithmetic and refuses what was refused (a push that does not decode, in a group that is
+    journaled whole, is refused by the core again, not a journal that cannot be read back)."""
     if deltas is None:
-        deltas = {name: decode(e) for name, e in tensors.items()}
+        deltas = DecodedOnUse(tensors)
     return Push(learner=header.learner, fragment=header.fragment, base_version=header.base_version,
                 seq=header.seq, deltas=deltas, tokens=header.tokens, steps=header.steps,
                 step_time_s=header.step_time_s, sent_at=header.sent_at or None,
