@@ -187,3 +187,57 @@ def test_a_group_that_ends_in_an_error_leaves_the_rounds_free_to_close():
             raise RuntimeError("cut short")
     actions = core.handle(PushArrived(push(0, 2)), 1.1)
     assert [a.fragment for a in actions if isinstance(a, Publish)] == [0]
+
+
+DEFECTS = ("none", "none", "not finite", "code no encoder writes", "base version ahead", "a retry", "huge")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_any_mix_of_groups_replays_from_the_journal_to_the_live_state(tmp_path, monkeypatch, seed):
+    """Groups of one to four pushes in fp32, int4 and int8 (taken from their codes too), some of them bad
+    in a way only the core sees: whatever the live shard took, refused or clipped, a shard resumed from its
+    journal holds the same state bit for bit."""
+    import random
+
+    import diloco.codecs.compiled as compiled
+    from diloco.codecs import get_codec
+    from diloco.shard.group_commit import QueuedPush, take_group
+    from diloco.transport.frames import tensor_header
+    from diloco.transport.wire_messages import push_of, push_payload
+    from diloco.v1 import diloco_pb2 as pb
+
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
+    rng = random.Random(seed)
+    seeded = SeededShard(tmp_path)
+    shard = seeded.shard
+    outcomes, seq = [], 0
+
+    def message(defect: str):
+        nonlocal seq
+        seq += defect != "a retry" or seq == 0
+        codec = get_codec(rng.choice(["fp32", "int4", "int8"]))
+        scale = 1e4 if defect == "huge" else 1e-2
+        tensors = {n: codec.encode(torch.randn(t.shape, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+                                   * scale) for n, t in shard.core.theta.items()}
+        name = next(iter(tensors))
+        e = tensors[name]
+        if defect == "not finite":
+            nan = torch.full(e.shape, float("nan")).numpy().tobytes()
+            tensors[name] = Encoded("fp32", e.shape, 0, nan) if e.codec == "fp32" else \
+                Encoded(e.codec, e.shape, e.block, e.payload, nan[:len(e.scales)])
+        elif defect == "code no encoder writes" and e.codec != "fp32":
+            tensors[name] = Encoded(e.codec, e.shape, e.block, b"\x88" + bytes(e.payload)[1:], e.scales)
+        version = shard.core.version(0) + (5 if defect == "base version ahead" else 0)
+        header = pb.PushHeader(learner=0, fragment=0, base_version=version, seq=seq, tokens=8, steps=1, step=seq,
+                               step_time_s=0.1, tensors=[tensor_header(n, x) for n, x in tensors.items()])
+        return QueuedPush(push_of(header, tensors), push_payload(header, tensors))
+
+    with shard.lock:
+        for _ in range(10):
+            group = [message(rng.choice(DEFECTS)) for _ in range(rng.randint(1, 4))]
+            take_group(shard, group, shard.clock.now())
+            outcomes += [q.outcome for q in group]
+        live = frozen(shard.core)
+    assert "taken" in outcomes and "refused" in outcomes
+    seeded.assert_resumes_as(tmp_path, live)
