@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(the default paced decoupled config) instead of closing each round at once")
     parser.add_argument("--sink", action="store_true", help="transport alone: the shards take pushes off the "
                         "wire and answer them without merging (push_vs_socket, pull_vs_socket of the transport)")
+    parser.add_argument("--push-rate", type=float, default=0.0, help="pushes per second each learner sends to "
+                        "each shard (0: as fast as the shard takes them); below saturation the shard's CPU per "
+                        "pushed parameter is the work a push costs, not what a saturated shard's scheduling makes it")
     parser.add_argument("--tokens-per-step", type=int, default=4096, help="declared at join")
     parser.add_argument("--journal", action="store_true", help="give the shards a state folder (--out): they "
                         "journal every push and save their state every 10 s, as under `diloco run`")

@@ -124,7 +124,7 @@ class Run:
             spec = {"learner": m, "addresses": self.addresses,
                     "secret_file": str(self.secret_file) if self.secret_file else None,
                     "owned": owned, "payload": self.payload, "tokens_per_step": self.args.tokens_per_step,
-                    "warmup_s": self.args.warmup,
+                    "warmup_s": self.args.warmup, "push_rate": self.args.push_rate,
                     "go_file": str(self.work / "go"), "ready_file": str(self.work / f"ready-{m}"),
                     "stop_file": str(self.work / "stop"), "progress_file": str(self.work / f"progress-{m}"),
                     "report_file": str(self.work / f"report-{m}.json"),
@@ -323,7 +323,7 @@ def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespa
         "quorum": min(args.quorum, combo.learners), "key": combo.key, "status": "ok", "reason": "",
         "rss_bytes": None, "push_mb_s": None, "pull_mb_s": None, "socket_mb_s": None, "push_vs_socket": None,
         "pull_vs_socket": None, "join_vs_socket": None, "cpu_ns_per_param": None, "roofline_ns_per_param": None, "cpu_vs_roofline": None,
-        "paced": args.paced, "sink": args.sink,
+        "paced": args.paced, "sink": args.sink, "push_rate": args.push_rate,
     }
     predicted, how = model.predict(combo.key, per_shard_params, combo.learners)
     need = predicted * combo.shards + combo.learners * LEARNER_RSS_BYTES

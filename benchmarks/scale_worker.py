@@ -174,9 +174,16 @@ def worker(spec_path: str) -> None:
                 with lock:
                     e.first_error = e.first_error or f"update stream: {exc}"
 
+    interval = 1.0 / spec["push_rate"] if spec.get("push_rate") else 0.0
+
     def push_loop(i: int, owned: list[int]) -> None:
         e, client, seq = events[i], clients[i], 0
+        due = time.monotonic()
         for p in itertools.cycle(owned):
+            if interval:  # a fixed rate: the next push is due one interval after the last one was
+                due += interval
+                if stop.wait(max(0.0, due - time.monotonic())):
+                    return
             if stop.is_set():
                 return
             seq += 1
