@@ -65,3 +65,18 @@ def test_a_tiny_run_end_to_end(tmp_path):
     shard = run["per_shard"][0]
     assert shard["pushes"] > 0 and shard["answers"] > 0 and shard["refused"] == 0
     assert shard["latency_median_s"] > 0 and shard["rounds_per_s"] > 0
+
+
+@pytest.mark.integration
+def test_a_push_rate_spaces_the_pushes_so_the_shard_is_not_saturated(tmp_path):
+    """`--push-rate R`: each learner sends R pushes a second, however fast the shard takes them."""
+    out = tmp_path / "scale.json"
+    code = scale.main(["--params", "1M", "--learners", "1", "--shards", "1", "--seconds", "2", "--warmup", "0.5",
+                       "--min-pushes", "1", "--push-rate", "4", "--socket-seconds", "0.2", "--joins", "1",
+                       "--min-free-gib", "0.5", "--json", str(out)])
+    assert code == 0
+    (run,) = json.loads(out.read_text())
+    assert run["status"] == "ok", run["reason"]
+    assert run["push_rate"] == 4
+    window = run["per_shard"][0]
+    assert 4 <= window["pushes"] <= 4 * 3 + 1  # about 8 in 2 s; unpaced, ~400 of 1M parameters go in 2 s here
