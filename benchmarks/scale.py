@@ -20,7 +20,9 @@ With no arguments, a quick sweep (20M parameters, 1, 4, 8 and 16 learners, one s
             encoded ONCE with --codec by this script and written to a file; every learner maps those
             files (mmap) and pushes the same bytes, so 16 learners hold one copy between them (page
             cache) and their CPU goes to the wire, not to encoding. Per shard, a learner has one push
-            in flight at a time, cycling over the shard's fragments, as fast as the shard takes them:
+            in flight at a time, cycling over the shard's fragments, as fast as the shard takes them
+            (or, with --push-rate R, R pushes a second, so that a shard below saturation shows what a
+            push costs it):
             valid headers (seq +1, base_version = the newest version it was answered, 4 steps of
             --tokens-per-step tokens per push as declared at join, heartbeats every second with the same
             counters). Answers are read off the Updates stream frame by frame and counted, not
