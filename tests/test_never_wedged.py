@@ -46,3 +46,33 @@ def test_a_shard_that_cannot_make_answers_does_not_wedge_the_learner(monkeypatch
     finally:
         shard.stop()
         server.stop(0)
+
+
+def test_a_fast_learner_whose_answers_come_after_its_patience_learns_to_wait_for_them():
+    """Steps of 4 ms against answers that take 0.5 s: the first pushes are given up before their answers come,
+    a late answer's delay grows the patience, and the learner then merges the answers that follow."""
+    from diloco.core.learner_core import GIVEN_UP_KEPT, LearnerCore
+    from diloco.core.messages import Update
+    from diloco.fragments import Fragment, Schedule
+
+    core = LearnerCore(0, {"w": torch.zeros(4)}, [Fragment(0, ("w",), 4, False)], Schedule(2, 1), tau=1, alpha=0.0,
+                       wait_for_updates=False)
+    step_s, delay_s, now, version = 0.004, 0.5, 0.0, 0
+    answers: list[tuple[float, Update]] = []
+
+    def answer_later(pushes: list) -> None:
+        nonlocal version
+        for push in pushes:
+            version += 1
+            answers.append((now + delay_s, Update(0, version, {"w": torch.zeros(4)}, ack_seq=push.seq)))
+
+    for _ in range(1500):
+        now += step_s
+        answer_later(core.on_step(10, step_time_s=step_s, now=now))
+        while answers and answers[0][0] <= now:
+            core.on_update(answers.pop(0)[1], now)
+        answer_later(core.poll(now).pushes)
+    assert core.answers_given_up >= 1 and core.stale_updates >= 1  # the first answers came too late
+    assert core.answer_delay_s >= delay_s
+    assert len(core.merge_lags) >= 5  # and later ones were merged
+    assert core.answers_given_up <= 2 * GIVEN_UP_KEPT  # not every push, as before the late ones were measured

@@ -44,6 +44,7 @@ STEP_TIME_EMA = 0.2
 ANSWER_PATIENCE = 4.0
 """A push whose answer has not come within this many times the longer of the sync period (H measured
 steps) and the slowest answer measured so far is given up: the learner trains on without it."""
+GIVEN_UP_KEPT = 16  # pushes given up on whose send times a fragment keeps, to measure late answers
 ANSWER_FLOOR_S = 60.0
 """A synchronous learner never gives up its round sooner: what it cannot measure from its side. Its round
 rightly waits for the slowest learner and for a silent one to be declared dead (seconds of missed
@@ -106,18 +107,18 @@ class LearnerCore:
         self.step_time_s = 0.0
         self.now: float | None = None
         self.finished = False
-        self.stale_updates = 0
-        self.refused = 0
+        self.stale_updates = self.refused = 0
         self._last_push_norm: torch.Tensor | None = None
         self.last_staleness: int | None = None
         """Versions the fragment had moved on by others when the latest merge arrived."""
         self.merge_lags: list[int] = []
         """Per merge, inner steps from sending the push to merging its answer (τ at best)."""
         self.answer_delay_s = 0.0
+        """The slowest answer so far, from sending the push to its arrival (own clock), late ones included."""
         self.answer_floor_s = ANSWER_FLOOR_S
         """The least time an answer is waited for (`ANSWER_FLOOR_S`; a test of the give-up lowers it)."""
-        """The slowest answer so far, from sending the push to its arrival (own clock)."""
         self.answers_given_up = 0
+        self.given_up: dict[int, dict[int, float]] = {}  # per fragment, by seq: send times of pushes given up on
         self.waiting = False
         """The last `Advance` said to wait: an answer that arrives now may let the learner go on."""
         self.closing = False
@@ -238,11 +239,17 @@ class LearnerCore:
         self.next_due_at = [None] * len(self.fragments)
 
     def on_update(self, update: Update, now: float | None = None) -> bool:
-        """Keep an answer to the push in flight; drop (and return False) one that answers none, such as
-        an answer to a push sent before a crash and restart, or one given up on (`ANSWER_PATIENCE`)."""
+        """Keep an answer to the push in flight; drop (and return False) one that answers none, such as one
+        to a push sent before a restart, or given up on (`ANSWER_PATIENCE`): its delay still counts, else a
+        fast learner whose answers come late would give up every push, drop every answer, never merge."""
         flight = self.in_flight.get(update.fragment)
         if flight is None or flight.update is not None or update.ack_seq < flight.push.seq:
             self.stale_updates += 1
+            late = self.given_up.get(update.fragment, {})
+            answered = max((seq for seq in late if seq <= update.ack_seq), default=None)
+            if answered is not None and now is not None:  # the push it answers, given up on: measured all the same
+                self.answer_delay_s = max(self.answer_delay_s, now - late[answered])
+                self.given_up[update.fragment] = {seq: t for seq, t in late.items() if seq > answered}
             return False
         flight.update = update
         if now is not None and flight.push.sent_at is not None:
@@ -262,6 +269,9 @@ class LearnerCore:
                 for name, sent in flight.sent_deltas.items():
                     self.anchors[p][name] = self.anchors[p][name] - sent
                 del self.in_flight[p]
+                (late := self.given_up.setdefault(p, {}))[flight.push.seq] = flight.push.sent_at
+                if len(late) > GIVEN_UP_KEPT:
+                    del late[min(late)]
                 self.answers_given_up += 1
 
     def poll(self, now: float | None = None) -> Poll:
