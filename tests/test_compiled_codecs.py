@@ -56,13 +56,15 @@ def test_compiled_loops_give_the_torch_bytes_and_values(name, block, kind, monke
     encoded = codec.encode(x)  # decoded by both from the same bytes
 
     def run():
-        return (codec.encode(x), codec.encode_difference(x, base), codec.decode(encoded),
-                codec.decode_onto(encoded, base))
+        return (codec.encode(x), codec.encode_difference(x, base), *codec.encode_difference_onto(x, base),
+                codec.decode(encoded), codec.decode_onto(encoded, base))
 
     eager, loops = _both(run, monkeypatch)
-    assert loops[0] == eager[0] and loops[1] == eager[1]  # codes and scales, byte for byte
-    for got, want in zip(loops[2:], eager[2:]):
+    assert loops[0] == eager[0] and loops[1] == eager[1] and loops[2] == eager[2] == eager[1]  # byte for byte
+    moved = codec.decode_onto(eager[1], base)  # a syncer's published copy moved towards x, in two passes
+    for got, want in zip(loops[3:], (moved, *eager[4:])):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(eager[3].view(torch.int32), moved.view(torch.int32))
 
 
 @pytest.mark.parametrize("name", sorted(LEVELS))
@@ -88,12 +90,15 @@ def test_non_finite_input_is_refused_in_the_same_words(name, bad, monkeypatch):
     x = torch.randn(LARGE)
     x[LARGE // 2] = bad
     messages = []
+    base = torch.zeros(LARGE)
     for enabled in (False, True):
         monkeypatch.setattr(compiled, "_enabled", enabled)
-        with pytest.raises(DilocoError, match="NaN or Inf") as refused:
-            get_codec(name).encode_difference(x, torch.zeros(LARGE))
-        messages.append(str(refused.value))
-    assert messages[0] == messages[1]
+        for encode in (get_codec(name).encode_difference, get_codec(name).encode_difference_onto):
+            with pytest.raises(DilocoError, match="NaN or Inf") as refused:
+                encode(x, base)
+            messages.append(str(refused.value))
+    assert len(set(messages)) == 1
+    assert torch.equal(base, torch.zeros(LARGE))  # moving a copy onto it wrote a new tensor, never base
 
 
 @pytest.mark.parametrize("position", [0, 1, LARGE // 2 - 1])

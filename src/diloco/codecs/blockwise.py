@@ -115,12 +115,23 @@ class BlockCodec(Codec):
         payload = pack_nibbles(codes) if self.bits == 4 else codes
         return Encoded(self.name, shape, block, to_bytes(payload), to_bytes(scales))
 
+    def encode_difference_onto(self, tensor: torch.Tensor, base: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
+        x, minus = flat_input(tensor), flat_input(base)
+        if self.levels is None or not compiled.usable(x.numel(), x, minus):
+            return super().encode_difference_onto(tensor, base)
+        onto = torch.empty(x.numel(), dtype=torch.float32)
+        encoded = self._encode_compiled(x, minus, tuple(tensor.shape), x.numel() % 2 if self.bits == 4 else 0,
+                                        onto=onto)
+        return encoded, onto.view(tensor.shape)
+
     def _encode_compiled(self, x: torch.Tensor, minus: torch.Tensor | None, shape: tuple[int, ...],
-                         pad: int) -> Encoded:
-        """`_encode` of a linear code in one compiled pass per block: the same bytes."""
+                         pad: int, onto: torch.Tensor | None = None) -> Encoded:
+        """`_encode` of a linear code in one compiled pass per block: the same bytes. With `onto`, also
+        `decode_onto` of them onto `minus` into it, in the same pass (`encode_difference_onto`)."""
         codes = np.zeros(x.numel() + pad, dtype=np.int8)
         scales = np.empty(-(-x.numel() // self.block), dtype=np.float32)
-        compiled.encode_linear(x, minus, self.block, self.levels, codes, scales)
+        compiled.encode_linear(x, minus, self.block, self.levels, codes, scales,
+                               None if onto is None else (onto, self.loop_tables(), (1 << self.bits) - 1))
         require_finite(torch.from_numpy(scales), "tensor to encode")
         payload = compiled.pack_nibbles(codes) if self.bits == 4 else codes
         return Encoded(self.name, shape, self.block, payload.tobytes(), scales.tobytes())

@@ -110,14 +110,21 @@ def decodes(codes_per_byte: int, block: int) -> bool:
 
 
 def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, levels: int, codes: np.ndarray,
-                  scales: np.ndarray) -> None:
+                  scales: np.ndarray, onto: tuple[torch.Tensor, DecodeTables, int] | None = None) -> None:
     """The linear codes of x − minus (x where None): per block its absmax s into `scales` (NaN or Inf if
     the block holds one, for the caller's finite check) and round_half_even((x − minus)/s · levels) into
-    `codes` (int8), with s = 1 for an all-zero block."""
+    `codes` (int8), with s = 1 for an all-zero block. With `onto` (out, the codec's tables, the mask of a
+    code's bits), also out = minus + each code's value · s, as `decode` onto minus computes it, while the
+    block is in cache; a block that is not finite is left unwritten there (the caller refuses it)."""
     source = x.numpy()
     subtracted = source if minus is None else minus.numpy()
     scratch = np.empty(min(block, max(source.shape[0], 1)), dtype=np.float32)
-    _kernels()["encode_linear"](source, subtracted, minus is not None, block, levels, codes, scales, scratch)
+    out, values, mask = (np.empty(0, np.float32), np.zeros(1, np.float32), 0) if onto is None else \
+        (onto[0].numpy(), onto[1].first, onto[2])
+    if onto is not None and minus is None:
+        raise ValueError("decoding onto needs the tensor the difference was taken from")
+    _kernels()["encode_linear"](source, subtracted, minus is not None, block, levels, codes, scales, scratch,
+                                out, values, mask, onto is not None)
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -196,7 +203,8 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         return flag != 0
 
     @jit
-    def encode_linear_kernel(x, minus, subtract, block, levels, codes, scales, scratch):  # type: ignore[no-untyped-def]
+    def encode_linear_kernel(x, minus, subtract, block, levels, codes, scales, scratch, onto, values, mask,
+                             apply):  # type: ignore[no-untyped-def]
         top = np.float32(levels)
         numel = x.shape[0]
         word = np.zeros(1, np.uint32)
@@ -229,6 +237,10 @@ def _kernels() -> dict[str, Callable[..., Any]]:
             target = codes[start:stop]
             for i in range(part.shape[0]):
                 target[i] = np.int8((part[i] / divisor * top + round_shift) - round_shift)
+            if apply:  # `pairs`/`singles` onto minus: a byte's value · the scale, then + minus
+                out, base = onto[start:stop], minus[start:stop]
+                for i in range(part.shape[0]):
+                    out[i] = values[np.uint8(target[i]) & mask] * absmax + base[i]
 
     @jit
     def pack(codes, packed):  # type: ignore[no-untyped-def]

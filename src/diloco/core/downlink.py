@@ -85,12 +85,16 @@ class Downlink:
         return {n: theta[n] for n in self.names} if self.lossless else dict(self.published)
 
     def publish(self, version: int, theta: dict[str, torch.Tensor]) -> None:
-        """The fragment moved to `version` (Θ is its new value): advance published by one difference."""
+        """The fragment moved to `version` (Θ is its new value): advance published by one difference, in one
+        pass where the codec can (`encode_difference_onto`). Its tensors are new memory, not the core's
+        recycled buffers: answers in flight hold the older ones, so recycling them kept more copies alive
+        with more learners (`tests/test_syncer_memory.py`)."""
         if self.lossless:
             return
         self.undo.keep_attrs(self, "published", "steps")
-        wire = {n: self.codec.encode_difference(theta[n], self.published[n]) for n in self.names}
-        self.published = {n: self.codec.decode_onto(wire[n], self.published[n]) for n in self.names}
+        moved = {n: self.codec.encode_difference_onto(theta[n], self.published[n]) for n in self.names}
+        wire = {n: encoded for n, (encoded, _) in moved.items()}
+        self.published = {n: published for n, (_, published) in moved.items()}
         steps = [*self.steps, Step(version, wire)]
         while sum(s.nbytes() for s in steps) > CHAIN_SHARE * self.fp32_bytes and len(steps) > 1:
             steps = steps[1:]
