@@ -21,6 +21,7 @@ import copy
 import torch
 
 from diloco.cache_chunks import Scaled, chunks, piece_of
+import diloco.outer.compiled_step as compiled_step
 from diloco.outer.buffers import NewTensor, Written, fp32_like
 
 _FULL = 1.0 - 1e-9
@@ -63,11 +64,20 @@ class DelayedNesterov:
                 old_momentum, self.buffers[name] = self.buffers[name].reshape(-1), new(theta)
                 momentum = self.buffers[name].view(-1)
             target = (theta if out is None else out[name]).view(-1)
+            delta = deltas[name]
+            source = (delta.tensor if isinstance(delta, Scaled) else delta).reshape(-1)
+            fused = momentum is None and compiled_step.usable(theta, source, old, new_total, target)
             for start, stop in chunks(target.numel(), target.device):
-                self._step_chunk(theta.reshape(-1)[start:stop], piece_of(deltas[name], start, stop),
-                                 target[start:stop], s, old[start:stop], new_total.view(-1)[start:stop],
-                                 None if old_momentum is None else old_momentum[start:stop],
-                                 None if momentum is None else momentum[start:stop])
+                piece = theta.reshape(-1)[start:stop]
+                if fused:  # the plain step in one loop: the same values (`compiled_step.py`)
+                    factor, divide = (delta.factor, delta.divide) if isinstance(delta, Scaled) else (1.0, False)
+                    compiled_step.plain_step(piece, source[start:stop], factor, divide, old[start:stop], s,
+                                             self.lr * s, new_total.view(-1)[start:stop], target[start:stop])
+                else:
+                    self._step_chunk(piece, piece_of(delta, start, stop), target[start:stop], s, old[start:stop],
+                                     new_total.view(-1)[start:stop],
+                                     None if old_momentum is None else old_momentum[start:stop],
+                                     None if momentum is None else momentum[start:stop])
                 if written is not None:
                     written(name, start, stop)
         if full_round:

@@ -1,0 +1,75 @@
+"""The delayed-Nesterov plain step's compiled loop gives the torch ops' Θ, sums and momentum bit for bit, over
+steps of every kind (plain and full rounds, merged gradients scaled or divided or as they are, in place and
+into new tensors, chunks of either path): a shard with numba and one without must agree exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco import cache_chunks
+from diloco.cache_chunks import Scaled
+from diloco.codecs import compiled
+from diloco.outer import compiled_step
+from diloco.outer.delayed_nesterov import DelayedNesterov
+
+pytest.importorskip("numba")
+
+NUMEL = compiled.MIN_ELEMENTS * 2 + 13
+"""Two chunks the compiled loop takes and a short last one (chunks of MIN_ELEMENTS in these tests)."""
+SHARES = (0.25, 0.5, 0.25, 0.3, 1.0, 0.2, 0.45, 0.35)
+"""Plain steps, a full round after the first three and after the fifth, and again at the end."""
+
+
+def _gradient(kind: str, step: int) -> torch.Tensor | Scaled:
+    values = torch.randn(NUMEL, generator=torch.Generator().manual_seed(step)) * 1e-2
+    if kind == "divided":
+        return Scaled(values, 2.9 + step, divide=True)
+    if kind == "scaled":
+        return Scaled(values, 0.37 / (1 + step))
+    return values
+
+
+def _run(kind: str, into_new: bool) -> tuple[list[torch.Tensor], DelayedNesterov]:
+    optimizer = DelayedNesterov(lr=0.7, momentum=0.9)
+    theta = {"w": torch.randn(NUMEL, generator=torch.Generator().manual_seed(99))}
+    seen = []
+    for step, share in enumerate(SHARES):
+        written: list[tuple[str, int, int]] = []
+        out = {"w": torch.empty(NUMEL)} if into_new else None
+        optimizer.step(theta, {"w": _gradient(kind, step)}, share, out=out,
+                       written=lambda *chunk: written.append(chunk))
+        assert written[-1][2] == NUMEL and all(a[2] == b[1] for a, b in zip(written, written[1:]))
+        theta = out if into_new else theta
+        seen.append(theta["w"].clone())
+    return seen, optimizer
+
+
+@pytest.mark.parametrize("into_new", [False, True])
+@pytest.mark.parametrize("kind", ["divided", "scaled", "plain"])
+def test_the_compiled_plain_step_gives_the_torch_values(kind, into_new, monkeypatch):
+    monkeypatch.setattr(cache_chunks, "CPU_CHUNK_ELEMENTS", compiled.MIN_ELEMENTS)
+    monkeypatch.setattr(compiled, "_enabled", False)
+    eager, eager_optimizer = _run(kind, into_new)
+    monkeypatch.setattr(compiled, "_enabled", True)
+    taken = []
+    real = compiled_step.plain_step
+    monkeypatch.setattr(compiled_step, "plain_step", lambda *a: taken.append(a[0].numel()) or real(*a))
+    loops, loops_optimizer = _run(kind, into_new)
+    # plain steps only, every chunk of the tensor: whole ones and the short last one
+    assert taken and set(taken) == {compiled.MIN_ELEMENTS, 13}, taken
+    for got, want in zip(loops, eager):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for got, want in zip(loops_optimizer.tensors(), eager_optimizer.tensors()):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_the_probe_holds_on_this_torch():
+    """On x86-64 and arm64 builds torch's add and sub with an alpha are fused multiply-adds; a build where
+    they are not would take the torch ops (the probe), which this test would flag for a look."""
+    assert compiled_step.steps_like_torch()
+
+
+def test_small_tensors_and_other_dtypes_take_the_torch_ops():
+    assert not compiled_step.usable(torch.zeros(compiled.MIN_ELEMENTS - 1))
+    assert not compiled_step.usable(torch.zeros(compiled.MIN_ELEMENTS), torch.zeros(4, dtype=torch.float64))
