@@ -59,8 +59,8 @@ class CodedBlocks:
         """‖values‖ from the codes in float64, rounded to fp32 (left float64 where an fp32 sum of squares would
         overflow, as in `tensor_norm`); a code no encoder writes is refused as decoding refuses it."""
         if self._norm is None:
-            squares, corrupt = compiled_sums.square_sum(self.payload, self.tables, self.scales, self.encoded.block,
-                                                   self._numel)
+            squares, corrupt = compiled_sums.square_sum(self.payload, self.tables, self.scales,
+                                                        self.encoded.block, self._numel)
             if corrupt:
                 raise self.complain(f"corrupt {self.codec.name} tensor: the payload holds a code no encoder writes")
             norm = math.sqrt(squares)  # fp32 as where its sum of squares fits, as `tensor_norm`'s does

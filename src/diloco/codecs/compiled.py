@@ -116,13 +116,13 @@ def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, level
     `codes` (int8), with s = 1 for an all-zero block. With `onto` (out, the codec's tables, the mask of a
     code's bits), also out = minus + each code's value · s, as `decode` onto minus computes it, while the
     block is in cache; a block that is not finite is left unwritten there (the caller refuses it)."""
+    if onto is not None and minus is None:
+        raise ValueError("decoding onto needs the tensor the difference was taken from")
     source = x.numpy()
     subtracted = source if minus is None else minus.numpy()
     scratch = np.empty(min(block, max(source.shape[0], 1)), dtype=np.float32)
     out, values, mask = (np.empty(0, np.float32), np.zeros(1, np.float32), 0) if onto is None else \
         (onto[0].numpy(), onto[1].first, onto[2])
-    if onto is not None and minus is None:
-        raise ValueError("decoding onto needs the tensor the difference was taken from")
     _kernels()["encode_linear"](source, subtracted, minus is not None, block, levels, codes, scales, scratch,
                                 out, values, mask, onto is not None)
 
