@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_config
 from diloco.core import Push, SyncerCore, Timer
 from diloco.core.learner_core import LearnerCore
+from diloco.core.events import SyncerResumed
 from diloco.core.messages import Progress, Update
 from diloco.core.actions import Publish, Stop
 from diloco.core.refusals import ProtocolError
@@ -90,6 +91,45 @@ def test_the_round_closes_at_its_bound_and_when_a_report_moves_the_learner_past_
     (timer,) = lone.on_push(push(0, 1, [1.0, 0.0], now=0.1), now=0.1)
     (publish,) = lone.on_timer(timer.at)  # learner 1 never came: the bound ends the wait
     assert publish.recipients == (0,)
+
+
+def test_a_round_held_open_when_the_syncer_went_down_waits_afresh_after_its_resume():
+    # Learner 0 pushed just before the syncer died; learner 1 was due and could not reach it. Neither the
+    # outage nor the timer that fires right after the resume closes the round with learner 0 alone.
+    syncer = paced(members=(0, 1))
+    for m in (0, 1):
+        syncer.on_progress(report(m, 0.1), now=0.0)
+    syncer.on_push(push(0, 1, [1.0, 0.0], now=0.1), now=0.1)  # its bound was 0.6
+    before = (syncer.fragments[0].version, syncer.theta["w"].clone())
+    first = min(a.at for a in syncer.handle(SyncerResumed(), 10.0))  # and the learners' liveness checks
+    assert first == pytest.approx(10.0 + H * STEP / 2)  # the bound again, from the resume
+    assert syncer.on_timer(10.05) == []
+    assert (syncer.fragments[0].version, syncer.theta["w"].tolist()) == (before[0], before[1].tolist())
+    (publish,) = syncer.on_push(push(1, 1, [0.0, 1.0], now=10.3), now=10.3)
+    assert publish.recipients == (0, 1) and syncer.rounds[-1].staleness == (0, 0)
+    alone = paced(members=(0, 1))  # learner 1 never comes: the bound from the resume ends the wait
+    alone.on_progress(report(0, 0.1), now=0.0)
+    alone.on_progress(report(1, 0.1), now=0.0)
+    alone.on_push(push(0, 1, [1.0, 0.0], now=0.1), now=0.1)
+    first = min(a.at for a in alone.handle(SyncerResumed(), 10.0))
+    (publish,) = alone.on_timer(first)
+    assert publish.recipients == (0,)
+
+
+def test_a_grace_window_open_when_the_syncer_went_down_is_measured_again_from_its_resume():
+    syncer = SyncerCore({"w": torch.zeros(2)}, FRAGMENT, (0, 1), optimizer=lambda: DelayedNesterov(1.0, 0.0),
+                        quorum=1, grace=1.0, grace_cap_steps=100.0, tau=5, merge_rule="weighted")
+    (timer,) = syncer.on_push(push(0, 1, [1.0, 0.0], now=0.1), now=0.1)
+    window = timer.at - 0.1
+    first = min(a.at for a in syncer.handle(SyncerResumed(), 10.0))
+    assert first == pytest.approx(10.0 + window)
+    assert syncer.on_timer(10.0 + window / 2) == []
+    (publish,) = syncer.on_push(push(1, 1, [0.0, 1.0], now=10.1), now=10.1)
+    assert publish.recipients == (0, 1)
+    resumed = SyncerCore({"w": torch.zeros(2)}, FRAGMENT, (0, 1), optimizer=lambda: DelayedNesterov(1.0, 0.0),
+                         quorum=1, grace=1.0, grace_cap_steps=100.0, tau=5, merge_rule="weighted")
+    actions = resumed.handle(SyncerResumed(), 10.0)  # nothing open: no round to close or wait for
+    assert publishes(actions) == [] and all(a.at >= 60.0 for a in actions if isinstance(a, Timer))
 
 
 # ---------------------------------------------------------------- alignment

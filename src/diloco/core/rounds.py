@@ -178,6 +178,17 @@ class FragmentState:
         self.keep(undo)
         undo.keep(self.pending, learner, copy.copy)
 
+    def wait_afresh(self, undo: UndoLog, now: float) -> None:
+        """The syncer was down: its open round's wait starts again at `now`, with what it holds kept. Nobody
+        could push meanwhile; else the round closes at once with the pushes it held, before the learners it
+        waited for reconnect, and their pushes then make a stale round of their own."""
+        if not self.pending:
+            return
+        self.keep(undo)
+        self.first_arrival, self.deadline = now, None
+        if self.quorum_at is not None:
+            self.quorum_at = now
+
     def reset(self) -> None:
         """The open round closed: the next one starts empty."""
         self.pending, self.sums, self.whole = {}, MergeSums(), {}

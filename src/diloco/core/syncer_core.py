@@ -310,8 +310,11 @@ class SyncerCore:
         return [LearnerDead(m, self.liveness.silence(m, now), True, connection_lost=True), *self.leave(m, now)]
 
     def _on_resumed(self, event: SyncerResumed, now: float) -> list[Action]:
+        """Its outage counts against nobody: not the learners' silence, nor an open round's wait."""
         self.membership.resumed(now)
-        return []
+        for state in self.fragments.values():
+            state.wait_afresh(self.undo, now)
+        return self.merging.evaluate_all(now)
 
     _dispatch = {PushArrived: _on_push_event, PushesArrived: _on_pushes, ProgressArrived: _on_progress_event, HeartbeatArrived: _on_heartbeat,
                  TimerFired: _on_timer_event, LearnerLeft: _on_leave, LearnerRejoined: _on_rejoin,
