@@ -28,13 +28,13 @@ class SeededShard:
     running: list[SeededShard] = []
     """Not killed yet: a test that fails half-way leaves no server behind (`_no_shard_left`)."""
 
-    def __init__(self, state_dir: Path, resume: bool = False, address: str | None = None) -> None:
+    def __init__(self, state_dir: Path, resume: bool = False, address: str | None = None, metrics=None) -> None:
         from diloco.client.learner_client import Learner
         from diloco.shard.server import ShardPlan, SyncerShard, serve
         from diloco.transport.calls import ShardClient
 
         self.config = tiny_config("learners.count=1", "outer.fragments=1", "outer.H=4")
-        self.shard = SyncerShard(self.config, ShardPlan(0, 1, ("",)), state_dir=state_dir, resume=resume)
+        self.shard = SyncerShard(self.config, ShardPlan(0, 1, ("",)), metrics, state_dir=state_dir, resume=resume)
         self.server, port = serve(self.shard, address or "127.0.0.1:0")
         self.address = f"127.0.0.1:{port}"
         self.shard.plan = ShardPlan(0, 1, (self.address,))

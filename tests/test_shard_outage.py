@@ -143,6 +143,44 @@ def test_a_shard_resumed_twice_without_a_save_between_is_where_it_was(tmp_path, 
         third.kill()
 
 
+class Kept:
+    """A metrics sink that keeps its records."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+    def rounds(self) -> list[tuple[int, int]]:
+        return [(r["fragment"], r["version"]) for r in self.records if r["kind"] == "round"]
+
+
+@integration
+def test_a_resumed_shard_records_only_the_rounds_it_closes_itself(tmp_path, monkeypatch):
+    """Before s54 a resumed shard recorded every round of its saved state and journal again, so each kill
+    doubled the rounds before it in the run's metrics (its report, its plots, the stale share)."""
+    from diloco.metrics import MetricsLog
+    from diloco.shard import shard_state
+
+    monkeypatch.setattr(shard_state, "SAVE_MIN_S", 0.0)  # a save after the first round: state and journal both
+    first_kept, second_kept = Kept(), Kept()
+    first = SeededShard(tmp_path, metrics=MetricsLog([first_kept]))
+    first.client.push(*first.push_message(1))
+    first.shard.save_state()
+    first.client.push(*first.push_message(2))  # journaled after the save: replayed at the resume
+    assert first_kept.rounds() == [(0, 1), (0, 2)]
+    first.kill()
+    second = SeededShard(tmp_path, resume=True, metrics=MetricsLog([second_kept]))
+    assert second.shard.core.version(0) == 2 and second_kept.rounds() == []
+    second.client.push(*second.push_message(3))
+    assert second_kept.rounds() == [(0, 3)]
+    second.kill()
+
+
 @integration
 def test_a_push_waiting_on_a_restarted_shard_gets_through_within_the_reconnect_bound(tmp_path):
     """Down long enough for the retry backoff to grow past a second: once the shard serves again on its

@@ -136,6 +136,7 @@ def resume(shard: ShardView) -> None:
     finally:
         shard._replaying = False
     shard.store.open(last_seq)
+    shard.round_meter.seen = len(shard.core.rounds)  # the process that closed them recorded them
     replayed_at = time.perf_counter()
     shard.outboxes = {}  # only the latest answer per fragment goes out again, not every replayed one
     for m, by_fragment in shard.last_updates.items():
