@@ -111,7 +111,8 @@ def main() -> int:
     p.add_argument("--partition-s", type=float, default=40.0)
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--spares", type=int, default=4, help="pre-started spare learners the restarts take (0: fresh)")
+    p.add_argument("--spares", type=int, default=4, help="spare learners ready before training (at most one per planned kill) the restarts take "
+                   "(0: fresh starts)")
     p.add_argument("--out", default=None, help="run folder (default: a folder under /tmp)")
     p.add_argument("--json", default="benchmarks/results/soak.json")
     args = p.parse_args()
@@ -133,7 +134,7 @@ def main() -> int:
     for thread in threads[1:]:
         thread.start()
     try:
-        faulty = launcher.run()
+        faulty = launcher.run(before_learners=monkey.ready_spares)
     finally:
         monkey.done.set()
         for thread in threads:

@@ -327,6 +327,10 @@ def test_diloco_chaos_kills_and_restarts_and_counts_no_token_twice(tmp_path):
     assert faulty["tokens_counted_twice"] == 0
     assert faulty["tokens_trained"] >= faulty["tokens_lost"] >= 0
     assert all(life["lives"] >= 1 for life in faulty["per_learner"])
+    # Every restart took a spare, each imported before the learners started: none imported while they trained.
+    assert result["spares_ready"]["all_ready"] and result["spares_ready"]["count"] == {"learner": 2, "syncer": 1}
+    restarted = sorted(k["victim"] for k in result["kills"] if k["restarted_at_s"] is not None)
+    assert sorted(h["child"] for h in result["spare_handovers"]) == restarted
 
 
 def test_a_shard_that_dies_right_after_a_merge_comes_back_with_it_and_answers_again(tmp_path):

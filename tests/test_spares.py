@@ -49,3 +49,22 @@ def test_a_spare_becomes_a_killed_shard_with_resume_on_its_port(tmp_path):
             c.process.pid for c in spares.waiting()]  # not `python -m diloco`: started afresh
     finally:
         children.close()
+
+
+def test_spares_say_when_their_imports_are_done_and_a_refill_of_one_starts_one(tmp_path):
+    children, env = Children(tmp_path / "logs"), child_env()
+    spares = Spares(children, env, 2, "syncer")
+    try:
+        spares.fill()
+        assert not spares.wait_ready(0.0)  # just started: still importing
+        assert spares.wait_ready(120.0)
+        assert all((tmp_path / "logs" / f"{c.name}.ready").is_file() for c in spares.waiting())
+        spares.fill(1)
+        assert len(spares.waiting()) == 2  # two waiting already: none started
+        for spare in spares.waiting():
+            children.kill(spare.name)
+        spares.fill(1)
+        assert [c.name for c in spares.waiting()] == ["spare-syncer-2"]
+        assert spares.wait_ready(120.0)
+    finally:
+        children.close()

@@ -1,14 +1,15 @@
-"""`python -m diloco.prestarted ROLE`: a pre-started spare process (`launch/spare.py` starts them and hands
-them over). It imports what a learner (ROLE `learner`) or a syncer shard (`syncer`) imports, then waits on
-its stdin for the process it is to become: that process's `diloco` arguments, its log, and when it was
-handed over; then it runs them as `python -m diloco` would, its output in that log and a learner's start
-metrics counted from the handover."""
+"""`python -m diloco.prestarted ROLE [READY_FILE]`: a pre-started spare process (`launch/spare.py` starts them
+and hands them over). It imports what a learner (ROLE `learner`) or a syncer shard (`syncer`) imports, makes
+READY_FILE, then waits on its stdin for the process it is to become: that process's `diloco` arguments, its
+log, and when it was handed over; then it runs them as `python -m diloco` would, its output in that log and a
+learner's start metrics counted from the handover."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from diloco.cli import main
@@ -28,9 +29,9 @@ def become(message: dict[str, Any]) -> int:
     return main(list(message["argv"]))
 
 
-def wait_as_spare(role: str) -> int:
+def wait_as_spare(role: str = "learner", ready: str | None = None) -> int:
     """A spare's life: everything a learner or a syncer shard imports, then wait for the process to become
-    (EOF: none)."""
+    (EOF: none). `ready`: a file made once the imports are done (the launcher waits for it)."""
     die_with_parent()
     try:
         if role == "syncer":
@@ -40,6 +41,8 @@ def wait_as_spare(role: str) -> int:
             import torch._dynamo  # noqa: F401 - what an optimizer's constructor imports: seconds of a start
 
             import diloco.client.builtin_loop  # noqa: F401 - what `diloco learner` imports when it runs
+        if ready:
+            Path(ready).touch()
         line = sys.stdin.readline()
     except KeyboardInterrupt:  # stopped before it was needed
         return 130
@@ -49,4 +52,4 @@ def wait_as_spare(role: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(wait_as_spare(sys.argv[1] if len(sys.argv) > 1 else "learner"))
+    sys.exit(wait_as_spare(*sys.argv[1:3]))

@@ -11,6 +11,7 @@ killed), and a token counted more often than it was trained would be a duplicate
 from __future__ import annotations
 
 import json
+import logging
 import random
 import threading
 from dataclasses import dataclass, field
@@ -27,10 +28,14 @@ from diloco.launch.outage_timeline import shard_outages
 from diloco.launch.spare import Spares
 from diloco.shard.ownership import placed_shard_count
 
+log = logging.getLogger(__name__)
+
 REFILL_AFTER_S = 3.0
-"""How long after a restart the spare it took is replaced (or at the next kill, if that comes sooner): a
-spare's start imports torch, seconds of CPU, which the restarted shard's resume and the learners' rejoining
-need more on a machine whose cores the run shares."""
+"""How long after a restart that took a pool's last spare another is started (or at the next kill, if that
+comes sooner): a spare's start imports torch, seconds of CPU, which the restarted shard's resume and the
+learners' rejoining need more on a machine whose cores the run shares."""
+SPARE_READY_S = 120.0
+"""The longest the run's start waits for its spares' imports."""
 
 
 @dataclass
@@ -50,28 +55,46 @@ class ChaosMonkey:
     kills: list[Kill]
     restart_after_s: float
     spare_count: int = 0
-    """Pre-started spare learners (`launch/spare.py`) the restarts take (and, if any, a spare shard)."""
+    """At most this many pre-started spare learners (`launch/spare.py`) for the restarts to take (and, if
+    any, a spare shard per planned shard kill)."""
     done: threading.Event = field(default_factory=threading.Event)
     spares: dict[str, Spares] | None = None
-    """Per role (`learner`, `syncer`), the spares its restarts take: `spare_count` for the learners, one
-    for the shards."""
+    """Per role (`learner`, `syncer`), the spares its restarts take (`ready_spares`)."""
+    spares_ready: dict[str, Any] = field(default_factory=dict)
+    """How long the start waited for the spares' imports, and whether they were all done."""
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run, name="chaos", daemon=True)
         thread.start()
         return thread
 
+    def ready_spares(self) -> None:
+        """On the launcher's thread, before its learners start (they live as long as it: PR_SET_PDEATHSIG):
+        the spares, one per planned kill up to `spare_count` learners, imported before training begins. On
+        a machine whose cores the run shares, a spare's imports (seconds of CPU) during training would slow
+        the other learners, which on their own hosts no restart would; past them, a restart that takes a
+        pool's last spare has another started `REFILL_AFTER_S` later."""
+        if not self.spare_count:
+            return
+        planned = {role: sum(1 for k in self.kills if k.victim.startswith(role)) for role in ("learner", "syncer")}
+        launcher = self.launcher
+        self.spares = {"learner": Spares(launcher.children, launcher.learner_env(),
+                                         min(self.spare_count, max(1, planned["learner"]))),
+                       "syncer": Spares(launcher.children, launcher.env, max(1, planned["syncer"]), "syncer")}
+        began = clock.monotonic()
+        for pool in self.spares.values():
+            pool.fill()
+        ready = all([pool.wait_ready(SPARE_READY_S) for pool in self.spares.values()])  # each pool waited for
+        if not ready:
+            log.warning("spares still importing after %.0f s: training starts beside them", SPARE_READY_S)
+        self.spares_ready = {"waited_s": clock.monotonic() - began, "all_ready": ready,
+                             "count": {role: pool.count for role, pool in self.spares.items()}}
+
     def _run(self) -> None:
         launcher = self.launcher
         while not hasattr(launcher, "training_started"):
             if self.done.wait(0.1):
                 return
-        if self.spare_count:  # started here: they live as long as this thread (PR_SET_PDEATHSIG)
-            children = launcher.children.children
-            self.spares = {"learner": Spares(launcher.children, children["learner-0"].env, self.spare_count),
-                           "syncer": Spares(launcher.children, children["syncer-0"].env, 1, "syncer")}
-            for pool in self.spares.values():
-                pool.fill()
         refill_at = None
         for kill in self.kills:
             due = launcher.training_started + kill.at_s
@@ -105,12 +128,12 @@ class ChaosMonkey:
         self.done.wait()
 
     def _refill(self, at: float) -> bool:
-        """At `at` (monotonic), replace the spares restarts took (here: they live as long as this thread);
-        True if the run ended first."""
+        """At `at` (monotonic), start a spare for each pool the restarts emptied (here: it lives as long as
+        this thread); True if the run ended first."""
         if self.done.wait(max(0.0, at - clock.monotonic())):
             return True
         for pool in (self.spares or {}).values():
-            pool.fill()
+            pool.fill(1)
         return False
 
 
@@ -172,7 +195,7 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
     monkey = ChaosMonkey(faulty_launcher, kills, restart_after_s, spares)
     thread = monkey.start()
     try:
-        faulty = faulty_launcher.run()
+        faulty = faulty_launcher.run(before_learners=monkey.ready_spares)
     finally:
         monkey.done.set()
         thread.join()
@@ -181,7 +204,8 @@ def run_chaos(config: Config, config_args: list[str], out: Path, *, kill_learner
     killed = {k.victim for k in kills if k.restarted_at_s is not None}
     survivors = [r for r in faulty["per_learner"] if f"learner-{r['learner']}" not in killed]
     result = {
-        "seed": seed, "kills": [vars(k) for k in kills], "spares": spares,
+        "seed": seed, "kills": [vars(k) for k in kills], "spares": spares, "spares_ready": monkey.spares_ready,
+        "spare_handovers": [h for pool in (monkey.spares or {}).values() for h in pool.handed_over],
         "clean": {"final_eval_loss": clean["final_eval_loss"], "goodput": clean["goodput"],
                   "rounds": clean["rounds"], "training_time_s": clean["training_time_s"]},
         "faulty": {"final_eval_loss": faulty["final_eval_loss"], "rounds": faulty["rounds"],

@@ -110,10 +110,13 @@ class Launcher:
 
     # ------------------------------------------------------------ the run
 
-    def run(self, on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+    def run(self, on_progress: Callable[[Progress], None] | None = None,
+            before_learners: Callable[[], None] = lambda: None) -> dict[str, Any]:
+        """`before_learners`: once the syncers are started, on this thread (the chaos command's spares)."""
         try:
             self._start_syncers()
             self._start_regions()
+            before_learners()
             self._start_learners()
             self.outages = RegionOutages(self)
             self.outages.start()
@@ -230,15 +233,18 @@ class Launcher:
         region = Topology(self.config).region_of(m)
         return self.region_addresses[region] if region in self.region_addresses else self.addresses[0]
 
+    def learner_env(self) -> dict[str, str]:
+        """What every learner's process gets in its environment (a spare learner too)."""
+        return {"OMP_NUM_THREADS": str(self.learner_threads), **(ONE_XLA_THREAD if self.learner_threads == 1 else {}),
+                **self.env}
+
     def _start_learner(self, m: int) -> None:
         self._place(f"learner-{m}")
-        env = {"OMP_NUM_THREADS": str(self.learner_threads), **(ONE_XLA_THREAD if self.learner_threads == 1 else {}),
-               **self.env}
         emulate = ["--emulate-link"] if self.emulate_link else []
         self.children.start(f"learner-{m}", group_command(self.config.learners.ranks_of(m), self._python(
             "learner", "--syncer", self.syncer_of(m), "--id", str(m), *emulate,
             "--framework", self.config.learners.framework_of(m),
-            "--out", str(self.shared), *self._endpoint_args(f"learner-{m}"))), env=env)
+            "--out", str(self.shared), *self._endpoint_args(f"learner-{m}"))), env=self.learner_env())
 
     def _endpoint_args(self, name: str, status: bool = False) -> list[str]:
         """A child's Prometheus endpoint (and status page) on any free port, reported in a port file."""
@@ -333,11 +339,7 @@ class Launcher:
         return list(dict.fromkeys(Topology(self.config).fragment_homes(build_strategy(self.config).fragments)))
 
     def pull_theta(self) -> dict[str, torch.Tensor]:
-        theta: dict[str, torch.Tensor] = {}
-        for client in self.clients:
-            values, _, _ = client.pull(0, observer=True)
-            theta.update(values)
-        return theta
+        return {name: value for client in self.clients for name, value in client.pull(0, observer=True)[0].items()}
 
     def _record_eval(self) -> float:
         with torch.no_grad():

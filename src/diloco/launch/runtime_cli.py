@@ -205,10 +205,12 @@ def add_chaos_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-after", type=float, default=2.0, metavar="S",
                    help="seconds from a kill to the restart (default 2)")
     p.add_argument("--shards", type=int, default=1, metavar="N", help="syncer shard processes (default 1)")
-    p.add_argument("--spares", type=int, default=4, metavar="N",
-                   help="pre-started spare learners, imported and waiting: a restarted learner is one of them, "
-                        "so its restart costs a join and a step, not a Python start; with any, also a spare "
-                        "shard process for a killed shard (default 4; 0: fresh starts)")
+    p.add_argument("--spares", type=int, default=10, metavar="N",
+                   help="spare learners, one per planned learner kill up to N, imported before training starts: "
+                        "a restarted learner is one of them, so its restart costs a join and a step, not a Python "
+                        "start, and no spare's imports slow the others' training (past N, a restart's spare is "
+                        "replaced 3 s later); with any, also a spare shard per planned shard kill (default 10, "
+                        "about 0.3 GB of memory each; 0: fresh starts)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/chaos-TIME)")
     add_http_auth_argument(p)
 

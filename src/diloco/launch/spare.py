@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from diloco.clock import SYSTEM_CLOCK as clock
@@ -39,13 +40,28 @@ class Spares:
         self.handed_over: list[dict[str, Any]] = []
         """Each handover: the child, the spare, when (Unix time)."""
 
-    def fill(self) -> None:
-        """Start spares until there are `count` (running, not yet handed over)."""
-        while len(self.waiting()) < self.count:
+    def fill(self, count: int | None = None) -> None:
+        """Start spares until there are `count` (default the pool's) running, not yet handed over."""
+        while len(self.waiting()) < (self.count if count is None else count):
             name = f"{self.prefix}{self.started}"
             self.started += 1
-            self.children.start(name, [sys.executable, "-m", "diloco.prestarted", self.role], self.env,
+            ready = self._ready_file(name)
+            ready.unlink(missing_ok=True)
+            self.children.start(name, [sys.executable, "-m", "diloco.prestarted", self.role, str(ready)], self.env,
                                 stdin=subprocess.PIPE)
+
+    def _ready_file(self, name: str) -> Path:
+        return self.children.log_dir / f"{name}.ready"
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until every spare waiting has done its imports (or died), at most `timeout_s`; whether they all
+        had."""
+        deadline = clock.monotonic() + timeout_s
+        while any(not self._ready_file(c.name).exists() for c in self.waiting()):
+            if clock.monotonic() >= deadline:
+                return False
+            clock.sleep(0.1)
+        return True
 
     def waiting(self) -> list[Child]:
         return self.children.running(self.prefix)
@@ -69,6 +85,7 @@ class Spares:
             return self.children.restart(name, extra_args)
         child = Child(name, argv, old.env, old.log_path, process=spare.process, log_file=spare.log_file)
         del self.children.children[spare.name]
+        self._ready_file(spare.name).unlink(missing_ok=True)
         self.children.children[name] = child
         self.handed_over.append({"child": name, "spare": spare.name, "handed_over_unix": handed})
         if refill:
