@@ -18,6 +18,7 @@ from diloco.core.messages import Update
 from diloco.core.syncer_core import SyncerCore
 from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
+from diloco.metrics.records import RoundMeter
 from diloco.shard.ownership import ShardPlan
 from diloco.shard.store import ShardStore
 from diloco.strategies.spec import StrategySpec
@@ -49,6 +50,7 @@ class ShardView(Protocol):
     last_updates: dict[int, dict[int, Update]]
     store: ShardStore | None
     metrics: MetricsLog
+    round_meter: RoundMeter
     run_id: str
     tier: Any
     """The region's tier (`regional_shard.RegionTier`) or None: typed loosely, since that module uses this one."""
