@@ -73,3 +73,23 @@ def test_the_probe_holds_on_this_torch():
 def test_small_tensors_and_other_dtypes_take_the_torch_ops():
     assert not compiled_step.usable(torch.zeros(compiled.MIN_ELEMENTS - 1))
     assert not compiled_step.usable(torch.zeros(compiled.MIN_ELEMENTS), torch.zeros(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("strategy, numel, loads", [("decoupled", compiled.MIN_ELEMENTS, True),
+                                                     ("decoupled", compiled.MIN_ELEMENTS - 1, False),
+                                                     ("diloco", compiled.MIN_ELEMENTS, False)])  # plain Nesterov
+def test_a_shard_loads_the_compiled_step_as_it_makes_its_core_not_at_its_first_round(strategy, numel, loads):
+    """numba and the loop cost a process about 120 MB once: taken as the shard starts, its memory stays flat
+    after (the soak's measure), where a tensor of its will take the loop; no shard pays it for nothing."""
+    from conftest import tiny_config
+    from diloco.fragments import Fragment
+    from diloco.shard.server import ShardPlan, SyncerShard
+
+    shard = SyncerShard(tiny_config("learners.count=1", "outer.fragments=1", f"strategy={strategy}"),
+                        ShardPlan(0, 1, ("",)))
+    try:
+        compiled_step.steps_like_torch.cache_clear()
+        shard._make_core({"w": torch.zeros(numel)}, [Fragment(0, ("w",), numel, False)], set())
+        assert (compiled_step.steps_like_torch.cache_info().currsize == 1) == loads
+    finally:
+        shard.stop()

@@ -12,7 +12,7 @@ with an alpha are one fused multiply-add each, which is what torch's vectorized 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
 
@@ -35,6 +35,13 @@ def plain_step(theta: torch.Tensor, source: torch.Tensor, factor: float, divide:
     them. All flat fp32 tensors of one length."""
     _kernels()["plain_step"](theta.numpy(), source.numpy(), np.float32(factor), divide, old.numpy(),
                              np.float32(share), np.float32(rate), total.numpy(), target.numpy())
+
+
+def load_for(tensors: Iterable[torch.Tensor]) -> None:
+    """Load numba and the step's loop now where one of `tensors` would take it: a syncer takes that memory
+    (about 120 MB) as it starts, not at its first plain step mid-run, so its memory stays flat after."""
+    if any(t.numel() >= compiled.MIN_ELEMENTS and t.dtype == torch.float32 for t in tensors):
+        steps_like_torch()
 
 
 @cache

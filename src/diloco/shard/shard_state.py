@@ -32,6 +32,7 @@ from diloco.errors import DilocoError
 from diloco.fragments import Fragment
 from diloco.metrics import MetricsLog
 from diloco.metrics.records import RoundMeter, resident_memory_bytes
+from diloco.outer import compiled_step
 from diloco.shard import resume as shard_resume
 from diloco.shard.answer_slots import AnswerSlots
 from diloco.shard.group_commit import GROUP_PUSHES, PushQueue
@@ -238,6 +239,8 @@ class ShardState:
     def _make_core(self, values: dict[str, torch.Tensor], fragments: list[Fragment], embeddings: set[str]
                    ) -> SyncerCore:
         core = self.spec.syncer_core(values, fragments, range(self.members()), embeddings=embeddings)
+        if self.spec.optimizer == "delayed-nesterov":
+            compiled_step.load_for(values.values())
         core.liveness.start(self.clock.now())  # a learner never heard from is counted on from the seeding
         core.answers_when_taken = True  # answers wait on streams as notices, made when sent
         return core
