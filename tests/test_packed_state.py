@@ -107,3 +107,37 @@ def test_a_packed_checkpoint_whose_references_do_not_fit_is_refused_in_one_line(
     line = str(refused.value)
     assert "\n" not in line and expected in line and str(path) in line and "delete it" in line
     assert_same(optimizer.state_dict(), before)
+
+
+def test_progress_computed_as_it_is_packed_reads_back_as_the_progress_computed_first():
+    """A checkpoint's unpushed progress is written straight into the packed buffer (`Unpushed`, deferred):
+    read back, it is bit for bit the progress `export_progress` computes into tensors of its own, pushes in
+    flight and bf16 parameters included, and the copy no longer moves with training."""
+    from diloco.core.own_progress import export_progress
+    from test_own_progress import _trained
+
+    core, params, _ = _trained(3)  # fragment 1's push in flight
+    assert core.in_flight
+    with torch.no_grad():
+        params["a"].add_(torch.linspace(-1, 1, params["a"].numel()).view_as(params["a"]))  # not a round value
+    extra = {"data": {"index": 3}, "other": torch.arange(6, dtype=torch.float32)}
+    computed_first = packed_copy({"sync": export_progress(core), **extra})
+    deferred = packed_copy({"sync": export_progress(core, deferred=True), **extra})
+    assert_same(unpacked(deferred), unpacked(computed_first))
+    assert list(deferred["buffers"]) == ["float32"]  # one buffer: the tensors, then the computed progress
+    before = unpacked(deferred)["sync"]["fragments"][0]["unpushed"]["a"].clone()
+    with torch.no_grad():
+        params["a"].add_(1.0)  # training goes on
+    assert torch.equal(unpacked(deferred)["sync"]["fragments"][0]["unpushed"]["a"], before)
+
+
+def test_deferred_progress_of_bf16_parameters_is_the_float32_difference():
+    from diloco.core.own_progress import Unpushed
+
+    anchor = torch.randn(4, 5)
+    param = (anchor + 0.01 * torch.randn(4, 5)).to(torch.bfloat16)
+    sent = 0.001 * torch.randn(4, 5)
+    copy = packed_copy({"p": Unpushed(anchor, param, sent), "q": torch.ones(2)})
+    expected = anchor - param.to(torch.float32) - sent
+    assert torch.equal(unpacked(copy)["p"], expected) and unpacked(copy)["p"].dtype == torch.float32
+    assert torch.equal(unpacked(copy)["q"], torch.ones(2))

@@ -1,13 +1,13 @@
 """Files of saved state that vouch for themselves: a shard's state, a learner's checkpoint.
 
 Such a file is what torch.save wrote, then a trailer of 48 bytes: a marker (8 bytes), the length of
-what precedes it (8, little-endian) and its SHA-256 digest (32; files written before carry a BLAKE2b-256
-digest under their own marks, and still read). It is written to a temporary file,
-synced, then renamed over the old one, so a crash leaves the old file or the new one.
+what precedes it (8, little-endian) and its BLAKE3 digest (32; files written before carry SHA-256 or
+BLAKE2b-256 digests under their own marks, and still read: `digests.py`). It is written to a temporary
+file, synced, then renamed over the old one, so a crash leaves the old file or the new one.
 
-With the run's secret (`file_key`), the digest is keyed (marker `DLCMAC01`): whoever can write the file
+With the run's secret (`file_key`), the digest is keyed (marker `DLCMAC03`): whoever can write the file
 but does not hold the secret cannot make a rewritten one pass, and a file sealed by another run (another
-secret) is refused. Without a secret it is a plain checksum (marker `DLCSUM01`) that only finds damage;
+secret) is refused. Without a secret it is a plain checksum (marker `DLCSUM03`) that only finds damage;
 a process with a secret refuses such a file, and one without a secret refuses a sealed one.
 
 Reading checks the trailer and the digest before torch.load sees a byte, then loads with
@@ -32,19 +32,22 @@ from typing import IO, Any
 
 import torch
 
+from diloco.digests import NEWEST, Digest, digest_of_file, new_digest
 from diloco.errors import DilocoError
 from diloco.outputs import replacing
 
 TRAILER = struct.Struct("<8sQ32s")
-TRAILER_MARK = b"DLCSUM02"
-"""An unkeyed checksum (SHA-256): it finds damage, not tampering."""
-SEALED_MARK = b"DLCMAC02"
-"""A digest keyed with the run's secret (HMAC-SHA256)."""
-OLD_MARKS = {b"DLCSUM01": TRAILER_MARK, b"DLCMAC01": SEALED_MARK}
-"""The marks of files written with BLAKE2b digests, still read: each stands for the new mark of its kind.
-SHA-256 replaced BLAKE2b because CPUs with SHA instructions (x86 SHA-NI, ARMv8) hash it about twice as fast."""
+TRAILER_MARK = b"DLCSUM03"
+"""An unkeyed checksum (BLAKE3): it finds damage, not tampering."""
+SEALED_MARK = b"DLCMAC03"
+"""A digest keyed with the run's secret (keyed BLAKE3)."""
+MARKS: dict[bytes, tuple[bytes, Digest]] = {
+    TRAILER_MARK: (TRAILER_MARK, "blake3"), SEALED_MARK: (SEALED_MARK, "blake3"),
+    b"DLCSUM02": (TRAILER_MARK, "sha256"), b"DLCMAC02": (SEALED_MARK, "sha256"),
+    b"DLCSUM01": (TRAILER_MARK, "blake2b"), b"DLCMAC01": (SEALED_MARK, "blake2b")}
+"""Every mark a state file may carry: whether it is sealed (the newest mark of its kind) and how its digest
+was made. Files written before BLAKE3 (SHA-256, and BLAKE2b before that) still read."""
 _KEY_CONTEXT = b"diloco state file key"
-CHUNK_BYTES = 1 << 22
 
 
 class StateFileError(DilocoError):
@@ -56,34 +59,13 @@ def file_key(secret: bytes | None) -> bytes | None:
     return None if secret is None else hmac.new(secret, _KEY_CONTEXT, hashlib.sha256).digest()
 
 
-def _new_digest(key: bytes | None = None, blake2b: bool = False) -> Any:
-    """SHA-256 (HMAC-SHA256 with `key`, if any; BLAKE2b-256 for a file written before), empty."""
-    return hashlib.blake2b(digest_size=32, key=key or b"") if blake2b else \
-        hmac.new(key, digestmod="sha256") if key is not None else hashlib.sha256()
-
-
-def _digest_of(file: IO[bytes], length: int, key: bytes | None = None, blake2b: bool = False) -> bytes:
-    """The digest (`_new_digest`) of the first `length` bytes of an open file, read in chunks (state may be
-    large)."""
-    digest = _new_digest(key, blake2b)
-    file.seek(0)
-    left = length
-    while left > 0:
-        chunk = file.read(min(CHUNK_BYTES, left))
-        if not chunk:
-            break
-        digest.update(chunk)
-        left -= len(chunk)
-    return digest.digest()
-
-
 def save_checked(state: dict, path: Path, key: bytes | None = None) -> None:
     """`state` at `path`, with its digest (sealed with `key`, if any), atomically and synced: the old file
     stays until the new one is whole. A failure (a full disk) leaves no temporary file behind and raises
     OSError. The digest is taken from the bytes as torch.save writes them (no second read of the file),
     and torch.save's own CRC-32 of each record is skipped: the digest covers every byte already."""
     with replacing(path, binary=True, durable=True) as file:
-        hashing = _HashingWriter(file, _new_digest(key))
+        hashing = _HashingWriter(file, new_digest(NEWEST, key))
         with _without_crc32():
             torch.save(state, hashing)
         file.write(TRAILER.pack(TRAILER_MARK if key is None else SEALED_MARK, hashing.length, hashing.digest.digest()))
@@ -155,17 +137,16 @@ def load_checked(path: Path, what: str, advice: str, key: bytes | None = None) -
             raise refuse(f"is cut short ({size} bytes)")
         file.seek(size - TRAILER.size)
         mark, length, digest = TRAILER.unpack(file.read(TRAILER.size))
-        blake2b = mark in OLD_MARKS
-        mark = OLD_MARKS.get(mark, mark)
-        if mark not in (TRAILER_MARK, SEALED_MARK):
+        if mark not in MARKS:
             raise refuse("has no checksum (cut short, damaged, or not written by this version of diloco)")
+        mark, kind = MARKS[mark]
         if mark == TRAILER_MARK and key is not None:
             raise refuse("is not sealed with this run's secret (its checksum is one anyone can recompute)")
         if mark == SEALED_MARK and key is None:
             raise refuse("is sealed with a run secret, and none is given (--secret-file or DILOCO_SECRET)")
         if length != size - TRAILER.size:
             raise refuse(f"is {size} bytes but its checksum covers {length} (cut short or padded)")
-        if not hmac.compare_digest(_digest_of(file, length, key, blake2b), digest):
+        if not hmac.compare_digest(digest_of_file(file, length, kind, key), digest):
             raise refuse("is damaged (its contents do not match its checksum)" if key is None else
                          "does not match its seal (damaged, rewritten, or sealed by a run with another secret)")
     try:

@@ -378,7 +378,7 @@ def _learner_state(model: nn.Module, replica: Replica, sync: Learner | Standalon
     parameters are not in it: a restart takes Θ and puts its own unpushed progress back on top, so a copy of
     them would be a quarter or more of every checkpoint's bytes that nothing reads."""
     learner = syncing_learner(sync)
-    own = learner.own_progress_state() if learner is not None else None
+    own = learner.own_progress_state(deferred=True) if learner is not None else None  # packed as computed
     return {**({"model": model.state_dict()} if learner is None else {"sync": own} if own is not None else {}),
             "optimizer": replica.optimizer.state_dict(), "data": replica.sampler.state_dict(), "steps": replica.steps}
 

@@ -13,7 +13,7 @@ The inner optimizer's state is saved every `OPTIMIZER_EVERY` checkpoints, to a f
 the learner's (learner-0.optimizer.pt), and read back with it: a restart may take moments a few
 checkpoints old, and the progress, which is what a kill loses, is saved more often for the same cost.
 
-Each file is a `state_files.py` file (torch.save plus a SHA-256 trailer, keyed with the run's secret or
+Each file is a `state_files.py` file (torch.save plus a BLAKE3 trailer, keyed with the run's secret or
 the learner's own credential when it holds one). Reading refuses, in one line
 naming the file, anything a restarted learner should not build on: a damaged or foreign file, a step
 count above what the run could have taken, an optimizer state for other parameters (another number,

@@ -224,10 +224,11 @@ class Learner:
             self.core.resume_at(step)
         self._mark_claim()
 
-    def own_progress_state(self) -> dict[str, Any] | None:
+    def own_progress_state(self, deferred: bool = False) -> dict[str, Any] | None:
         """What a checkpoint keeps to resume this learner's unpushed progress (None on a rank without a core:
-        a replicated learner's other ranks; a sharded learner's ranks each give their rows)."""
-        return export_progress(self.core) if self.core is not None else None
+        a replicated learner's other ranks; a sharded learner's ranks each give their rows). `deferred`:
+        for a packed copy, which computes the progress as it copies (`export_progress`)."""
+        return export_progress(self.core, deferred) if self.core is not None else None
 
     def request_stop(self) -> None:
         """Stop at the end of this step (e.g. on Ctrl-C); under torchrun, rank 0's request counts."""

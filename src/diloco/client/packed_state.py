@@ -11,13 +11,15 @@ its buffer, after checking every reference against the buffers: a file is a clai
 sealed one. A state saved before this layout (no `PACKED` key) loads as it was written.
 
 Tensors off the CPU (a GPU learner's) are cloned where they are, as before: copying them to the host
-would move the device-to-host transfer onto the training thread.
+would move the device-to-host transfer onto the training thread. A value the copy computes (`Deferred`: a
+learner's unpushed progress, anchor − θ) is written into the buffer as it is computed: the copy is then one
+pass over it rather than a subtraction into a new tensor and a second copy of that.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,23 +35,53 @@ _DTYPES = {str(t).removeprefix("torch."): t for t in (
 _KEYS = {t: key for key, t in _DTYPES.items()}
 
 
+class Deferred(Protocol):
+    """A value computed as the copy is made (`core/own_progress.Unpushed`): written into its place in the
+    buffer by `fill_into`, so the copy costs one pass over it, not two."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def fill_into(self, out: torch.Tensor) -> None: ...
+
+
 def packed_copy(state: Any) -> dict[str, Any]:
-    """A copy of `state` (nested dicts, lists, tuples; tensors and plain values) that training can no longer
-    change: every CPU tensor of a dtype in `_DTYPES` copied into that dtype's buffer (one `cat` each),
-    others cloned."""
+    """A copy of `state` (nested dicts, lists, tuples; tensors, `Deferred` values and plain values) that
+    training can no longer change: every CPU tensor of a dtype in `_DTYPES` copied into that dtype's
+    buffer (one `cat` each), each `Deferred` value written into it after them, others cloned."""
     tensors: dict[str, list[torch.Tensor]] = {}
     filled: dict[str, int] = {}
+    deferred: dict[str, list[tuple[Deferred, list[Any]]]] = {}
+    deferred_filled: dict[str, int] = {}
 
-    def place(tensor: torch.Tensor) -> dict[str, list[Any]]:
-        key = _KEYS[tensor.dtype]
-        offset = filled.get(key, 0)
-        filled[key] = offset + tensor.numel()
-        tensors.setdefault(key, []).append(tensor.reshape(-1))
-        return {REF: [key, offset, list(tensor.shape)]}
+    def place(value: torch.Tensor | Deferred) -> dict[str, list[Any]]:
+        key = _KEYS[value.dtype]
+        n = math.prod(value.shape)
+        if isinstance(value, torch.Tensor):
+            offset = filled.get(key, 0)
+            filled[key] = offset + n
+            tensors.setdefault(key, []).append(value.reshape(-1))
+            return {REF: [key, offset, list(value.shape)]}
+        ref = [key, deferred_filled.get(key, 0), list(value.shape)]  # its offset past the tensors: set below
+        deferred_filled[key] = ref[1] + n
+        deferred.setdefault(key, []).append((value, ref))
+        return {REF: ref}
 
     tree = _rebuilt(state, place)
+    buffers = {}
     with torch.no_grad():  # a copy of values, never part of a graph
-        buffers = {key: torch.cat(ts) for key, ts in tensors.items()}
+        for key in tensors.keys() | deferred.keys():
+            before = filled.get(key, 0)
+            buffer = torch.empty(before + deferred_filled.get(key, 0), dtype=_DTYPES[key])
+            if key in tensors:
+                torch.cat(tensors[key], out=buffer[:before])
+            for value, ref in deferred.get(key, []):
+                ref[1] += before
+                value.fill_into(buffer[ref[1]:ref[1] + math.prod(value.shape)].view(value.shape))
+            buffers[key] = buffer
     return {PACKED: VERSION, "buffers": buffers, "tree": tree}
 
 
@@ -81,7 +113,9 @@ def unpacked(state: Any) -> Any:
 
 
 def _packs(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype in _KEYS and value.device.type == "cpu"
+    if isinstance(value, torch.Tensor):
+        return value.dtype in _KEYS and value.device.type == "cpu"
+    return hasattr(value, "fill_into") and getattr(value, "dtype", None) in _KEYS
 
 
 def _rebuilt(value: Any, place: Any) -> Any:

@@ -20,7 +20,6 @@ each rank then starts its data shard afresh (as a DDP learner with several ranks
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import warnings
@@ -39,6 +38,7 @@ from diloco.client.collective_bound import BOUND, floor_s
 from diloco.client.checkpoint_staging import KeptStaging
 from diloco.client.checkpoints import ADVICE, CheckpointPacer, check_checkpoint, write_checkpoint
 from diloco.client.sharded_progress import joined_progress, progress_target, split_progress
+from diloco.digests import NEWEST, Digest, digest_of_file
 from diloco.errors import DilocoError
 from diloco.state_files import load_checked
 
@@ -203,22 +203,19 @@ def _own_files(folder: Path, rank: int) -> list[Path]:
     return sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / ".metadata"] if rank == 0 else [])
 
 
-DIGEST = "sha256"
-"""How a sidecar's digests of its DCP files are taken: SHA-256 (OpenSSL's: 1230–1480 MB per CPU second on
-the benchmark host against BLAKE2b's 800, and every byte of every checkpoint goes through it, on cores
-the training shares); a digest without this prefix is a BLAKE2b one, as checkpoints written before hold."""
+DIGEST: Digest = NEWEST
+"""How a sidecar's digests of its DCP files are taken (`digests.py`): every byte of every checkpoint goes
+through it, on cores the training shares. A digest is tagged with its kind ("blake3:…"); one tagged
+"sha256:" or untagged (BLAKE2b) is one a checkpoint written before holds, and checks as it was taken."""
+_TAGGED: dict[str, Digest] = {"blake3": "blake3", "sha256": "sha256"}
 
 
 def _digest(path: Path, like: str = DIGEST + ":") -> str:
     """`path`'s digest, taken as `like` (a digest read from a sidecar) was."""
-    sha256 = like.startswith(DIGEST + ":")
+    kind = _TAGGED.get(like.partition(":")[0], "blake2b")
     with path.open("rb") as f:
-        if sha256:
-            return f"{DIGEST}:{hashlib.file_digest(f, DIGEST).hexdigest()}"
-        h = hashlib.blake2b(digest_size=32)
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        hexdigest = digest_of_file(f, kind=kind, chunk_bytes=1 << 20).hex()
+    return hexdigest if kind == "blake2b" else f"{kind}:{hexdigest}"
 
 
 def _cloned(value: Any) -> Any:

@@ -23,6 +23,7 @@ fragment's newest counted push is numbered below it).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -37,21 +38,57 @@ MAX_AGE_VERSIONS = 8
 """Versions Θ may have moved on past a fragment's saved anchor before that progress is too old to rebase."""
 
 
+@dataclass(frozen=True)
+class Unpushed:
+    """One parameter's progress no push has carried yet, anchor − θ (− what the push in flight carries), not
+    yet computed: a checkpoint's copy (`client/packed_state.py`) writes it straight into its buffer in one
+    pass (`fill_into`), instead of copying a tensor made first."""
+
+    anchor: torch.Tensor
+    param: torch.Tensor
+    sent: torch.Tensor | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.anchor.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @torch.no_grad()
+    def fill_into(self, out: torch.Tensor) -> None:
+        """Write the progress into `out` (float32, this shape; on the CPU whatever the parameter's device)."""
+        if out.device != self.anchor.device:
+            out.copy_(self.tensor())
+            return
+        torch.sub(self.anchor, self.param.detach(), out=out)
+        if self.sent is not None:
+            out.sub_(self.sent)
+
+    @torch.no_grad()
+    def tensor(self) -> torch.Tensor:
+        """The progress as a tensor of its own, where the parameter is."""
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.anchor.device)
+        self.fill_into(out)
+        return out
+
+
 @torch.no_grad()
-def export_progress(core: LearnerCore) -> dict[str, Any]:
-    """What a checkpoint keeps to resume this learner's unpushed progress (copies: training goes on)."""
+def export_progress(core: LearnerCore, deferred: bool = False) -> dict[str, Any]:
+    """What a checkpoint keeps to resume this learner's unpushed progress (copies: training goes on).
+    `deferred`: the unpushed progress as `Unpushed` values, for a copy that computes them as it is made."""
     if core.finished:  # its last pushes carried everything
         return {"seq": core.seq, "step": core.step, "fragments": []}
     residuals = dict(core.feedback.residuals) if core.feedback else {}
     fragments = []
     for p, fragment in enumerate(core.fragments):
         flight = core.in_flight.get(p)
-        unpushed = {}
+        unpushed: dict[str, Unpushed | torch.Tensor] = {}
         for name in fragment.names:
-            delta = core.anchors[p][name] - core.params[name].detach().to(torch.float32)
-            if flight is not None:
-                delta = delta - flight.sent_deltas[name]
-            unpushed[name] = delta.cpu()
+            delta = Unpushed(core.anchors[p][name], core.params[name],
+                             None if flight is None else flight.sent_deltas[name])
+            unpushed[name] = delta if deferred else delta.tensor().cpu()
         sent = None if flight is None else {"seq": flight.push.seq, "tokens": flight.push.tokens,
                                             "steps": flight.push.steps,
                                             "deltas": {n: d.detach().cpu().clone() for n, d in flight.sent_deltas.items()}}
