@@ -106,7 +106,7 @@ class Shard:
         """A digest of what the shard decides from: versions, rounds, tokens, ledger, Θ."""
         reply = self.stub(self.run_secret).Status(pb.StatusRequest(), timeout=5)
         report = json.loads(reply.report_json)
-        theta, _, _ = ShardClient(self.address, self.run_secret).pull(0, observer=True)
+        theta = ShardClient(self.address, self.run_secret).pull(0, observer=True).values
         digest = hashlib.sha256(json.dumps([list(map(str, reply.versions)), reply.rounds, reply.tokens_reported,
                                             report.get("ledger")], sort_keys=True, default=str).encode())
         for name in sorted(theta):
@@ -122,7 +122,7 @@ class Shard:
             self.stub(learner_security(self.run_secret, 1)).Heartbeat(
                 pb.HeartbeatRequest(learner=1, tokens=self.step[1] * 64, steps=self.step[1]),
                 timeout=HEALTHY_WITHIN_S)
-            theta, _, _ = ShardClient(self.address, self.run_secret).pull(0, observer=True)
+            theta = ShardClient(self.address, self.run_secret).pull(0, observer=True).values
         except grpc.RpcError as exc:
             return f"no heartbeat answer within {HEALTHY_WITHIN_S:g} s ({exc.code().name})"
         if not all(torch.isfinite(t).all() for t in theta.values()):

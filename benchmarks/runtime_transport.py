@@ -50,7 +50,7 @@ class GrpcPath:
         layout = [pb.FragmentLayout(index=0, tensors=[pb.TensorSpec(name="w", shape=[numel])])]
         if not self.client.init(layout, {"w": torch.zeros(numel)}):
             raise RuntimeError("the syncer was seeded already")
-        _, versions, _ = self.client.pull(self.learner, after_seq=reply.last_seq)
+        versions = self.client.pull(self.learner, after_seq=reply.last_seq).versions
         self.version, self.seq = versions[0], reply.last_seq
         gen = torch.Generator().manual_seed(0)
         self.tensors = {"w": get_codec("fp32").encode(torch.randn(numel, generator=gen) * 1e-3)}

@@ -214,7 +214,7 @@ class Run:
         pulls = [(c, p) for c, mine in zip(self.clients, owned) for p in mine]
 
         def pull(client: Any, p: int) -> int:
-            values, _, _ = client.pull(0, observer=True, fragments=[p])
+            values = client.pull(0, observer=True, fragments=[p]).values
             return sum(v.numel() * v.element_size() for v in values.values())
 
         times = []

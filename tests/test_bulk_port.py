@@ -54,8 +54,8 @@ def test_a_pull_over_the_bulk_port_gives_what_a_pull_in_frames_gives_and_a_learn
     over_bulk = ShardClient(address)
     in_frames = ShardClient(address)
     in_frames.bulk_failed = True  # as a client whose bulk pull failed: frames only
-    values, versions, layout = over_bulk.pull(0, observer=True)
-    framed, framed_versions, framed_layout = in_frames.pull(0, observer=True)
+    values, versions, layout, _ = over_bulk.pull(0, observer=True)
+    framed, framed_versions, framed_layout, _ = in_frames.pull(0, observer=True)
     assert versions == framed_versions and layout == framed_layout and list(values) == list(framed)
     assert all(torch.equal(values[n], framed[n]) for n in values) and not over_bulk.bulk_failed
     assert not shard.bulk.tickets and shard.bulk.refused == 0  # each ticket used once
@@ -75,10 +75,10 @@ def test_a_pull_over_the_bulk_port_gives_what_a_pull_in_frames_gives_and_a_learn
 def test_a_bulk_port_that_cannot_be_reached_leaves_pulls_on_grpc(bulk_shard, caplog):
     shard, address = bulk_shard
     client = ShardClient(address)
-    expected, _, _ = _framed_pull(address)
+    expected = _framed_pull(address).values
     shard.bulk.close()  # tickets are still issued; nobody answers on the port
     with caplog.at_level(logging.WARNING, logger="diloco.learner"):
-        values, _, _ = client.pull(0, observer=True)
+        values = client.pull(0, observer=True).values
     assert client.bulk_failed and "pulling over gRPC from now on" in caplog.text
     assert all(torch.equal(values[n], expected[n]) for n in expected)
     client.close()

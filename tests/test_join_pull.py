@@ -13,6 +13,7 @@ import torch
 from diloco.client.joining import PullBudget, ShardLink, pull_theta
 from diloco.client.row_moves import HeldBytes
 from diloco.errors import DilocoError
+from diloco.transport.calls import Pulled
 from diloco.fragments import Fragment
 from diloco.transport.wire_messages import fragment_layout
 
@@ -34,14 +35,14 @@ class Shard:
         p = fragments[0]
         if p == self.broken:
             raise DilocoError(f"fragment {p} cannot be pulled")
-        return {f"t{p}": torch.ones(SIZES[p])}, {p: 1}, [fragment_layout(FRAGMENTS[p], PARAMS)]
+        return Pulled({f"t{p}": torch.ones(SIZES[p])}, {p: 1}, [fragment_layout(FRAGMENTS[p], PARAMS)], {})
 
 
 def pulled_at_once(budget: PullBudget, broken: int | None = None) -> tuple[int, list[int]]:
     """The most bytes of pulled tensors alive at once, and the fragments taken (each take is slow)."""
     held, taken = HeldBytes(), []
     link = ShardLink(0, Shard(broken), list(range(len(SIZES))))
-    for p, values, _ in pull_theta([link], 0, 0, FRAGMENTS, PARAMS, budget, held.track):
+    for p, values, _, _ in pull_theta([link], 0, 0, FRAGMENTS, PARAMS, budget, held.track):
         time.sleep(0.03)  # a scatter over the learner's ranks
         taken.append(p)
         del values

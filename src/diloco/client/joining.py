@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -43,6 +43,8 @@ class Joined:
     """The learner's last push numbered in its earlier lives: its next pushes are numbered above."""
     last_seqs: dict[int, int]
     """Per fragment, the last push of this learner of that fragment its shard took (`fragment_seqs`)."""
+    push_at: dict[int, float] = field(default_factory=dict)
+    """Per fragment its shard named a time for: when (wall clock) to push it first, on the syncer's grid."""
     pull_s: float = 0.0
     """Seconds the pull of Θ took, every fragment from every shard."""
 
@@ -152,16 +154,19 @@ def _join_all(address: str, learner: int | None, timeout_s: float, host: str, pa
         shards.append(ShardLink(index, client, owned))
     theta: dict[str, torch.Tensor] = {}
     versions: dict[int, int] = {}
+    push_at: dict[int, float] = {}
     started = time.monotonic()
     budget = PullBudget(max(f.numel for f in fragments) * 4 if take is not None else None)
-    for p, values, fragment_versions in pull_theta(shards, me, last_seq, fragments, params, budget, track):
+    for p, values, fragment_versions, fragment_push_at in pull_theta(shards, me, last_seq, fragments, params, budget,
+                                                                     track):
         versions.update(fragment_versions)
+        push_at.update(fragment_push_at)
         if take is not None:
             take(p, values)
         else:
             theta.update(values)
         del values  # let go before the next fragment's pull: the budget is released as the loop asks for it
-    return Joined(me, settings, shards, fragments, theta, versions, last_seq, last_seqs,
+    return Joined(me, settings, shards, fragments, theta, versions, last_seq, last_seqs, push_at,
                   pull_s=time.monotonic() - started)
 
 
@@ -186,7 +191,7 @@ def fragment_seqs(reply: pb.JoinReply, owned: list[int], address: str) -> dict[i
 def pull_theta(shards: list[ShardLink], me: int, last_seq: int, fragments: list[Fragment],
                params: dict[str, torch.Tensor], budget: PullBudget | None = None,
                track: Callable[[torch.Tensor], None] | None = None):
-    """(fragment, values, versions) of every fragment of every shard, as each arrives: pull threads feed a
+    """(fragment, values, versions, first push times) of every fragment of every shard, as each arrives: pull threads feed a
     queue, the caller's thread takes from it. Each fragment is its own pull (a broken transfer resumes
     with the fragments still missing), with retries; the first failure ends the join. A fragment's bytes
     count against `budget` from before its pull until the caller asks for the next one."""
@@ -197,13 +202,13 @@ def pull_theta(shards: list[ShardLink], me: int, last_seq: int, fragments: list[
         if not budget.acquire(fragments[p].numel * 4):
             return  # the join ended while this pull waited for room
         try:
-            values, fragment_versions, layout = with_retries(
-                lambda: shard.client.pull(me, after_seq=last_seq, fragments=[p]), what="pull")
-            for value in values.values() if track is not None else ():
+            pulled = with_retries(lambda: shard.client.pull(me, after_seq=last_seq, fragments=[p]), what="pull")
+            for value in pulled.values.values() if track is not None else ():
                 track(value)
             # Checked again: another learner may have seeded Θ between our join and our pull.
-            _check_layout(layout, [fragments[p]], params, shard.client.address)
-            arrived.put((p, values, fragment_versions))
+            _check_layout(pulled.layout, [fragments[p]], params, shard.client.address)
+            arrived.put((p, pulled.values, pulled.versions, pulled.push_at))
+            del pulled
         except BaseException as exc:  # noqa: BLE001 — raised again on the caller's thread
             budget.release(fragments[p].numel * 4)
             arrived.put(exc)

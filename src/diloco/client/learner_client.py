@@ -152,7 +152,7 @@ class Learner:
             with torch.no_grad():
                 for name, value in joined.theta.items():
                     self.params[name].copy_(value)
-            self._build(joined.settings, joined.fragments, joined.versions, joined.last_seq, self.params)
+            self._build(joined.settings, joined.fragments, joined.versions, joined.last_seq, self.params, joined.push_at)
             self.resumed = resume_progress(self.core, self.own_progress, joined.last_seqs, self.resume_policy)
             header[0], header[1] = self.id, self.settings.fragments
         if self.world > 1:
@@ -171,12 +171,13 @@ class Learner:
             joined = ranks.lead_join(lambda params, take: self._connect(syncer, learner, timeout_s, host, params,
                                                                         take))
             info = (joined.learner, joined.settings.SerializeToString(), joined.versions, joined.last_seq,
-                    joined.last_seqs)
+                    joined.last_seqs, joined.push_at)
         else:
             ranks.follow_join()
-        self.id, settings, versions, last_seq, last_seqs = ranks.end_join(info)
+        self.id, settings, versions, last_seq, last_seqs, push_at = ranks.end_join(info)
         self.settings = pb.Settings.FromString(settings)
-        self._build(self.settings, self._partition(self.settings.fragments), versions, last_seq, ranks.local())
+        self._build(self.settings, self._partition(self.settings.fragments), versions, last_seq, ranks.local(),
+                    push_at)  # every rank the same times: their cores decide the same pushes
         self.resumed = resume_progress(self.core, self.own_progress, last_seqs, self.resume_policy,
                                        agree=agree_over_ranks)  # each rank its rows, the same fragments
 
@@ -202,13 +203,15 @@ class Learner:
         return joined
 
     def _build(self, settings: pb.Settings, fragments: list[Fragment], versions: dict[int, int], last_seq: int,
-               params: dict[str, torch.Tensor]) -> None:
-        """This rank's learner core, over the parameters (or rows of them) it holds."""
+               params: dict[str, torch.Tensor], push_at: dict[int, float]) -> None:
+        """This rank's learner core, over the parameters (or rows of them) it holds, with its first pushes on
+        the syncer's grid where the syncer named times (`push_at`)."""
         self._first_seq = last_seq  # numbers before it belong to this learner's earlier lives
         self.fragments = fragments
         self.core = spec_of(settings).learner_core(
             self.id, params, fragments, versions=[versions[p] for p in range(len(fragments))],
             first_seq=last_seq, encode_later=True)
+        self.core.push_at(push_at)
 
     # ------------------------------------------------------------ the training thread
 

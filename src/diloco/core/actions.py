@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +64,9 @@ class SendState:
     learner: int
     values: dict[str, torch.Tensor]
     versions: dict[int, int]
+    push_in_s: dict[int, float] = field(default_factory=dict)
+    """Per fragment with a pacing grid: seconds from now to the learner's first push of it
+    (`Merging.join_schedule`); the others by its steps."""
 
 
 @dataclass(frozen=True)

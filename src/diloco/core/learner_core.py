@@ -10,8 +10,9 @@ due, computes their outer gradients Δ = anchor − θ, merges answers τ steps 
 - When a fragment is due: after the steps of its schedule (staggered offsets, period H), until the
   syncer says otherwise. Each answer may name the time of the fragment's next push, on the learner's
   own clock (`Update.next_push_at`), chosen so that every learner's next push of it lands at about the
-  same time whatever their speeds; the learner pushes at the end of the step nearest to that time.
-  Without an answer, it pushes again H of its steps after the last push.
+  same time whatever their speeds; the learner pushes at the end of the step nearest to that time. A
+  learner that (re)joins is named its first pushes' times the same way (`push_at`), once rounds have set
+  the grid. Without an answer, it pushes again H of its steps after the last push.
 - Counters for a fragment restart when it is *sent*, not when its answer is merged: the τ steps
   taken in between belong to the next push of that fragment, so each token is reported once.
 - With `keep_progress`, a merge keeps what the learner trained since sending: θ ← Θ̃ + (θ − θ_sent)
@@ -82,21 +83,14 @@ class LearnerCore:
         With `encode_later`, pushes carry the raw outer gradients and the driver encodes them with
         `encode` off the training thread (the real driver); otherwise they carry what the syncer will
         decode (the simulator)."""
-        self.learner = learner
-        self.params = params
-        self.fragments = fragments
-        self.schedule = schedule
-        self.tau, self.alpha, self.wait_for_updates = tau, alpha, wait_for_updates
-        self.keep_progress = keep_progress
+        self.learner, self.params, self.fragments, self.schedule = learner, params, fragments, schedule
+        self.tau, self.alpha, self.wait_for_updates, self.keep_progress = tau, alpha, wait_for_updates, keep_progress
         self.codec = codec or get_codec("fp32")
         self.feedback = ErrorFeedback(self.codec) if error_feedback else None
-        self.encode_later = encode_later
-        self.step = step
-        self.seq = first_seq
+        self.encode_later, self.step, self.seq = encode_later, step, first_seq
         self.anchors = [{n: params[n].detach().to(torch.float32).clone() for n in f.names} for f in fragments]
         self.anchor_versions = list(versions) if versions is not None else [0] * len(fragments)
-        self.tokens_since = [0] * len(fragments)
-        self.steps_since = [0] * len(fragments)
+        self.tokens_since, self.steps_since = [0] * len(fragments), [0] * len(fragments)
         self.next_due = [schedule.next_due(p, step) for p in range(len(fragments))]
         """Per fragment, the step after which it is pushed next when the syncer named no time."""
         self.next_due_at: list[float | None] = [None] * len(fragments)
@@ -233,10 +227,15 @@ class LearnerCore:
         return self._push_due()
 
     def resume_at(self, step: int) -> None:
-        """The driver restored a checkpoint taken after inner step `step`: the schedule continues there."""
+        """The driver restored a checkpoint taken after inner step `step`: the schedule by steps continues
+        there (times the syncer named at the join stand: `push_at`)."""
         self.step = step
         self.next_due = [self.schedule.next_due(p, step) for p in range(len(self.fragments))]
-        self.next_due_at = [None] * len(self.fragments)
+
+    def push_at(self, times: dict[int, float]) -> None:
+        """The syncer's grid, named at the join (`SendState.push_in_s`): when (own clock) to push these first."""
+        for p, at in times.items():
+            self.next_due_at[p] = at
 
     def on_update(self, update: Update, now: float | None = None) -> bool:
         """Keep an answer to the push in flight; drop (and return False) one that answers none, such as one

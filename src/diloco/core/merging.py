@@ -18,6 +18,7 @@ weigh uncapped: at most one fragment's copy, whatever the number of learners.
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 import weakref
 from collections.abc import Mapping
@@ -303,13 +304,24 @@ class Merging:
         if period is None:
             return {}
         arrivals = [c.arrived for c in contributions]
-        target = state.target if state.target is not None else sum(arrivals) / len(arrivals)
-        # The next point of the grid at least half a period ahead: a round that closed early (a push
-        # that missed the previous round, merged alone) leaves the grid point it came before in place.
-        while target <= now + period / 2:
-            target += period
-        state.target = target
+        # A round that closed early (a push that missed the previous round, merged alone) leaves the grid
+        # point it came before in place.
+        state.target = target = next_grid_point(
+            state.target if state.target is not None else sum(arrivals) / len(arrivals), now, period)
         return {c.learner: self.pacer.ask(c.learner, target, c.trip) for c in contributions if not c.final}
+
+    def join_schedule(self, fragments: Iterable[int], now: float) -> dict[int, float]:
+        """For a learner that (re)joins now: per fragment that has a grid already, how long from now its first
+        push should land (the grid's next point). Its schedule by steps would put that push anywhere in the
+        period, where it misses the round the others make and is merged alone, stale. A fragment without
+        a grid (no round yet) is left to the learner's steps."""
+        if self.pacer is None:
+            return {}
+        period = self.pacer.sync_period_s(self.membership.alive)
+        if period is None:
+            return {}
+        return {p: next_grid_point(self.fragments[p].target, now, period, JOIN_LEAD) - now for p in fragments
+                if self.fragments[p].target is not None}
 
     # ------------------------------------------------------------ moves decided elsewhere
 
@@ -358,3 +370,20 @@ class Merging:
         self.one_way_s = state["one_way_s"]
         if self.pacer is not None:
             self.pacer.load_state_dict(state["pacer"])
+
+
+JOIN_LEAD = 0.25
+"""A joining learner's first push goes to the first grid point at least this share of a period ahead: time
+for its first steps (their warm-up included), and no later, since a round closing before its push would
+leave that push a version behind."""
+
+
+def next_grid_point(target: float, now: float, period: float, lead: float = 0.5) -> float:
+    """The first point of the pacing grid through `target` (one `period` apart) more than `lead` periods after
+    `now` (half a period: far enough ahead for every participant of the round that just closed)."""
+    behind = now + lead * period - target
+    if behind > 1000 * period:  # far behind (a long pause, a tiny reported step time): jump, do not step
+        target += math.floor(behind / period) * period
+    while target <= now + lead * period:
+        target += period
+    return target

@@ -289,7 +289,8 @@ class SyncerCore:
         """The learner takes Θ (the driver sends what `SendState` holds) and counts again."""
         values, versions = self.rejoin_state(event.learner, event.after_seq, event.fragments)
         self.join(event.learner, now)
-        return [SendState(event.learner, values, versions), *self.merging.evaluate_all(now)]
+        return [SendState(event.learner, values, versions, self.merging.join_schedule(versions, now)),
+                *self.merging.evaluate_all(now)]
 
     def _on_answer_taken(self, event: AnswerTaken, now: float) -> list[Action]:
         if event.fragment not in self.fragments or not self.holds_state(event.learner):

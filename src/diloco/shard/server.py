@@ -156,15 +156,16 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
                 names = [n for p in fragments for n in core.fragments[p].fragment.names]
                 theta = {n: core.theta[n] for n in names}  # a commit replaces Θ's tensors, never writes them
                 versions = {p: core.fragments[p].version for p in fragments}
+                push_in_s: dict[int, float] = {}
             else:
                 self._speaks_for(request.learner, "pull", context)
                 event = LearnerRejoined(request.learner, request.after_seq, tuple(fragments))
                 sent = next(a for a in self._take(event, context) if isinstance(a, SendState))
-                theta, versions = sent.values, sent.versions
+                theta, versions, push_in_s = sent.values, sent.versions, sent.push_in_s
         if request.bulk and self.bulk is not None:
-            yield bulk_state_frame(theta, self.layout, versions, self.bulk)
+            yield bulk_state_frame(theta, self.layout, versions, self.bulk, push_in_s)
         else:
-            yield from state_frames(theta, self.layout, versions, snapshot=True)
+            yield from state_frames(theta, self.layout, versions, snapshot=True, push_in_s=push_in_s)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
         """A push's header and its data in frames, or (`PushHeader.bulk`) its header alone, answered with a

@@ -112,8 +112,10 @@ class CrashRecovery(SimState):
             r.steps = peer.replica.steps
         r.model.zero_grad(set_to_none=True)
 
-    def _restart_from(self, learner: SimLearner, theta: dict[str, torch.Tensor], versions: list[int]) -> None:
-        """Θ as the syncer sent it; what else comes from its own checkpoint is `core/recovery.py`'s call."""
+    def _restart_from(self, learner: SimLearner, theta: dict[str, torch.Tensor], versions: list[int],
+                      push_at: dict[int, float]) -> None:
+        """Θ as the syncer sent it, and its first pushes on the syncer's grid; what else comes from its own
+        checkpoint is `core/recovery.py`'s call."""
         r = learner.replica
         with torch.no_grad():
             for name, p in r.named_params().items():
@@ -128,6 +130,7 @@ class CrashRecovery(SimState):
         if plan.steps:
             r.steps = ckpt.steps
         learner.core = self._learner_core(learner, versions=versions, step=r.steps)
+        learner.core.push_at(push_at)
         self._resume_own_progress(learner)
 
     def _resume_own_progress(self, learner: SimLearner) -> None:

@@ -52,11 +52,12 @@ class StopArrives:
 
 @dataclass(frozen=True)
 class StateArrives:
-    """Θ reached a learner that is back from a crash (`state` None: data-parallel, take a peer's)."""
+    """Θ reached a learner that is back from a crash (`state` None: data-parallel, take a peer's): values,
+    versions, and when (the learner's clock) to push the fragments the syncer named first."""
 
     learner: int
     incarnation: int
-    state: tuple[dict[str, Any], list[int]] | None
+    state: tuple[dict[str, Any], list[int], dict[int, float]] | None
 
 
 @dataclass(frozen=True)

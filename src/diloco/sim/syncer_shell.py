@@ -77,8 +77,9 @@ class SyncerShell(SimState):
                 learner = self.learners[action.learner]
                 versions = [action.versions[p] for p in range(len(self.fragments))]
                 arrival = self._send_state(learner.link, action.values)
+                push_at = {p: self.now + d for p, d in action.push_in_s.items()}  # one clock in the simulator
                 self.queue.schedule(arrival, StateArrives(learner.index, learner.incarnation,
-                                                          (action.values, versions)))
+                                                          (action.values, versions, push_at)))
         if self.syncer is not None and region is None:
             self.round_meter.emit(self.syncer.rounds)
 

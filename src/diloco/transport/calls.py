@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -19,7 +19,8 @@ from diloco.transport.bulk_client import BulkConnections, bulk_host, receive, se
 from diloco.transport.security import BUSY, ClientIdentity, TransportSecurity, default_security, make_channel
 from diloco.transport.frames import data_views, message_frames, read_message, read_values
 from diloco.transport.stream_calls import syncer_stub
-from diloco.transport.wire_messages import fragment_versions, heartbeat_request, seed_frames, versions_of
+from diloco.transport.wire_messages import (fragment_versions, heartbeat_request, push_in_of, seed_frames,
+                                            versions_of)
 from diloco.v1 import diloco_pb2 as pb
 
 log = logging.getLogger("diloco.learner")
@@ -56,6 +57,16 @@ def retryable(error: grpc.RpcError) -> bool:
     details = error.details() or ""
     return code in RETRYABLE or (code == grpc.StatusCode.RESOURCE_EXHAUSTED
                                  and (details.startswith(BUSY) or details == GRPC_BUSY))
+
+class Pulled(NamedTuple):
+    """A pull's answer: Θ of the fragments asked for, their versions, the shard's layout, and (a joining
+    learner's pull) when, on this machine's wall clock, to push each fragment first (`SendState.push_in_s`)."""
+
+    values: dict[str, torch.Tensor]
+    versions: dict[int, int]
+    layout: list[pb.FragmentLayout]
+    push_at: dict[int, float]
+
 
 class SyncerUnavailable(DilocoError):
     """The shard could not be reached (yet): callers may retry."""
@@ -175,18 +186,26 @@ class ShardClient:
                 raise failed[0] from None
             raise
 
-    def pull(self, learner: int, *, observer: bool = False, after_seq: int = 0, fragments: list[int] = ()
-             ) -> tuple[dict[str, torch.Tensor], dict[int, int], list[pb.FragmentLayout]]:
+    def pull(self, learner: int, *, observer: bool = False, after_seq: int = 0, fragments: list[int] = ()) -> Pulled:
         """Θ of the shard's `fragments` (default: all), their versions, and the layout: over the shard's bulk
         port where it serves one (`transport/bulk.py`), else (or once that failed) in gRPC frames."""
+        header_at: list[float] = []
+
+        def stamped(stream):
+            for frame in stream:  # the header comes first: when (wall clock) the first push delays count from
+                if not header_at:
+                    header_at.append(clock.now())
+                yield frame
 
         def fetch():
+            header_at.clear()
             bulk = not self.bulk_failed
             request = pb.PullRequest(learner=learner, observer=observer, after_seq=after_seq, fragments=fragments,
                                      bulk=bulk)
             stream = self.stub.Pull(request, timeout=300)
             try:
-                message = read_values(iter(stream), "state", limit=1 << 40, bulk=self.receive_bulk if bulk else None)
+                message = read_values(stamped(stream), "state", limit=1 << 40,
+                                      bulk=self.receive_bulk if bulk else None)
             except BulkTransferError as exc:
                 stream.cancel()
                 self.bulk_failed = True
@@ -197,7 +216,8 @@ class ShardClient:
             return message
 
         header, values = self._call("pull", fetch)
-        return values, versions_of(header.versions), list(header.layout)
+        push_at = {p: header_at[0] + d for p, d in push_in_of(header.versions).items()} if header_at else {}
+        return Pulled(values, versions_of(header.versions), list(header.layout), push_at)
 
     def receive_bulk(self, header: pb.StateHeader | pb.UpdateHeader, targets: list[memoryview]) -> None:
         """Fill `targets` with the data a header's bulk ticket names, from the shard's bulk port."""

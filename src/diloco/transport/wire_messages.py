@@ -184,12 +184,25 @@ def progress_of(request: pb.HeartbeatRequest) -> Progress:
     return Progress(request.learner, request.steps, request.tokens, request.step_time_s, tuple(request.due_in_s))
 
 
-def fragment_versions(versions: dict[int, int]) -> list[pb.FragmentVersion]:
-    return [pb.FragmentVersion(fragment=p, version=v) for p, v in versions.items()]
+def fragment_versions(versions: dict[int, int], push_in_s: Mapping[int, float] | None = None
+                      ) -> list[pb.FragmentVersion]:
+    push_in_s = push_in_s or {}
+    return [pb.FragmentVersion(fragment=p, version=v, push_in_s=push_in_s.get(p)) for p, v in versions.items()]
 
 
 def versions_of(entries: list[pb.FragmentVersion]) -> dict[int, int]:
     return {v.fragment: v.version for v in entries}
+
+
+MAX_PUSH_IN_S = 24 * 3600.0
+"""The longest first-push delay a shard may name (a day): a sync period is seconds to minutes."""
+
+
+def push_in_of(entries: list[pb.FragmentVersion]) -> dict[int, float]:
+    """Per fragment the shard named one for, seconds until the learner's first push of it: a claim, so only a
+    finite delay from 0 to `MAX_PUSH_IN_S` is taken (any other, the learner's steps decide)."""
+    return {v.fragment: v.push_in_s for v in entries
+            if v.HasField("push_in_s") and math.isfinite(v.push_in_s) and 0.0 <= v.push_in_s <= MAX_PUSH_IN_S}
 
 
 def fragment_layout(fragment: Fragment, params: dict[str, torch.Tensor]) -> pb.FragmentLayout:
@@ -199,22 +212,24 @@ def fragment_layout(fragment: Fragment, params: dict[str, torch.Tensor]) -> pb.F
 
 
 def state_frames(values: dict[str, torch.Tensor], layout: list[pb.FragmentLayout],
-                 versions: dict[int, int] | None = None, snapshot: bool = False) -> Iterator[Frame]:
-    """Exact values of Θ (a seeding, or a pull's answer) with their layout and versions. `snapshot`: the
-    shard's own Θ, never written again, sent without a copy (`frames.encode_snapshot`)."""
+                 versions: dict[int, int] | None = None, snapshot: bool = False,
+                 push_in_s: Mapping[int, float] | None = None) -> Iterator[Frame]:
+    """Exact values of Θ (a seeding, or a pull's answer) with their layout and versions (and for a joining
+    learner, when to push first: `push_in_s`). `snapshot`: the shard's own Θ, never written again, sent
+    without a copy (`frames.encode_snapshot`)."""
     encoded = encode_snapshot(values) if snapshot else encode_fp32(values)
-    header = pb.StateHeader(versions=fragment_versions(versions or {}), layout=layout,
+    header = pb.StateHeader(versions=fragment_versions(versions or {}, push_in_s), layout=layout,
                             tensors=[tensor_header(n, e) for n, e in encoded.items()])
     return message_frames(pb.Frame(state=header), encoded)
 
 
 def bulk_state_frame(values: dict[str, torch.Tensor], layout: list[pb.FragmentLayout], versions: dict[int, int],
-                     bulk: BulkServer) -> pb.Frame:
+                     bulk: BulkServer, push_in_s: Mapping[int, float] | None = None) -> pb.Frame:
     """A pull's answer whose values follow over the shard's bulk port: the header `state_frames` sends, with
     the port and a ticket for exactly the bytes it declares (Θ's own memory, as a snapshot)."""
     encoded = encode_snapshot(values)
     views = data_views(encoded.values())
-    return pb.Frame(state=pb.StateHeader(versions=fragment_versions(versions), layout=layout,
+    return pb.Frame(state=pb.StateHeader(versions=fragment_versions(versions, push_in_s), layout=layout,
                                          tensors=[tensor_header(n, e) for n, e in encoded.items()],
                                          bulk_port=bulk.port, bulk_ticket=bulk.ticket(views)))
 

@@ -75,12 +75,14 @@ class UpdateHeader(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., ack_seq: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., next_push_at: _Optional[float] = ..., continued: _Optional[bool] = ..., base_version: _Optional[int] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ...) -> None: ...
 
 class FragmentVersion(_message.Message):
-    __slots__ = ("fragment", "version")
+    __slots__ = ("fragment", "version", "push_in_s")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_IN_S_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    push_in_s: float
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., push_in_s: _Optional[float] = ...) -> None: ...
 
 class StateHeader(_message.Message):
     __slots__ = ("versions", "tensors", "layout", "bulk_port", "bulk_ticket")
