@@ -93,3 +93,18 @@ def test_a_shard_loads_the_compiled_step_as_it_makes_its_core_not_at_its_first_r
         assert (compiled_step.steps_like_torch.cache_info().currsize == 1) == loads
     finally:
         shard.stop()
+
+
+def test_a_spare_shard_loads_the_compiled_step_before_it_is_handed_a_resume(tmp_path, monkeypatch):
+    """A resumed shard makes its core on the outage's critical path: a spare (`python -m diloco.prestarted
+    syncer`) has numba and the loop in already, so that core's `load_for` costs nothing."""
+    import io
+
+    from diloco import prestarted
+
+    monkeypatch.setattr(prestarted, "die_with_parent", lambda: None)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no process to become: it returns once ready
+    compiled_step.steps_like_torch.cache_clear()
+    ready = tmp_path / "ready"
+    assert prestarted.wait_as_spare("syncer", str(ready)) == 0
+    assert ready.exists() and compiled_step.steps_like_torch.cache_info().currsize == 1
