@@ -68,6 +68,18 @@ def test_a_rejoining_learner_is_named_the_grids_next_point_and_its_push_there_jo
     assert publish.recipients == (0, 1) and syncer.rounds[-1].staleness == (0, 0)
 
 
+def test_a_grid_spaced_out_while_the_fast_learners_were_down_is_not_waited_for():
+    """The grid's period is H steps of the fastest learner alive: with the fast ones down, rounds set their
+    next points a slow learner's period apart. A fast learner back is judged by its own old pace: a point
+    further than that period (and the lead) is left to its steps, which push sooner."""
+    syncer = paced(members=(0, 1))
+    target = _one_round(syncer)  # learners 0 and 1 at STEP a step: period H·STEP = 1.0 s
+    syncer.fragments[0].target = target + 3.0  # as a round closed on the slow learners' grid would set it
+    assert _rejoin(syncer, 1, after_seq=1, now=0.5).push_in_s == {}
+    syncer.fragments[0].target = target + 0.1  # within a period and the lead: that point is named
+    assert _rejoin(syncer, 1, after_seq=1, now=0.5).push_in_s == {0: pytest.approx(target + 0.1 - 0.5)}
+
+
 def test_before_any_round_there_is_no_grid_and_the_learner_pushes_by_its_steps():
     syncer = paced(members=(0, 1))
     assert _rejoin(syncer, 1, after_seq=0, now=0.5).push_in_s == {}

@@ -310,18 +310,21 @@ class Merging:
             state.target if state.target is not None else sum(arrivals) / len(arrivals), now, period)
         return {c.learner: self.pacer.ask(c.learner, target, c.trip) for c in contributions if not c.final}
 
-    def join_schedule(self, fragments: Iterable[int], now: float) -> dict[int, float]:
-        """For a learner that (re)joins now: per fragment that has a grid already, how long from now its first
-        push should land (the grid's next point). Its schedule by steps would put that push anywhere in the
-        period, where it misses the round the others make and is merged alone, stale. A fragment without
-        a grid (no round yet) is left to the learner's steps."""
+    def join_schedule(self, fragments: Iterable[int], learner: int, now: float) -> dict[int, float]:
+        """For `learner`, (re)joining now: per fragment whose grid has a point within about a period, how long
+        from now its first push should land there. By its steps alone that push would land anywhere in the
+        period, where it missed the round the others make and was merged alone, stale. The period counts
+        the learner's pace from before its restart: a grid spaced out while it and its peers were down (the
+        fastest alive slower) is not one to wait for, nor is a fragment with no round yet (the run's start);
+        those are left to its steps."""
         if self.pacer is None:
             return {}
-        period = self.pacer.sync_period_s(self.membership.alive)
+        period = self.pacer.sync_period_s(self.membership.alive | {learner})
         if period is None:
             return {}
-        return {p: next_grid_point(self.fragments[p].target, now, period, JOIN_LEAD) - now for p in fragments
-                if self.fragments[p].target is not None}
+        due = {p: next_grid_point(self.fragments[p].target, now, period, JOIN_LEAD) - now for p in fragments
+               if p in self.fragments and self.fragments[p].target is not None}
+        return {p: d for p, d in due.items() if d <= (1 + JOIN_LEAD) * period}
 
     # ------------------------------------------------------------ moves decided elsewhere
 

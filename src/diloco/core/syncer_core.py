@@ -286,11 +286,11 @@ class SyncerCore:
         return self.leave(event.learner, now, finished=event.finished)
 
     def _on_rejoin(self, event: LearnerRejoined, now: float) -> list[Action]:
-        """The learner takes Θ (the driver sends what `SendState` holds) and counts again."""
+        """The learner takes Θ (`SendState`) and counts again; its first pushes judged with its old pace."""
+        push_in_s = self.merging.join_schedule(event.fragments or self.fragments, event.learner, now)
         values, versions = self.rejoin_state(event.learner, event.after_seq, event.fragments)
         self.join(event.learner, now)
-        return [SendState(event.learner, values, versions, self.merging.join_schedule(versions, now)),
-                *self.merging.evaluate_all(now)]
+        return [SendState(event.learner, values, versions, push_in_s), *self.merging.evaluate_all(now)]
 
     def _on_answer_taken(self, event: AnswerTaken, now: float) -> list[Action]:
         if event.fragment not in self.fragments or not self.holds_state(event.learner):
