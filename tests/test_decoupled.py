@@ -283,7 +283,7 @@ def test_a_crashed_learner_rejoins_from_the_current_global_model():
 
     def spy(event):
         original(event)
-        theta, versions = event.state
+        theta, versions, _ = event.state  # and its first pushes on the grid (test_join_schedule.py)
         rejoined[event.learner] = {n: p.detach().clone()
                                    for n, p in sim.learners[event.learner].replica.named_params().items()}
         rejoined["theta"] = theta
