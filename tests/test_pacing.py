@@ -28,9 +28,9 @@ def paced(members=(0, 1, 2), **kwargs):
                       participation=True, **kwargs)
 
 
-def push(learner, seq, delta, *, now, base=0, tokens=100, steps=10, trip=0.05, final=False):
+def push(learner, seq, delta, *, now, base=0, tokens=100, steps=10, trip=0.05, final=False, step=0):
     return Push(learner, 0, base, seq, {"w": torch.tensor(delta)}, tokens, steps, step_time_s=STEP,
-                sent_at=now - trip, final=final)
+                sent_at=now - trip, final=final, step=step)
 
 
 def report(learner, due_in, *, step=10, tokens=1000):
@@ -50,12 +50,30 @@ def test_a_round_waits_for_the_learners_whose_reports_say_they_are_about_to_push
         syncer.on_progress(report(m, due), now=10.0)
     actions = syncer.on_push(push(0, 1, [1.0, 0.0], now=10.1), now=10.1)
     (timer,) = actions
-    # Waits at most half a sync period (H steps of the fastest learner) after the round opened.
-    assert isinstance(timer, Timer) and timer.at == pytest.approx(10.1 + H * STEP / 2)
+    # The fragment's first round waits at most a sync period (H steps of the fastest learner) after it opened.
+    assert isinstance(timer, Timer) and timer.at == pytest.approx(10.1 + H * STEP)
     assert syncer.on_push(push(1, 1, [0.0, 1.0], now=10.2), now=10.2) == []
     (publish,) = syncer.on_push(push(2, 1, [1.0, 1.0], now=10.3), now=10.3)
     assert publish.recipients == (0, 1, 2)
     assert syncer.rounds[-1].held_s == pytest.approx(0.2)
+
+
+def test_a_first_round_waits_a_whole_period_for_a_learner_that_began_late_and_later_rounds_half_of_one():
+    # At a run's start learner 1 began training 0.8 s after learner 0: its first push of the fragment, by its
+    # steps, lands 0.8 s after learner 0's. Half a period (0.5 s) would have merged learner 0 alone and
+    # left learner 1's push stale in a round of its own.
+    syncer = paced(members=(0, 1))
+    syncer.on_progress(report(0, 0.1), now=0.0)
+    syncer.on_progress(report(1, 0.9), now=0.0)
+    (timer,) = syncer.on_push(push(0, 1, [1.0, 0.0], now=0.1), now=0.1)
+    assert timer.at == pytest.approx(0.1 + H * STEP)
+    (publish,) = syncer.on_push(push(1, 1, [0.0, 1.0], now=0.9), now=0.9)
+    assert publish.recipients == (0, 1) and syncer.rounds[-1].staleness == (0, 0)
+    # The next round has the grid: it waits half a period, and a learner predicted later is not waited for.
+    syncer.on_progress(report(0, 0.1, step=20), now=1.9)
+    syncer.on_progress(report(1, 0.8, step=20), now=1.9)
+    (publish,) = syncer.on_push(push(0, 2, [1.0, 0.0], now=2.0, base=1, step=20), now=2.0)
+    assert publish.recipients == (0,)
 
 
 def test_a_learner_predicted_after_the_bound_is_not_waited_for():
@@ -99,10 +117,10 @@ def test_a_round_held_open_when_the_syncer_went_down_waits_afresh_after_its_resu
     syncer = paced(members=(0, 1))
     for m in (0, 1):
         syncer.on_progress(report(m, 0.1), now=0.0)
-    syncer.on_push(push(0, 1, [1.0, 0.0], now=0.1), now=0.1)  # its bound was 0.6
+    syncer.on_push(push(0, 1, [1.0, 0.0], now=0.1), now=0.1)  # its bound was 1.1 (a first round: a period)
     before = (syncer.fragments[0].version, syncer.theta["w"].clone())
     first = min(a.at for a in syncer.handle(SyncerResumed(), 10.0))  # and the learners' liveness checks
-    assert first == pytest.approx(10.0 + H * STEP / 2)  # the bound again, from the resume
+    assert first == pytest.approx(10.0 + H * STEP)  # the bound again, from the resume
     assert syncer.on_timer(10.05) == []
     assert (syncer.fragments[0].version, syncer.theta["w"].tolist()) == (before[0], before[1].tolist())
     (publish,) = syncer.on_push(push(1, 1, [0.0, 1.0], now=10.3), now=10.3)

@@ -231,7 +231,7 @@ class Merging:
         alive = self.membership.alive
         missing = alive - state.pending.keys()
         opened = state.first_arrival
-        bound = self.pacer.bound(opened, alive)
+        bound = self.pacer.bound(opened, alive, first=state.target is None)
         if now >= bound or not self.pacer.anyone_due(state.fragment.index, missing, bound):
             return [self.close(state, now)]
         if state.deadline != bound:
