@@ -23,8 +23,9 @@ H = 10
 
 def paced(members=(0, 1, 2), **kwargs):
     kwargs.setdefault("merge_rule", "weighted")
+    kwargs.setdefault("grace_cap_steps", 100.0)
     return SyncerCore({"w": torch.zeros(2)}, FRAGMENT, members, optimizer=lambda: DelayedNesterov(1.0, 0.0),
-                      quorum=1, grace=1.0, grace_cap_steps=100.0, tau=1, pacing=True, period=H,
+                      quorum=1, grace=1.0, tau=1, pacing=True, period=H,
                       participation=True, **kwargs)
 
 
@@ -74,6 +75,12 @@ def test_a_first_round_waits_a_whole_period_for_a_learner_that_began_late_and_la
     syncer.on_progress(report(1, 0.8, step=20), now=1.9)
     (publish,) = syncer.on_push(push(0, 2, [1.0, 0.0], now=2.0, base=1, step=20), now=2.0)
     assert publish.recipients == (0,)
+    # A cap set below half a period bounds a first round too: twice the cap, here 2 × 2 steps.
+    capped = paced(members=(0, 1), grace_cap_steps=2.0)
+    capped.on_progress(report(0, 0.1), now=0.0)
+    capped.on_progress(report(1, 0.3), now=0.0)
+    (timer,) = capped.on_push(push(0, 1, [1.0, 0.0], now=0.1), now=0.1)
+    assert timer.at == pytest.approx(0.1 + 2 * 2.0 * STEP)
 
 
 def test_a_learner_predicted_after_the_bound_is_not_waited_for():

@@ -27,8 +27,8 @@ learners' next push. A push that missed its round (it arrives long before the ne
 merged alone at once, and leaves the grid where it was: the next round still gathers everyone.
 
 A fragment's first round has no grid to lean on: its pushes come by the learners' steps, spread by
-when each began training (a learner imports and joins in its own time) as well as by its speed. It
-waits up to a whole period, γ·T_H, for learners predicted to push: one that misses it is merged alone
+when each began training (a learner imports and joins in its own time) as well as by its speed. Its
+bound is twice the others' (a whole period, γ·T_H, with the default cap) for learners predicted to push: one that misses it is merged alone
 and stale, and the fragment takes several rounds to gather everyone again (seen in real runs: the first
 round of fragment 0 closed 0.44 s before the two slow learners' pushes, and its next three rounds were
 split and stale).
@@ -136,13 +136,12 @@ class Pacer:
 
     def bound(self, opened: float, learners: set[int], first: bool = False) -> float:
         """The latest a round opened at `opened` waits for anyone; `first`: the fragment's first round, which
-        may wait a whole period (no grid has aligned its pushes yet)."""
+        may wait twice as long (no grid has aligned its pushes yet): a whole period by default."""
         fastest = self._fastest_step(learners)
         if fastest is None or self.grace <= 0:
             return opened
-        if first:
-            return opened + self.grace * self.period * fastest
-        return opened + min(self.grace * self.period * fastest / 2, self.cap_steps * fastest)
+        longer = 2 if first else 1
+        return opened + longer * min(self.grace * self.period * fastest / 2, self.cap_steps * fastest)
 
     def anyone_due(self, fragment: int, missing: set[int], bound: float) -> bool:
         """Whether a round of `fragment` should wait for one of the learners in `missing`: one predicted to
