@@ -28,10 +28,11 @@ merged alone at once, and leaves the grid where it was: the next round still gat
 
 A fragment's first round has no grid to lean on: its pushes come by the learners' steps, spread by
 when each began training (a learner imports and joins in its own time) as well as by its speed. Its
-bound is twice the others' (a whole period, γ·T_H, with the default cap) for learners predicted to push: one that misses it is merged alone
-and stale, and the fragment takes several rounds to gather everyone again (seen in real runs: the first
-round of fragment 0 closed 0.44 s before the two slow learners' pushes, and its next three rounds were
-split and stale).
+bound is twice the others' (a whole period, γ·T_H, with the default cap): a learner that misses it is
+merged alone and stale, and the fragment takes several rounds to gather everyone again (seen in real
+runs: the first round of fragment 0 closed 0.44 s before the two slow learners' pushes, and its next
+three rounds were split and stale).
+
 Every wait is derived from measured step times and the learners' reports, and bounded.
 """
 
