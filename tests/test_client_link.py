@@ -35,6 +35,8 @@ class FakeShard:
         self.claims: list[dict[int, int]] = []
         self.sessions = list(sessions or [])
         self.cancelled = threading.Event()
+        self.idle = threading.Event()
+        """Set once a stream has handed over all its messages (the reader has taken each in turn)."""
         self.lock = threading.Lock()
         self.link_up = threading.Event()
         """Whether the channel holds a connection (`ShardClient.connected`): set, calls fail over a standing one."""
@@ -72,8 +74,12 @@ class FakeShard:
         for item in session:
             if isinstance(item, BaseException):
                 raise item
+            if isinstance(item, threading.Event):  # the test lets the rest of the stream come
+                item.wait(30)
+                continue
             yield item
         if not session or session[-1] is not None:  # an idle stream: open until cancelled
+            self.idle.set()
             self.cancelled.wait(30)
 
     def cancel_updates(self) -> None:
@@ -189,6 +195,26 @@ def test_an_answer_in_several_messages_arrives_once_whole():
         assert arrival.update.version == 2 and arrival.update.ack_seq == 4
         assert torch.equal(arrival.update.values["w"], torch.full((4,), 1.25))  # anchor + both differences
         assert link.received == {0: 2}
+    finally:
+        link.close()
+
+
+def test_answers_are_dropped_once_the_client_stops_taking_them_and_later_ones_are_not_decoded(monkeypatch):
+    """A learner that has made its last pushes merges no answer: those held are let go, later ones are
+    not decoded (a leaving learner would otherwise hold one whole fragment per last push)."""
+    later = threading.Event()
+    shard = FakeShard(sessions=[[answer(0, 1, 1.0), later, answer(0, 2, 2.0), answer(0, 3, 3.0)]])
+    decoded = []
+    original = link_module.update_of
+    monkeypatch.setattr(link_module, "update_of", lambda *a, **k: decoded.append(a[0].version) or original(*a, **k))
+    link, _ = open_link(shard)
+    try:
+        wait_for(lambda: len(link.arrivals) == 1)
+        link.stop_answers()
+        assert len(link.arrivals) == 0
+        later.set()
+        wait_for(shard.idle.is_set)  # the stream's last two answers have come and gone
+        assert len(link.arrivals) == 0 and decoded == [1] and link.received == {0: 1}
     finally:
         link.close()
 

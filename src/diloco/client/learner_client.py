@@ -286,7 +286,10 @@ class Learner:
             raise DilocoError(f"learner {self.id}: syncing failed: {error}") from error
 
     def _feed(self, event: LearnerEvent) -> Iterable[LearnerAction]:
-        return self.ranks.feed(event, clock.now())
+        actions = self.ranks.feed(event, clock.now())
+        if self.core.finished and self.link is not None:  # its last pushes are made: it merges no answer now
+            self.link.stop_answers()
+        return actions
 
     def _carry_out(self, actions: Iterable[LearnerAction]) -> bool:
         """Send what the core says to send, in order; True if it says to wait before the next step. Taken in

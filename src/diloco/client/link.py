@@ -196,6 +196,8 @@ class ClientLink:
         self._wire: DeliveryQueue[tuple[UpEvent, Any]] = DeliveryQueue()
         self._halt = threading.Event()
         self._give_up = threading.Event()
+        self._answers_wanted = threading.Event()
+        self._answers_wanted.set()
         self._threads: list[threading.Thread] = []
         self._senders: list[threading.Thread] = []
         self._unsent = 0
@@ -229,6 +231,13 @@ class ClientLink:
         most `timeout_s`; False if it did not happen (the syncer away, or the link broken)."""
         with self._delivered:
             return self._delivered.wait_for(lambda: self._unsent == 0 or self.error is not None, timeout_s)
+
+    def stop_answers(self) -> None:
+        """The client will merge no more answers (it has made its last pushes): those that have arrived
+        and those still to come are dropped, the latter undecoded. A leaving learner's last pushes are
+        answered with whole fragments, which would otherwise be held until it is gone."""
+        self._answers_wanted.clear()
+        self.arrivals.clear()
 
     def close(self) -> None:
         """Deliver what is queued (for at most `CLOSE_BOUND_S` while the syncer does not answer), then stop."""
@@ -357,6 +366,8 @@ class ClientLink:
             holds = {p: self.received[p] for p in shard.fragments}
             try:
                 for header, tensors in shard.client.updates(self.sender, holds):
+                    if not self._answers_wanted.is_set():
+                        continue
                     base, nbytes = partial.pop(header.fragment, (None, 0))
                     nbytes += message_bytes(tensors)
                     with self.landing.side():

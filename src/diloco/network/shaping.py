@@ -89,6 +89,11 @@ class DeliveryQueue(Generic[T]):
                     wait = deadline - now if wait is None else min(wait, deadline - now)
                 self._cond.wait(wait)
 
+    def clear(self) -> None:
+        """Drop every item, due or not."""
+        with self._cond:
+            self._heap.clear()
+
     def close(self) -> None:
         """No more items will come: `get` returns None once the queue is empty."""
         with self._cond:
