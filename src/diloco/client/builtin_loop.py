@@ -1,10 +1,9 @@
 """The built-in learner: the configured model and data, trained with a `Learner` (`diloco learner`).
 
 It is the loop a user would write: build the model, join, train until the plan or the shared budget
-is done, leave. A learner slower than its chip (a `learners.speeds` entry below 1, to emulate
-heterogeneous hardware) stretches each step by sleeping: that time counts as compute, as it would on
-a slower chip. Under torchrun, the ranks of one learner split its data shard and hold the model as
-`train.sharding` says: DDP, FSDP2 or HSDP.
+is done, leave. A learner slower than its chip (a `learners.speeds` entry below 1) stretches each step
+by sleeping (`slower_chip.py`): that time counts as compute, as it would on a slower chip. Under
+torchrun, the ranks of one learner split its data shard and hold the model as `train.sharding` says.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +38,7 @@ from diloco.client.learner_client import HomeLink, Learner, LinkShape
 from diloco.client.param_shards import shard_model
 from diloco.client.row_moves import collective_error, is_collective_failure
 from diloco.client.sharded_build import build_sharded
+from diloco.client.slower_chip import stretch_s
 from diloco.models.factory import build_model
 from diloco.transport.ports import report_port
 from diloco.shard.ownership import fragment_owners
@@ -146,7 +147,8 @@ def run_learner(config: Config, *, syncer: str | None, learner: int | None = Non
     log.info("learner %d (rank %d/%d) trains %d steps at speed %g", m, rank, world, planned, speed)
     metrics = _metrics_for(config, out, m, rank, metrics_port, metrics_port_file, metrics_http)
     meter = LearnerMeter(metrics, m, config.metrics.every_steps, at_pushes=True)
-    training = _Training(replica, sync, meter, metrics, world, rank, speed, stop, writer)
+    training = _Training(replica, sync, meter, metrics, world, rank, speed, stop, writer,
+                         on_cpu=replica.device.type == "cpu")
     training.start = {"import_s": max(0.0, process_age_s() - (clock.monotonic() - entered)), "join_s": joined_s,
                       "spare": HANDED_OVER_ENV in os.environ,
                       "steps": resumed_from, "resumed_fragments": sum(why is None for why in
@@ -222,6 +224,7 @@ class _Training:
     stop: threading.Event | None
     writer: CheckpointWriter | sharded_checkpoints.ShardedWriter | None
     """None: no checkpoints."""
+    on_cpu: bool = False  # training computes on the CPU: a slower chip's stretch scales its CPU time
     start: dict[str, Any] = field(default_factory=dict)
     """How this life started (the `start` metrics), completed at its first step."""
     tokens: int = 0
@@ -243,9 +246,11 @@ class _Training:
         while replica.steps < last_step and not sync.should_stop:
             self.started = clock.monotonic()
             fault_injection.maybe_fail(fault_injection.AT_STEP, self.rank, replica.steps - first + 1)
+            cpu_began = time.process_time()
             tokens = replica.train_step()
             if self.speed < 1:  # a slower chip, emulated: the stretch counts as compute
-                clock.sleep((clock.monotonic() - self.started) * (1 / self.speed - 1))
+                clock.sleep(stretch_s(self.speed, clock.monotonic() - self.started,
+                                      time.process_time() - cpu_began if self.on_cpu else None))
             self.busy_s += clock.monotonic() - self.started
             self.tokens += tokens
             if self.stop is not None and self.stop.is_set():

@@ -151,7 +151,8 @@ def train_jax_learner(life: JaxLife, *, out: Path | None = None, stop: threading
     synced = _Synced(sync, replica)
     meter = LearnerMeter(metrics, m, config.metrics.every_steps, at_pushes=True)
     training = _Training(replica, synced, meter, metrics,  # type: ignore[arg-type]
-                         world=1, rank=0, speed=life.plan.speed, stop=stop, writer=writer)
+                         world=1, rank=0, speed=life.plan.speed, stop=stop, writer=writer,
+                         on_cpu=jax.default_backend() == "cpu")
     training.start = {"steps": life.resumed_from,
                       "resumed_fragments": sum(why is None for why in getattr(sync, "resumed", {}).values())}
     training.run(life.plan.last_step)
