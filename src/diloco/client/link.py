@@ -196,7 +196,7 @@ class ClientLink:
         self._wire: DeliveryQueue[tuple[UpEvent, Any]] = DeliveryQueue()
         self._halt = threading.Event()
         self._give_up = threading.Event()
-        self._answers_wanted = threading.Event()
+        self._answers_wanted, self._answers_lock = threading.Event(), threading.Lock()
         self._answers_wanted.set()
         self._threads: list[threading.Thread] = []
         self._senders: list[threading.Thread] = []
@@ -236,8 +236,9 @@ class ClientLink:
         """The client will merge no more answers (it has made its last pushes): those that have arrived
         and those still to come are dropped, the latter undecoded. A leaving learner's last pushes are
         answered with whole fragments, which would otherwise be held until it is gone."""
-        self._answers_wanted.clear()
-        self.arrivals.clear()
+        with self._answers_lock:  # an answer decoded meanwhile is not queued after the clear
+            self._answers_wanted.clear()
+            self.arrivals.clear()
 
     def close(self) -> None:
         """Deliver what is queued (for at most `CLOSE_BOUND_S` while the syncer does not answer), then stop."""
@@ -378,7 +379,9 @@ class ClientLink:
                         partial[header.fragment] = (update.values, nbytes)
                         continue
                     self.received[header.fragment] = header.version
-                    self.arrivals.put(self.down.to(shard.index).send(nbytes), Arrival(update, ready))
+                    with self._answers_lock:
+                        if self._answers_wanted.is_set():
+                            self.arrivals.put(self.down.to(shard.index).send(nbytes), Arrival(update, ready))
                 reason = "the update stream ended"
             except (SyncerUnavailable, ValueError) as exc:  # ValueError: a LostAnswer, or a bad frame
                 reason = str(exc)
