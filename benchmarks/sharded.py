@@ -202,7 +202,9 @@ def memory_and_speed(args: argparse.Namespace) -> dict[str, Any]:
             "anchor_bytes_per_rank": max(x["anchor_bytes"] for x in reports),
             "bytes_between_ranks_rank0": reports[0]["bytes_between_ranks"], "bytes_up": reports[0]["bytes_up"],
             "bytes_down": reports[0]["bytes_down"], "join_s": max(x["join_s"] for x in reports),
-            "tokens_per_s_synced": reports[0]["tokens_per_s"], "merges": reports[0]["merges"]}
+            "tokens_per_s_synced": reports[0]["tokens_per_s"], "merges": reports[0]["merges"],
+            "shard_answers_sent": (r["shard"] or {}).get("answers_sent"),
+            "shard_answer_bytes_sent": (r["shard"] or {}).get("answer_bytes_sent")}
         if world == 2:
             off = run([(2, "fsdp")], "decoupled", 8, args, args.width, args.layers, sync=False,
                       meta_init=args.meta_init)["reports"]

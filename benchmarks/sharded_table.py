@@ -29,6 +29,9 @@ def show(results: dict[str, Any]) -> None:
                           f"{row['peak_rss_joined_rank0_bytes'] / mib:.0f}", "")
         table.add_row(f"{key} anchors per rank (MiB)", f"{row['anchor_bytes_per_rank'] / mib:.1f}", "")
         table.add_row(f"{key} join s", f"{row['join_s']:.2f}", "")
+        if row.get("shard_answers_sent") is not None:
+            table.add_row(f"{key} shard's answers sent (MiB)", f"{row['shard_answers_sent']} "
+                          f"({row['shard_answer_bytes_sent'] / mib:.0f})", "")
         if "speed_ratio" in row:
             table.add_row(f"{key} tokens/s synced / unsynced", f"{row['speed_ratio']:.3f}", "≥ 0.95")
     for h, row in results.get("speed", {}).get("by_H", {}).items():

@@ -192,3 +192,35 @@ def test_an_answer_to_an_older_push_is_dropped():
     assert core.stale_updates == 1 and core.in_flight[1].update is None
     assert core.on_update(publish.updates[0])
     assert not core.on_update(publish.updates[0])  # a second copy
+
+
+def test_a_leaving_learners_last_pushes_are_merged_but_not_answered():
+    """A learner merges nothing after its last pushes, so the syncer sends it no answer (at a 12B model that
+    answer is a whole fragment per push); the others in the same round still get theirs."""
+    params = [make_params(), make_params()]
+    cores = [learner(m, params[m], H=4, tau=0, wait=False) for m in range(2)]
+    hub = syncer()
+    train(params[0], 1.0)
+    train(params[1], 3.0)
+    cores[0].on_step(5)
+    (staying,) = cores[0].on_step(5)  # fragment 1, a push like any other
+    cores[1].on_step(5)
+    leaving = cores[1].finish()
+    assert sorted(p.fragment for p in leaving) == [0, 1]
+    assert staying.answered and not any(p.answered for p in leaving)
+    assert hub.on_push(staying, 0.0) == []  # learner 1's push of fragment 1 is not in yet: the round waits
+    publishes = [a for push in leaving for a in hub.on_push(push, 0.0)]
+    by_fragment = {p.fragment: p for p in publishes}
+    assert by_fragment[1].version == 1 and by_fragment[1].recipients == (0,)
+    torch.testing.assert_close(hub.theta["b"], torch.full((2, 2), 2.0))  # both merged
+    assert all(1 not in p.recipients for p in publishes)
+
+
+def test_a_regional_tier_s_last_push_of_one_fragment_is_still_answered():
+    """`finish_fragment` alone is a regional syncer's last round of one fragment: it merges the global answer."""
+    params = make_params()
+    core = learner(0, params, H=4)
+    train(params, 1.0)
+    core.on_step(5)
+    (push,) = core.finish_fragment(0)
+    assert push.final and push.answered

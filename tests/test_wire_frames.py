@@ -186,3 +186,17 @@ def test_init_seeds_lazily_and_a_failure_taking_a_value_is_raised_as_itself():
     finally:
         channel.close()
         server.stop(None)
+
+
+def test_a_push_that_asks_for_no_answer_says_so_on_the_wire_and_an_older_peer_s_push_is_answered():
+    from diloco.core.messages import Push
+    from diloco.transport.wire_messages import push_header, push_of
+
+    for answered in (True, False):
+        push = Push(learner=3, fragment=1, base_version=2, seq=7, deltas={}, tokens=64, steps=2, final=True,
+                    answered=answered)
+        header = pb.PushHeader.FromString(push_header(3, push, {}).SerializeToString())
+        assert header.unanswered is (not answered)
+        assert push_of(header, {}).answered is answered
+    older = pb.PushHeader(learner=3, fragment=1, seq=7, final=True)  # a learner from before the field
+    assert push_of(older, {}).answered

@@ -80,6 +80,8 @@ class Contribution:
     final: bool = False
     trip: float | None = None
     """Its latest push's arrival (our clock) less its sending (the learner's clock)."""
+    answered: bool = True
+    """Its latest push asks for an answer (`Push.answered`)."""
 
     def add(self, push: Push, now: float, sample: torch.Tensor) -> None:
         self.last_seq = max(self.last_seq, push.seq)
@@ -89,11 +91,13 @@ class Contribution:
         self.sample = self.sample + sample
         self.arrived, self.trip = now, trip_of(push, now)
         self.final = self.final or push.final
+        self.answered = push.answered
 
     def plain(self) -> dict:
         return {"learner": self.learner, "base_version": self.base_version, "tokens": self.tokens,
                 "steps": self.steps, "last_seq": self.last_seq, "weight": self.weight, "norms": dict(self.norms),
-                "sample": self.sample, "arrived": self.arrived, "final": self.final, "trip": self.trip}
+                "sample": self.sample, "arrived": self.arrived, "final": self.final, "trip": self.trip,
+                "answered": self.answered}
 
 
 def trip_of(push: Push, now: float) -> float | None:

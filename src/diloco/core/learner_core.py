@@ -292,14 +292,16 @@ class LearnerCore:
         """No more inner steps: push whatever progress no push has carried yet. An answer that has
         arrived is merged first, without waiting out τ (no step is left to overlap it with): the last
         push is then based on the newest version, and the final consolidation lands on the learners'
-        own models rather than on an outer step they never merged."""
-        pushes = [push for p in range(len(self.fragments)) for push in self.finish_fragment(p, now)]
+        own models rather than on an outer step they never merged. Nothing is merged after them, so they ask
+        for no answer."""
+        pushes = [push for p in range(len(self.fragments)) for push in self.finish_fragment(p, now, answered=False)]
         self.finished = True
         return pushes
 
-    def finish_fragment(self, p: int, now: float | None = None) -> list[Push]:
+    def finish_fragment(self, p: int, now: float | None = None, answered: bool = True) -> list[Push]:
         """`finish` for fragment p alone (a regional syncer whose last round of p has closed, while its
-        other fragments' go on): its last push, marked final, unless no progress is left to carry."""
+        other fragments' go on, and merges the global answer): its last push, marked final, unless no
+        progress is left to carry."""
         if now is not None:
             self.now = now
         flight = self.in_flight.get(p)
@@ -310,9 +312,9 @@ class LearnerCore:
         if self.steps_since[p] == 0:
             return []
         if flight is None:
-            return [self._push(p, final=True)]
+            return [self._push(p, final=True, answered=answered)]
         deltas = {n: d - flight.sent_deltas[n] for n, d in self._deltas(p).items()}
-        return [self._make_push(p, flight.push.base_version, deltas, final=True)]
+        return [self._make_push(p, flight.push.base_version, deltas, final=True, answered=answered)]
 
     def on_refused(self, push: Push) -> None:
         """The syncer refused `push` (an outlier, a non-finite value): its progress is not merged. The
@@ -357,7 +359,8 @@ class LearnerCore:
         decoded = {name: self.codec.decode(e, device=deltas[name].device) for name, e in encoded.items()}
         return decoded, sum(e.wire_bytes() for e in encoded.values())
 
-    def _make_push(self, p: int, base_version: int, deltas: dict[str, torch.Tensor], final: bool = False) -> Push:
+    def _make_push(self, p: int, base_version: int, deltas: dict[str, torch.Tensor], final: bool = False,
+                   answered: bool = True) -> Push:
         self.seq += 1
         # Kept on the device and read only when asked: reading it would wait for the device.
         self._last_push_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d)
@@ -365,13 +368,13 @@ class LearnerCore:
         decoded, nbytes = self._encode(deltas)
         push = Push(self.learner, p, base_version, self.seq, decoded, self.tokens_since[p], self.steps_since[p],
                     step_time_s=self.step_time_s, sent_at=self.now, payload_bytes=nbytes, step=self.step,
-                    final=final)
+                    final=final, answered=answered)
         self.tokens_since[p] = self.steps_since[p] = 0
         return push
 
-    def _push(self, p: int, final: bool = False) -> Push:
+    def _push(self, p: int, final: bool = False, answered: bool = True) -> Push:
         deltas = self._deltas(p)
-        push = self._make_push(p, self.anchor_versions[p], deltas, final=final)
+        push = self._make_push(p, self.anchor_versions[p], deltas, final=final, answered=answered)
         self.in_flight[p] = InFlight(push, merge_at_step=self.step + self.tau, sent_deltas=deltas)
         self.next_due[p] = self.step + self.schedule.H
         self.next_due_at[p] = None

@@ -116,7 +116,8 @@ class Merging:
         norms = {n: delta_norm(push.deltas, n) for n in push.deltas
                  if self.merge_rule == "rda" and n not in self.embeddings}
         contribution = Contribution(push.learner, push.base_version, push.tokens, push.steps, push.seq, raw, norms,
-                                    state.sampler.sample(push.deltas), now, push.final, trip_of(push, now))
+                                    state.sampler.sample(push.deltas), now, push.final, trip_of(push, now),
+                                    push.answered)
         alone = not state.pending and not any(m != push.learner for m in self.last_weight)
         if alone or self.in_learner_order:
             state.pending[push.learner] = contribution
@@ -280,7 +281,7 @@ class Merging:
         state.correction = None
         state.reset()
         state.downlink.publish(state.version, self.theta)
-        answered = self.answering.owed({c.learner: c.last_seq for c in contributions})
+        answered = self.answering.owed({c.learner: c.last_seq for c in contributions if c.answered})
         if not final and self.defer is not None and self.defer(state.fragment.index):
             self.undo.keep_attrs(state, "deferred", copy=dict)
             state.deferred.update({m: (ack, next_push.get(m)) for m, ack in answered.items()})

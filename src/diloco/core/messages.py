@@ -42,6 +42,10 @@ class Push:
     """The learner's inner step when it sent this: the syncer paces the next push of the fragment from it."""
     final: bool = False
     """The learner's last push of this fragment: its run is over (the final consolidation waits for it)."""
+    answered: bool = True
+    """Its sender merges the answer. False for a leaving learner's last pushes (`LearnerCore.finish`): it
+    merges nothing after them, so the syncer sends no answer, which would be the whole fragment where the
+    learner is versions behind."""
 
     def wire_bytes(self) -> int:
         return MESSAGE_HEADER_BYTES + self.payload_bytes

@@ -254,6 +254,9 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
                 slot.release()  # its differences are shared: no new memory to bound
             if update is None:
                 return []
+            with self.lock:
+                self.answers_sent[0] += 1
+                self.answers_sent[1] += update.wire_bytes()
             if not update.relative:
                 slot.hold_until_sent(update.wire_bytes(), context.cancel)
             done = slot.pass_on() if bulk is not None and not update.relative else None  # its bytes wait there

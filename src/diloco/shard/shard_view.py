@@ -43,6 +43,7 @@ class ShardView(Protocol):
     hosts: dict[int, str]
     declared: dict[int, int]
     push_errors: int
+    answers_sent: list[int]
     bulk: BulkServer | None
     finished: bool
     stop_said: bool

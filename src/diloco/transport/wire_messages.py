@@ -84,7 +84,7 @@ def push_header(sender: int, push: Push, encoded: dict[str, Encoded]) -> pb.Push
     return pb.PushHeader(learner=sender, fragment=push.fragment, base_version=push.base_version, seq=push.seq,
                          tokens=push.tokens, steps=push.steps, step_time_s=push.step_time_s,
                          sent_at=push.sent_at or clock.now(), tensors=[tensor_header(n, e) for n, e in encoded.items()],
-                         step=push.step, final=push.final)
+                         step=push.step, final=push.final, unanswered=not push.answered)
 
 
 def message_bytes(tensors: dict[str, Encoded]) -> int:
@@ -102,7 +102,8 @@ def push_of(header: pb.PushHeader, tensors: dict[str, Encoded], deltas: Mapping 
     return Push(learner=header.learner, fragment=header.fragment, base_version=header.base_version,
                 seq=header.seq, deltas=deltas, tokens=header.tokens, steps=header.steps,
                 step_time_s=header.step_time_s, sent_at=header.sent_at or None,
-                payload_bytes=sum(e.wire_bytes() for e in tensors.values()), step=header.step, final=header.final)
+                payload_bytes=sum(e.wire_bytes() for e in tensors.values()), step=header.step, final=header.final,
+                answered=not header.unanswered)
 
 
 def push_payload(header: pb.PushHeader, tensors: dict) -> bytes:

@@ -25,7 +25,7 @@ class TensorHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., codec: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., scale_bytes: _Optional[int] = ..., relative: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner", "fragment", "base_version", "seq", "tokens", "steps", "step_time_s", "sent_at", "tensors", "step", "final", "bulk")
+    __slots__ = ("learner", "fragment", "base_version", "seq", "tokens", "steps", "step_time_s", "sent_at", "tensors", "step", "final", "bulk", "unanswered")
     LEARNER_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class PushHeader(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_FIELD_NUMBER: _ClassVar[int]
     learner: int
     fragment: int
     base_version: int
@@ -50,7 +51,8 @@ class PushHeader(_message.Message):
     step: int
     final: bool
     bulk: bool
-    def __init__(self, learner: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ..., bulk: _Optional[bool] = ...) -> None: ...
+    unanswered: bool
+    def __init__(self, learner: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ..., bulk: _Optional[bool] = ..., unanswered: _Optional[bool] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("fragment", "version", "ack_seq", "tensors", "next_push_at", "continued", "base_version", "bulk_port", "bulk_ticket")
