@@ -292,16 +292,14 @@ class LearnerCore:
         """No more inner steps: push whatever progress no push has carried yet. An answer that has
         arrived is merged first, without waiting out τ (no step is left to overlap it with): the last
         push is then based on the newest version, and the final consolidation lands on the learners'
-        own models rather than on an outer step they never merged. Nothing is merged after them, so they ask
-        for no answer."""
+        own models rather than on an outer step they never merged. They ask for no answer: none is merged."""
         pushes = [push for p in range(len(self.fragments)) for push in self.finish_fragment(p, now, answered=False)]
         self.finished = True
         return pushes
 
     def finish_fragment(self, p: int, now: float | None = None, answered: bool = True) -> list[Push]:
-        """`finish` for fragment p alone (a regional syncer whose last round of p has closed, while its
-        other fragments' go on, and merges the global answer): its last push, marked final, unless no
-        progress is left to carry."""
+        """`finish` for fragment p alone (a regional syncer's last round of p closed while its others go on;
+        it merges the global answer): its last push, marked final, unless no progress is left to carry."""
         if now is not None:
             self.now = now
         flight = self.in_flight.get(p)
