@@ -240,6 +240,21 @@ def test_messages_for_every_shard_reach_each_and_a_push_only_its_own():
     assert all(len(s.reports) == 1 and s.leaves == [False] for s in shards)
 
 
+def test_a_shard_that_is_down_holds_up_only_its_own_messages(monkeypatch):
+    """Each shard's messages go on their own: a push retried while its shard is down does not keep the
+    other shard's pushes and reports waiting behind it (a shard outage would stall the whole learner)."""
+    monkeypatch.setattr(link_module, "CLOSE_BOUND_S", 0.5)
+    down, up = FakeShard(unavailable=10**9), FakeShard()
+    link, _ = open_link(down, up)
+    link.send(PushOut(push(1, fragment=0)))
+    link.send(PushOut(push(2, fragment=1)))
+    link.send(ProgressOut(Progress(0, 2, 16, 0.1, (1.0, 1.0))))
+    wait_for(lambda: up.pushes == [2] and len(up.reports) == 1)
+    assert down.pushes == [] and down.reports == []
+    link.close()  # gives up on the shard that never came back
+    assert isinstance(link.error, SyncerUnavailable)
+
+
 @pytest.mark.parametrize("ordered", [True, False])
 def test_heartbeats_reach_the_shards_in_the_queue_or_beside_it(monkeypatch, ordered):
     monkeypatch.setattr(link_module, "HEARTBEAT_S", 0.01)

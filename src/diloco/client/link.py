@@ -7,8 +7,9 @@ and the word to stop handed to the client's `LinkHandlers`. Four kinds of thread
 
 - encode: each push's tensors encoded in push order (error feedback carries over), on the client's
   device side (`Landing`), then queued on the shard's shaped way (`ShardWays`);
-- deliver: each message handed to its shard once the emulated link has carried it; a push is retried
-  while its shard is unavailable (the shard counts a retried push once), until `close` gives up;
+- deliver, one per shard: each message handed to its shard once the emulated link has carried it; a push
+  is retried while its shard is unavailable (the shard counts a retried push once), until `close` gives
+  up. A shard that is down or slow holds up only its own messages, never the other shards';
 - receive, one per shard: the update stream, reopened when it ends or breaks (claiming what was received
   whole, so lost answers come again), answers in several messages put back together;
 - heartbeat: the client's `beat` on its timer.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
@@ -34,13 +35,16 @@ from diloco.core.liveness import HEARTBEAT_S
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.errors import DilocoError
 from diloco.client.reachability import Reachability
-from diloco.network.shaping import DeliveryQueue, ShapedDirection
+from diloco.clock import SYSTEM_CLOCK as clock
+from diloco.client.shard_ways import LinkShape, ShardWays, bytes_by_home
+from diloco.network.shaping import DeliveryQueue
 from diloco.transport.calls import SyncerUnavailable, with_retries
 from diloco.transport.wire_messages import message_bytes, push_header, update_of
 
 if TYPE_CHECKING:
     from diloco.client.joining import ShardLink
-    from diloco.config import LinkConfig
+
+__all__ = ["LinkShape", "ShardWays", "bytes_by_home"]  # where the clients have always taken them from
 
 log = logging.getLogger("diloco.link")
 
@@ -48,53 +52,6 @@ RECONNECT_S = 0.5
 """How long the link waits before opening a broken or ended update stream again."""
 CLOSE_BOUND_S = 60.0
 """How long `close()` keeps trying to hand the last pushes to a syncer that does not answer."""
-
-
-@dataclass(frozen=True)
-class LinkShape:
-    """An emulated link: per direction, a bandwidth and a one-way latency."""
-
-    bandwidth_mbit: float
-    latency_ms: float
-
-
-class ShardWays:
-    """One direction of a sender's traffic with the syncer's shards: a single shaped link all shards share
-    (they run in one place), or one per shard (`placement = "links"` homes them in different regions). A
-    message about one fragment takes its shard's way; one meant for every shard crosses each way once. The
-    counters are the totals over the ways."""
-
-    def __init__(self, links: Sequence[LinkShape | LinkConfig | None], per_shard: bool) -> None:
-        self.ways = [ShapedDirection(link.bandwidth_mbit if link else None, link.latency_ms if link else 0.0)
-                     for link in links]
-        self.per_shard = per_shard
-
-    def to(self, shard: int) -> ShapedDirection:
-        return self.ways[shard] if self.per_shard else self.ways[0]
-
-    def send_to_all(self, nbytes: int) -> float:
-        """A message for every shard (a progress report): when it has arrived over the slowest way."""
-        return max(way.send(nbytes) for way in self.ways)
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(way.bytes_sent for way in self.ways)
-
-    @property
-    def messages(self) -> int:
-        return sum(way.messages for way in self.ways)
-
-    @property
-    def peak_message_bytes(self) -> int:
-        return max(way.peak_message_bytes for way in self.ways)
-
-
-def bytes_by_home(up: ShardWays, down: ShardWays, homes: Sequence[str] | None) -> dict[str, Any]:
-    """With shards in several regions (`homes`, per shard), the bytes to and from each: what each way carried."""
-    if homes is None:
-        return {}
-    return {"bytes_by_home": {home: {"bytes_up": up.to(i).bytes_sent, "bytes_down": down.to(i).bytes_sent}
-                              for i, home in enumerate(homes)}}
 
 
 # ------------------------------------------------------------ events up
@@ -193,7 +150,8 @@ class ClientLink:
         self.arrivals: DeliveryQueue[Arrival] = DeliveryQueue()
         self.error: BaseException | None = None
         self._outbox: queue.Queue[UpEvent | None] = queue.Queue()
-        self._wire: DeliveryQueue[tuple[UpEvent, Any]] = DeliveryQueue()
+        self._wires: dict[int, DeliveryQueue[tuple[UpEvent, Any]]] = {s.index: DeliveryQueue() for s in shards}
+        """Per shard, what its deliver thread hands over, each when the emulated link has carried it."""
         self._halt = threading.Event()
         self._give_up = threading.Event()
         self._answers_wanted, self._answers_lock = threading.Event(), threading.Lock()
@@ -209,7 +167,8 @@ class ClientLink:
     def start(self, handlers: LinkHandlers, name: str) -> None:
         """Start the threads, named after `name` ("learner", "uplink")."""
         self.handlers = handlers
-        targets = [("encode", self._encode_loop), ("deliver", self._deliver_loop), ("heartbeat", self._heartbeat_loop)]
+        targets = [("encode", self._encode_loop), ("heartbeat", self._heartbeat_loop)]
+        targets += [(f"deliver-{s.index}", lambda s=s: self._deliver_loop(s)) for s in self.shards]
         targets += [(f"receive-{s.index}", lambda s=s: self._receive_loop(s)) for s in self.shards]
         if handlers.answer is not None:
             targets.append(("answers", self._answer_loop))
@@ -217,7 +176,7 @@ class ClientLink:
             thread = threading.Thread(target=self._guard(target), name=f"{name}-{kind}", daemon=True)
             thread.start()
             self._threads.append(thread)
-            if kind in ("encode", "deliver"):
+            if kind == "encode" or kind.startswith("deliver"):
                 self._senders.append(thread)
 
     def send(self, event: UpEvent) -> None:
@@ -243,11 +202,13 @@ class ClientLink:
     def close(self) -> None:
         """Deliver what is queued (for at most `CLOSE_BOUND_S` while the syncer does not answer), then stop."""
         self._outbox.put(None)
+        deadline = clock.monotonic() + CLOSE_BOUND_S
         for thread in self._senders:
-            thread.join(timeout=CLOSE_BOUND_S)
-            if thread.is_alive():  # the syncer stayed away: what is left unsent is lost
-                log.warning("%s: syncer unreachable for %g s at close; giving up", self.who, CLOSE_BOUND_S)
-                self._give_up.set()
+            thread.join(timeout=max(0.0, deadline - clock.monotonic()))
+        if any(thread.is_alive() for thread in self._senders):  # a shard stayed away: what is left unsent is lost
+            log.warning("%s: syncer unreachable for %g s at close; giving up", self.who, CLOSE_BOUND_S)
+            self._give_up.set()
+            for thread in self._senders:
                 thread.join()
         self._halt.set()
         self.arrivals.close()
@@ -266,64 +227,71 @@ class ClientLink:
                 if not self._halt.is_set():
                     log.exception("%s: %s failed", self.who, threading.current_thread().name)
                     self.error = exc
-                    self._wire.close()  # a broken link goes silent
+                    self._close_wires()  # a broken link goes silent
                     with self._delivered:
                         self._delivered.notify_all()
                     self.handlers.failed(exc)
         return run
 
     def _encode_loop(self) -> None:
-        """Encode pushes in order and put every event on its way (a push on its shard's, others on all)."""
+        """Encode pushes in order and put every event on its way (a push on its shard's, others on each)."""
         while (event := self._outbox.get()) is not None:
-            item = self._encoded(event)
+            items = self._encoded(event)
             del event  # a push's tensors are let go once encoded, before it is queued (see `drain`)
-            self._wire.put(*item)
-            del item  # and its bytes once delivered, not when the next event comes
-        self._wire.close()
+            with self._delivered:  # one delivery per shard it goes to
+                self._unsent += len(items) - 1
+                self._delivered.notify_all()
+            for shard, at, item in items:
+                self._wires[shard].put(at, item)
+            items = item = None  # and its bytes once delivered, not when the next event comes
+        self._close_wires()
 
-    def _encoded(self, event: UpEvent) -> tuple[float, tuple[UpEvent, Any]]:
-        """When `event` arrives over its way, and what is delivered then: a push encoded, without its tensors."""
+    def _encoded(self, event: UpEvent) -> list[tuple[int, float, tuple[UpEvent, Any]]]:
+        """Per shard `event` goes to, when it arrives over that shard's way and what is delivered then: a push
+        encoded, without its tensors."""
         if isinstance(event, PushOut):
             push = event.push
             with self.landing.side(event.ready):  # encoded on the device, then copied to the host
                 encoded = self.handlers.encode(push.deltas)
             header = push_header(self.sender, push, encoded)
-            way = self.up.to(self.shard_of[push.fragment].index)
-            return way.send(message_bytes(encoded)), (PushOut(replace(push, deltas={})), (header, encoded))
-        if isinstance(event, ProgressOut):
-            return self.up.send_to_all(event.progress.wire_bytes()), (event, None)
-        if isinstance(event, LeaveOut):
-            return self.up.send_to_all(MESSAGE_HEADER_BYTES), (event, None)
-        return self.up.send_to_all(0), (event, None)  # a heartbeat in order: behind the reports sent before it
+            shard = self.shard_of[push.fragment].index
+            return [(shard, self.up.to(shard).send(message_bytes(encoded)),
+                     (PushOut(replace(push, deltas={})), (header, encoded)))]
+        nbytes = event.progress.wire_bytes() if isinstance(event, ProgressOut) else \
+            MESSAGE_HEADER_BYTES if isinstance(event, LeaveOut) else 0  # a heartbeat: behind the reports before it
+        arrive = self.up.send_to_each(nbytes, list(self._wires))
+        return [(shard, at, (event, None)) for shard, at in arrive.items()]
 
-    def _deliver_loop(self) -> None:
-        while (item := self._wire.get()) is not None:
-            self._deliver(*item)
+    def _close_wires(self) -> None:
+        for wire in self._wires.values():
+            wire.close()
+
+    def _deliver_loop(self, shard: ShardLink) -> None:
+        while (item := self._wires[shard.index].get()) is not None and self.error is None:
+            self._deliver(shard, *item)
             del item  # let go before `drain` hears of it
             with self._delivered:
                 self._unsent -= 1
                 self._delivered.notify_all()
 
-    def _deliver(self, event: UpEvent, payload: Any) -> None:
+    def _deliver(self, shard: ShardLink, event: UpEvent, payload: Any) -> None:
         if isinstance(event, PushOut):
-            self._deliver_push(event.push, *payload)
+            self._deliver_push(shard, event.push, *payload)
         elif isinstance(event, ProgressOut):
             p = event.progress
-            self._tell(p.tokens, p.step, p.step_time_s, p.due_in_s)
+            self._tell_one(shard, p.tokens, p.step, p.step_time_s, p.due_in_s)
         elif isinstance(event, HeartbeatOut):
-            self._tell(event.tokens, event.step)
+            self._tell_one(shard, event.tokens, event.step)
         else:
-            for shard in self.shards:
-                try:
-                    with_retries(lambda: shard.client.leave(self.sender, finished=event.finished), what="leave",
-                                 client=shard.client)
-                except SyncerUnavailable as exc:
-                    log.warning("%s: could not announce leaving: %s", self.who, exc)
+            try:
+                with_retries(lambda: shard.client.leave(self.sender, finished=event.finished), what="leave",
+                             client=shard.client)
+            except SyncerUnavailable as exc:
+                log.warning("%s: could not announce leaving to shard %d: %s", self.who, shard.index, exc)
 
-    def _deliver_push(self, push: Push, header: Any, encoded: dict[str, Encoded]) -> None:
+    def _deliver_push(self, shard: ShardLink, push: Push, header: Any, encoded: dict[str, Encoded]) -> None:
         """A shard that restarts comes back with everything it acknowledged: keep trying (the client goes on
         meanwhile); a push it took before it went down is counted once."""
-        shard = self.shard_of[push.fragment]
         try:
             reply = with_retries(lambda: self.reach.call(shard.index, "push", lambda: shard.client.push(
                 header, encoded)), attempts=None, what="push", give_up=self._give_up, client=shard.client)
@@ -337,17 +305,17 @@ class ClientLink:
             log.warning("%s: push of fragment %d was larger than the syncer's outlier bound and merged scaled "
                         "down to it", self.who, push.fragment)
 
-    def _tell(self, tokens: int, step: int, step_time_s: float = 0.0, due_in_s: tuple[float, ...] = ()) -> None:
-        """A progress report or heartbeat to every shard; not retried (the next one says more)."""
-        for shard in self.shards:
-            try:
-                reply = self.reach.call(shard.index, "heartbeat", lambda: shard.client.heartbeat(
-                    self.sender, tokens, step, step_time_s, due_in_s))
-            except DilocoError as exc:
-                log.debug("%s: report to shard %d failed: %s", self.who, shard.index, exc)
-                continue
-            if reply.stop:
-                self.handlers.stop()
+    def _tell_one(self, shard: ShardLink, tokens: int, step: int, step_time_s: float = 0.0,
+                  due_in_s: tuple[float, ...] = ()) -> None:
+        """A progress report or heartbeat to one shard; not retried (the next one says more)."""
+        try:
+            reply = self.reach.call(shard.index, "heartbeat", lambda: shard.client.heartbeat(
+                self.sender, tokens, step, step_time_s, due_in_s))
+        except DilocoError as exc:
+            log.debug("%s: report to shard %d failed: %s", self.who, shard.index, exc)
+            return
+        if reply.stop:
+            self.handlers.stop()
 
     def _heartbeat_loop(self) -> None:
         while not self._halt.wait(HEARTBEAT_S):
@@ -355,7 +323,8 @@ class ClientLink:
                 if self.handlers.ordered_beats or not isinstance(event, HeartbeatOut):
                     self.send(event)
                 else:
-                    self._tell(event.tokens, event.step)
+                    for shard in self.shards:
+                        self._tell_one(shard, event.tokens, event.step)
 
     def _receive_loop(self, shard: ShardLink) -> None:
         """New versions from one shard: decoded here, handed over when the emulated link delivers them.
