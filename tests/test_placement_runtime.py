@@ -94,13 +94,14 @@ def test_each_shard_has_its_own_way_and_a_progress_report_crosses_each_once():
     ways = ShardWays([LinkShape(1000, 1), None, LinkShape(10, 50)], per_shard=True)
     ways.to(0).send(100)
     ways.to(2).send(300)
-    ways.send_to_all(10)
+    arrive = ways.send_to_each(10, [0, 1, 2])
     assert [w.bytes_sent for w in ways.ways] == [110, 10, 310]
+    assert arrive[2] > arrive[0]  # each shard's copy arrives over its own way
     assert (ways.bytes_sent, ways.messages, ways.peak_message_bytes) == (430, 5, 300)
     shared = ShardWays([None], per_shard=False)  # every shard in one place: one way, as before
     shared.to(3).send(100)
-    shared.send_to_all(10)
-    assert (shared.bytes_sent, shared.messages) == (110, 2)
+    arrive = shared.send_to_each(10, [0, 3])
+    assert (shared.bytes_sent, shared.messages) == (110, 2) and arrive[0] == arrive[3]
 
 
 def report(m: int, up: int, down: int) -> LearnerReport:

@@ -34,16 +34,11 @@ class ShardWays:
     def to(self, shard: int) -> ShapedDirection:
         return self.ways[shard] if self.per_shard else self.ways[0]
 
-    def send_to_all(self, nbytes: int) -> float:
-        """A message for every shard (a progress report): when it has arrived over the slowest way."""
-        return max(way.send(nbytes) for way in self.ways)
-
     def send_to_each(self, nbytes: int, shards: Sequence[int]) -> dict[int, float]:
         """A message for every shard, delivered to each on its own: when it has arrived over each one's way
         (over the one way they share, the same time for all)."""
         if not self.per_shard:
-            at = self.send_to_all(nbytes)
-            return dict.fromkeys(shards, at)
+            return dict.fromkeys(shards, self.ways[0].send(nbytes))
         return {shard: self.ways[shard].send(nbytes) for shard in shards}
 
     @property

@@ -254,9 +254,6 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
                 slot.release()  # its differences are shared: no new memory to bound
             if update is None:
                 return []
-            with self.lock:
-                self.answers_sent[0] += 1
-                self.answers_sent[1] += update.wire_bytes()
             if not update.relative:
                 slot.hold_until_sent(update.wire_bytes(), context.cancel)
             done = slot.pass_on() if bulk is not None and not update.relative else None  # its bytes wait there
@@ -293,7 +290,10 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
             except (ProtocolError, JournalError) as exc:  # kept: a restart sends it from its notice
                 log.warning("answer of fragment %d to learner %d not sent: %s", notice.fragment, learner, exc)
                 return None
-        return next(a.update for a in actions if isinstance(a, SendUpdate))
+            update = next(a.update for a in actions if isinstance(a, SendUpdate))
+            self.answers_sent += 1
+            self.answer_bytes_sent += update.wire_bytes()
+        return update
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         """A learner is alive (a heartbeat, on its timer) or says where it stands (a progress report, after

@@ -93,7 +93,7 @@ class ShardState:
         self.declared: dict[int, int] = {}
         """Per learner, the tokens one of its inner steps trains, as it declared when it joined."""
         self.push_errors = 0
-        self.answers_sent = [0, 0]
+        self.answers_sent = self.answer_bytes_sent = 0
         """Answers made for the learners' streams, and their bytes on the wire: what this shard sends out."""
         self.bulk: BulkServer | None = None
         """Its bulk port (`--bulk-port`, `transport/bulk.py`): pulls that ask get their values there, and pushes

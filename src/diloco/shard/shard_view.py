@@ -43,7 +43,8 @@ class ShardView(Protocol):
     hosts: dict[int, str]
     declared: dict[int, int]
     push_errors: int
-    answers_sent: list[int]
+    answers_sent: int
+    answer_bytes_sent: int
     bulk: BulkServer | None
     finished: bool
     stop_said: bool

@@ -22,7 +22,7 @@ def shard_report(shard: ShardView) -> dict:
     core = shard.core
     out = {"shard": shard.plan.index, "shards": shard.plan.count, "fragments": shard.owned,
            "finished": shard.finished, "push_errors": shard.push_errors, "tokens_reported": {},
-           "answers_sent": shard.answers_sent[0], "answer_bytes_sent": shard.answers_sent[1],
+           "answers_sent": shard.answers_sent, "answer_bytes_sent": shard.answer_bytes_sent,
            "joined": sorted(shard.joined), "left": sorted(shard.left), "told_to_stop": shard.stop_said}
     if shard.bulk is not None:
         out["bulk"] = {"sent": shard.bulk.served, "received": shard.bulk.received, "refused": shard.bulk.refused}
