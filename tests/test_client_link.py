@@ -27,8 +27,11 @@ class FakeShard:
     """A shard client that records what it is told; `unavailable` calls fail before one gets through;
     `sessions`: per update stream opened, the messages it yields, then None (it ends) or an exception."""
 
-    def __init__(self, unavailable: int = 0, refuse: set[int] = frozenset(), sessions: list | None = None) -> None:
+    def __init__(self, unavailable: int = 0, refuse: set[int] = frozenset(), sessions: list | None = None,
+                 beats_hang: threading.Event | None = None) -> None:
         self.unavailable, self.refuse = unavailable, set(refuse)
+        self.beats_hang = beats_hang
+        """Set: a heartbeat call hangs until it is (a partitioned shard: the call waits for its deadline)."""
         self.pushes: list[int] = []
         self.leaves: list[bool] = []
         self.reports: list[tuple] = []
@@ -61,6 +64,8 @@ class FakeShard:
 
     def heartbeat(self, learner: int, tokens: int, steps: int, step_time_s: float = 0.0,
                   due_in_s: tuple = ()) -> pb.HeartbeatReply:
+        if self.beats_hang is not None:
+            self.beats_hang.wait(30)
         self.reports.append((tokens, steps, tuple(due_in_s)))
         return pb.HeartbeatReply(stop=tokens >= 1000)
 
@@ -265,6 +270,27 @@ def test_heartbeats_reach_the_shards_in_the_queue_or_beside_it(monkeypatch, orde
     finally:
         link.close()
     assert shard.reports[0] == (5, 1, ())
+
+
+def test_a_shard_that_does_not_answer_heartbeats_keeps_no_other_shard_from_hearing_them(monkeypatch):
+    """A learner's heartbeats go to each shard on their own: while one shard's heartbeat call hangs (a
+    partition: no reply until the call's deadline), the other shard hears every beat, so it does not take
+    the learner for dead; the hanging shard gets the newest beat once it answers, not a backlog."""
+    monkeypatch.setattr(link_module, "HEARTBEAT_S", 0.01)
+    released = threading.Event()
+    beats = iter(range(1, 10**6))
+    hanging, answering = FakeShard(beats_hang=released), FakeShard()
+    link, _ = open_link(hanging, answering, beat=lambda: [HeartbeatOut(next(beats), 1)])
+    try:
+        wait_for(lambda: len(answering.reports) >= 20)
+        assert hanging.reports == []
+        released.set()
+        wait_for(lambda: len(hanging.reports) >= 2)
+        first, second = hanging.reports[:2]
+        assert second[0] - first[0] > 1  # beats sent meanwhile were replaced, not queued
+    finally:
+        released.set()
+        link.close()
 
 
 def test_a_push_is_let_go_once_encoded_and_drain_waits_until_it_is_delivered():

@@ -1,9 +1,9 @@
-"""One client's link to the syncer's shards: what every client (the torch `Learner`, a regional syncer's
-uplink, the FSDP and JAX learners to come) stands on.
+"""One client's link to the syncer's shards: what every client (the torch, sharded and JAX learners
+through `learner_client.py`, a regional syncer's uplink) stands on.
 
 Typed events go up in the order they are sent (`PushOut`, `ProgressOut`, `HeartbeatOut`, `LeaveOut`);
 updates come down decoded, each when the emulated link has carried it (`arrivals`), with refused pushes
-and the word to stop handed to the client's `LinkHandlers`. Four kinds of threads do the work:
+and the word to stop handed to the client's `LinkHandlers`. Five kinds of threads do the work:
 
 - encode: each push's tensors encoded in push order (error feedback carries over), on the client's
   device side (`Landing`), then queued on the shard's shaped way (`ShardWays`);
@@ -12,7 +12,9 @@ and the word to stop handed to the client's `LinkHandlers`. Four kinds of thread
   up. A shard that is down or slow holds up only its own messages, never the other shards';
 - receive, one per shard: the update stream, reopened when it ends or breaks (claiming what was received
   whole, so lost answers come again), answers in several messages put back together;
-- heartbeat: the client's `beat` on its timer.
+- heartbeat: the client's `beat` on its timer; and, one per shard, beat: a learner's heartbeat told to
+  that shard, the newest one only: a shard that does not answer (partitioned: its call hangs
+  until its deadline) keeps no other shard from hearing that the client is alive.
 
 The link sees host tensors and an `encode` callable, never a model: device staging is the client's.
 A thread that fails makes the link silent (nothing more is sent) and is reported through `failed`.
@@ -34,6 +36,7 @@ from diloco.codecs import Encoded
 from diloco.core.liveness import HEARTBEAT_S
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.errors import DilocoError
+from diloco.client.newest import Newest
 from diloco.client.reachability import Reachability
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.client.shard_ways import LinkShape, ShardWays, bytes_by_home
@@ -152,6 +155,8 @@ class ClientLink:
         self._outbox: queue.Queue[UpEvent | None] = queue.Queue()
         self._wires: dict[int, DeliveryQueue[tuple[UpEvent, Any]]] = {s.index: DeliveryQueue() for s in shards}
         """Per shard, what its deliver thread hands over, each when the emulated link has carried it."""
+        self._beats: dict[int, Newest[HeartbeatOut]] = {s.index: Newest() for s in shards}
+        """Per shard, the heartbeat its beat thread tells next (unordered heartbeats only)."""
         self._halt = threading.Event()
         self._give_up = threading.Event()
         self._answers_wanted, self._answers_lock = threading.Event(), threading.Lock()
@@ -170,6 +175,8 @@ class ClientLink:
         targets = [("encode", self._encode_loop), ("heartbeat", self._heartbeat_loop)]
         targets += [(f"deliver-{s.index}", lambda s=s: self._deliver_loop(s)) for s in self.shards]
         targets += [(f"receive-{s.index}", lambda s=s: self._receive_loop(s)) for s in self.shards]
+        if not handlers.ordered_beats:
+            targets += [(f"beat-{s.index}", lambda s=s: self._beat_loop(s)) for s in self.shards]
         if handlers.answer is not None:
             targets.append(("answers", self._answer_loop))
         for kind, target in targets:
@@ -211,6 +218,8 @@ class ClientLink:
             for thread in self._senders:
                 thread.join()
         self._halt.set()
+        for beat in self._beats.values():
+            beat.close()
         self.arrivals.close()
         for shard in self.shards:
             shard.client.close()
@@ -323,8 +332,12 @@ class ClientLink:
                 if self.handlers.ordered_beats or not isinstance(event, HeartbeatOut):
                     self.send(event)
                 else:
-                    for shard in self.shards:
-                        self._tell_one(shard, event.tokens, event.step)
+                    for beat in self._beats.values():
+                        beat.put(event)
+
+    def _beat_loop(self, shard: ShardLink) -> None:
+        while (event := self._beats[shard.index].take()) is not None:
+            self._tell_one(shard, event.tokens, event.step)
 
     def _receive_loop(self, shard: ShardLink) -> None:
         """New versions from one shard: decoded here, handed over when the emulated link delivers them.
