@@ -14,7 +14,7 @@ import diloco.codecs.compiled as compiled
 import diloco.codecs.compiled_sums as compiled_sums
 from diloco.cache_chunks import add_scaled
 from diloco.codecs import Encoded, get_codec
-from diloco.codecs.coded_blocks import coded_blocks
+from diloco.codecs.coded_blocks import coded_blocks, fold_together
 from diloco.config import load_config
 from diloco.core.events import PushArrived, PushesArrived
 from diloco.core.messages import Push
@@ -170,8 +170,35 @@ def test_a_core_fed_coded_pushes_merges_as_one_fed_decoded_pushes():
     assert float((radial.theta["w0"] - radial_twin.theta["w0"]).abs().max()) <= 1e-6  # a few ulps of |Θ| ~ 1
 
 
-def test_a_core_refuses_a_corrupt_coded_push_in_one_line_and_keeps_the_others():
-    core = make_core("rda")
+def test_a_group_of_coded_pushes_folded_together_merges_as_folded_one_by_one(monkeypatch):
+    """A group's coded pushes wait and are folded together as it ends, each sum read and written once for
+    the group (`coded_blocks.fold_together`): every round's Θ and sums the same bit for bit as folding each
+    push as it is taken."""
+    import diloco.core.sum_writes as sum_writes
+
+    taken_together = []
+
+    def spy(pushes, *args):
+        done = fold_together(pushes, *args)
+        taken_together.append((len(pushes), done))
+        return done
+
+    monkeypatch.setattr(sum_writes, "fold_together", spy)
+    together, _ = run("rda", coded=True)
+    assert taken_together and all(done for _, done in taken_together) and max(n for n, _ in taken_together) >= 2
+    monkeypatch.setattr(sum_writes, "fold_together", lambda *args: False)
+    one_by_one, _ = run("rda", coded=True)
+    assert len(together.rounds) == len(one_by_one.rounds) >= 3
+    assert torch.equal(together.theta["w0"], one_by_one.theta["w0"])
+    for a, b in zip(together.fragments.values(), one_by_one.fragments.values()):
+        assert all(torch.equal(x, y) for x, y in zip(a.optimizer.tensors(), b.optimizer.tensors()))
+
+
+@pytest.mark.parametrize("merge", ["rda", "weighted"])
+def test_a_core_refuses_a_corrupt_coded_push_in_one_line_and_keeps_the_others(merge):
+    """Whether its adds are made as it is taken or wait for its group's end, a push with a bad code is
+    refused alone, in one line, before anything of it is folded."""
+    core = make_core(merge)
     good = pushes(1, coded=True)
     encoded = good[2].deltas.tensors["w0"]
     payload = bytearray(encoded.payload)

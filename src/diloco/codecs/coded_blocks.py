@@ -93,6 +93,34 @@ class CodedBlocks:
             raise self.complain(str(exc)) from None
 
 
+_levels: dict[str, float | None] = {}
+"""Per codec (by name: its table does not depend on the block size), what `compiled_sums.arithmetic_levels`
+found in its table."""
+
+
+def fold_together(pushes: list[CodedBlocks], outs: list[torch.Tensor], totals: list[torch.Tensor | None],
+                  alphas: list[list[float]]) -> bool:
+    """`add_scaled` of each push in turn into two sums, in one pass over them (`compiled_sums.fold_group`):
+    the same values. False, with nothing written, where this group cannot go that way (another codec or
+    block size, not two sums, the loops off or not checked here); then fold them one by one."""
+    first = pushes[0]
+    if first.codec.name not in _levels:
+        _levels[first.codec.name] = compiled_sums.arithmetic_levels(first.tables)
+    levels = _levels[first.codec.name]
+    if (len(outs) != 2 or levels is None or (totals[0] is None) != (totals[1] is None)
+            or not all(isinstance(p, CodedBlocks) and p.codec.name == first.codec.name
+                       and p.encoded.block == first.encoded.block
+                       and p.numel() == first.numel() for p in pushes)
+            or not compiled.usable(first.numel(), *outs, *(t for t in totals if t is not None))
+            or not compiled_sums.groups_like_torch()):
+        return False
+    for push in pushes:
+        push.norm()  # every push's codes checked before anything is written
+    compiled_sums.fold_group([p.payload for p in pushes], [p.scales for p in pushes], first.encoded.block, levels,
+                             (outs[0], outs[1]), (totals[0], totals[1]), np.array(alphas, dtype=np.float32))
+    return True
+
+
 def coded_blocks(codec: BlockCodec, encoded: Encoded, complain: Complaint = DilocoError) -> CodedBlocks | None:
     """`encoded` as CodedBlocks where the compiled loops fold it on this host, else None (decode it).
     Its bytes and scales are checked here as decoding checks them, refused through `complain`."""

@@ -1,6 +1,9 @@
 """Compiled loops that fold a block-coded push into a round's sums, and measure it, from its codes (the
 `fast` extra, as `compiled.py`; used by `coded_blocks.py`).
 
+A group of int4 pushes (group commit: `core/merging.py`) is folded together, a cache-sized piece of the
+sums at a time (`fold_group`): the sums are read and written once per group, not once per push.
+
 The fold is one fused multiply-add per element, which is what torch's `add(total, values, alpha=alpha)`
 computes wherever its CPU kernels are vectorized; `folds_like_torch` checks that against the torch in this
 process once, and without it nothing here is used. The sum of squares is float64 and is not bit for bit
@@ -53,6 +56,46 @@ def fold(payload: np.ndarray, tables: DecodeTables, scales: np.ndarray, block: i
         kernels[f"fold_{kind}"](*codes, scales, block, target, base, np.float32(alpha), total is not None)
 
 
+GROUP_BLOCKS = 256
+"""Blocks of every push of a group folded into a piece of both sums while that piece is in cache (64 KiB of
+each sum at int4's 64-element blocks)."""
+
+
+def fold_group(payloads: list[np.ndarray], scales: list[np.ndarray], block: int, levels: float,
+               outs: tuple[torch.Tensor, torch.Tensor], totals: tuple[torch.Tensor | None, torch.Tensor | None],
+               alphas: np.ndarray) -> None:
+    """`fold` of a group of int4 pushes into two sums, push after push as `fold` would (the same fused
+    multiply-adds in the same order), but a piece of the sums at a time: each piece is read and written once
+    for the whole group, not once per push, and each value is decoded by arithmetic (code / `levels`, which
+    `arithmetic_levels` checks against the table) rather than a table lookup, so the loop vectorizes.
+    `alphas[k]`: push k's alpha for each sum; `totals` both None (the first push makes the sums) or both
+    given (`outs` may be them)."""
+    (out0, out1), (total0, total1) = outs, totals
+    has_base = total0 is not None
+    copy_base = has_base and not (out0.data_ptr() == total0.data_ptr() and out1.data_ptr() == total1.data_ptr())
+    target0, target1 = _flat(out0), _flat(out1)
+    base0, base1 = (_flat(total0), _flat(total1)) if has_base else (target0, target1)
+    from numba.typed import List  # one compiled loop for any number of pushes (a tuple's length is its type)
+
+    _kernels()["fold_group_pairs"](List(payloads), List(scales), block, np.float32(levels), target0, base0,
+                                   target1, base1, alphas.astype(np.float32), has_base, copy_base, GROUP_BLOCKS)
+
+
+def arithmetic_levels(tables: DecodeTables) -> float | None:
+    """L where every valid byte of an int4 table decodes to fp32(q) / fp32(L), q its two's-complement nibble
+    (the integer codecs: `fold_group` then decodes by arithmetic, the same values); None for any other table."""
+    if tables.second is None or not tables.first[1] > 0:
+        return None
+    levels = np.float32(round(1 / float(tables.first[1])))
+    nibbles = np.arange(256)
+    valid = tables.corrupt == 0
+    for values, nibble in ((tables.first, nibbles & 15), (tables.second, nibbles >> 4)):
+        expected = ((nibble ^ 8) - 8).astype(np.float32) / levels
+        if not np.array_equal(values[valid], expected[valid]):
+            return None
+    return float(levels)
+
+
 def _flat(tensor: torch.Tensor) -> np.ndarray:
     return tensor.reshape(-1).numpy()
 
@@ -87,6 +130,34 @@ def folds_like_torch() -> bool:
     return bool(torch.equal(total, torch.add(values, decoded, alpha=alpha))
                 and torch.equal(other, torch.add(values.flip(0), decoded))
                 and torch.equal(scaled, torch.mul(decoded, alpha)))
+
+
+@cache
+def groups_like_torch() -> bool:
+    """Whether `fold_group` gives what `fold`, push after push, gives here (and so torch's values): checked
+    once, on an int4 table, odd and even counts, the sums made, given and folded in place."""
+    if not folds_like_torch():
+        return False
+    generator = torch.Generator().manual_seed(1)
+    table = np.arange(256, dtype=np.int64)
+    tables = DecodeTables.of(np.stack([((table & 15) ^ 8) - 8, ((table >> 4) ^ 8) - 8], axis=1).astype(np.float32)
+                             / np.float32(7))
+    block, alphas = 64, np.array([[0.37, 1.9], [1.3, 0.011], [2.5, 0.73]], dtype=np.float32)
+    for numel in (compiled.MIN_ELEMENTS + 37, compiled.MIN_ELEMENTS + 64):
+        payloads = [compiled.pack_nibbles(torch.randint(-7, 8, (numel + 1,), generator=generator,
+                                                        dtype=torch.int8).numpy()) for _ in alphas]
+        scales = [torch.rand(-(-numel // block), generator=generator).numpy() + np.float32(0.5) for _ in alphas]
+        base = (torch.randn(numel, generator=generator), torch.randn(numel, generator=generator))
+        for totals in ((None, None), base, "in place"):
+            expected = [t.clone() for t in base] if totals != (None, None) else [torch.empty(numel) for _ in base]
+            for k, alpha in enumerate(alphas):
+                made = k == 0 and totals == (None, None)
+                fold(payloads[k], tables, scales[k], block, expected, [None, None] if made else expected, list(alpha))
+            outs = tuple(t.clone() for t in base) if totals == "in place" else (torch.empty(numel), torch.empty(numel))
+            fold_group(payloads, scales, block, 7.0, outs, outs if totals == "in place" else totals, alphas)
+            if not all(torch.equal(a, b) for a, b in zip(outs, expected)):
+                return False
+    return True
 
 
 @cache
@@ -207,5 +278,60 @@ def _kernels() -> dict[str, Callable[..., Any]]:
                 target0[i] = value * alpha0 + sum0[i]
                 target1[i] = value * alpha1 + sum1[i]
 
-    return {"square_sum": square_sum, "fold_pairs": fold_pairs, "fold_singles": fold_singles,
+    @fusing
+    def fold_group_pairs(payloads, scales, block, levels, out0, base0, out1, base1, alphas, has_base, copy_base,
+                         group_blocks):  # type: ignore[no-untyped-def]
+        half = block // 2
+        numel = out0.shape[0]
+        whole_bytes = numel // 2
+        blocks = scales[0].shape[0]
+        for first_block in range(0, blocks, group_blocks):
+            last_block = min(first_block + group_blocks, blocks)
+            if copy_base:
+                low, high = first_block * block, min(last_block * block, numel)
+                out0[low:high] = base0[low:high]
+                out1[low:high] = base1[low:high]
+            for k in range(len(payloads)):
+                payload, scale_of = payloads[k], scales[k]
+                alpha0, alpha1 = alphas[k, 0], alphas[k, 1]
+                adds = has_base or k > 0
+                for b in range(first_block, last_block):
+                    scale = scale_of[b]
+                    start = b * half
+                    stop = min(start + half, whole_bytes)
+                    if stop <= start:
+                        break
+                    source = payload[start:stop]
+                    target0, target1 = out0[2 * start:2 * stop], out1[2 * start:2 * stop]
+                    if adds:
+                        for j in range(source.shape[0]):
+                            byte = np.int32(source[j])
+                            low = (np.float32(((byte & 15) ^ 8) - 8) / levels) * scale
+                            high = (np.float32(((byte >> 4) ^ 8) - 8) / levels) * scale
+                            target0[2 * j] = low * alpha0 + target0[2 * j]
+                            target0[2 * j + 1] = high * alpha0 + target0[2 * j + 1]
+                            target1[2 * j] = low * alpha1 + target1[2 * j]
+                            target1[2 * j + 1] = high * alpha1 + target1[2 * j + 1]
+                    else:
+                        for j in range(source.shape[0]):
+                            byte = np.int32(source[j])
+                            low = (np.float32(((byte & 15) ^ 8) - 8) / levels) * scale
+                            high = (np.float32(((byte >> 4) ^ 8) - 8) / levels) * scale
+                            target0[2 * j] = low * alpha0
+                            target0[2 * j + 1] = high * alpha0
+                            target1[2 * j] = low * alpha1
+                            target1[2 * j + 1] = high * alpha1
+        if numel % 2:  # an odd count's last byte holds one code (its base copied with the last piece)
+            last, made = numel - 1, 0
+            if not has_base:  # apart from the adds below, so that no product is shared with theirs, unfused
+                value = (np.float32(((np.int32(payloads[0][whole_bytes]) & 15) ^ 8) - 8) / levels) * scales[0][blocks - 1]
+                out0[last] = value * alphas[0, 0]
+                out1[last] = value * alphas[0, 1]
+                made = 1
+            for k in range(made, len(payloads)):
+                value = (np.float32(((np.int32(payloads[k][whole_bytes]) & 15) ^ 8) - 8) / levels) * scales[k][blocks - 1]
+                out0[last] = value * alphas[k, 0] + out0[last]
+                out1[last] = value * alphas[k, 1] + out1[last]
+
+    return {"fold_group_pairs": fold_group_pairs, "square_sum": square_sum, "fold_pairs": fold_pairs, "fold_singles": fold_singles,
             "fold_pairs_two": fold_pairs_two, "fold_singles_two": fold_singles_two}

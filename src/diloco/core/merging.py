@@ -20,13 +20,12 @@ from __future__ import annotations
 import contextlib
 import math
 import dataclasses
-import weakref
 from collections.abc import Mapping
 from typing import Callable, Iterable, Iterator
 
 import torch
 
-from diloco.cache_chunks import Coded, add_scaled
+from diloco.cache_chunks import coded_of
 from diloco.codecs import Codec
 from diloco.core.accumulate import Contribution, Sampler, delta_norm, trip_of
 from diloco.core.actions import Action, Publish, Timer
@@ -37,6 +36,7 @@ from diloco.core.membership import Membership
 from diloco.core.messages import Push
 from diloco.core.pacing import Pacer
 from diloco.core.scratch import ROUND_COPIES, Scratch
+from diloco.core.sum_writes import SumWrites
 from diloco.core.rounds import FragmentState, OuterOptimizer, RoundRecord, mean_cosine, token_weight
 from diloco.core.undo import UndoLog
 from diloco.fragments import Fragment
@@ -72,9 +72,7 @@ class Merging:
         self.last_weight: dict[int, float] = {}
         self.step_time: dict[int, float] = {}
         self.one_way_s: float | None = None
-        self._made: dict[int, weakref.ref[torch.Tensor]] = {}
-        self._made_in = -1
-        """The sums' tensors the current transaction made (`_add`), and which transaction that is."""
+        self.writes = SumWrites(self.scratch, undo)
         self.grouping = False
         """A group of pushes is being taken (`grouped`): no round closes until all of it is in."""
         self.defer: Callable[[int], bool] | None = None
@@ -142,22 +140,14 @@ class Merging:
 
     def _fold(self, state: FragmentState, deltas: Mapping[str, torch.Tensor], contribution: Contribution,
               own_norms: bool = False, new: bool = True) -> None:
+        """In a group, a coded push's adds wait and are made with the group's others as it ends (`grouped`):
+        each sum is then read and written once per group. Anything else is folded now, after those waiting."""
+        later = self.grouping and all(coded_of(deltas, n) is not None for n in deltas)
+        if not later:
+            state.sums.settle(self.writes.add, self.writes.add_group)
         state.sums.fold(deltas, contribution.weight, radial=contribution.norms, weighted=self._keeps_weighted(),
-                        plain=self.merge_rule == "mean", own_norms=own_norms, new=new, add=self._add)
-
-    def _add(self, totals: list[torch.Tensor | None], delta: torch.Tensor | Coded,
-             alphas: list[float]) -> list[torch.Tensor]:
-        """total + alpha·delta for each of a round's sums of one tensor, reading `delta` once for all
-        (`cache_chunks.add_scaled`): in place into a sum this transaction made (nobody else holds it: a
-        refused transaction drops it whole), else into a free buffer (`scratch.py`), which the undo log's
-        copy of the sums does not hold. A group's pushes after its first add at memory speed."""
-        if self.undo.serial != self._made_in:
-            self._made, self._made_in = {}, self.undo.serial
-        outs = [total if total is not None and (mine := self._made.get(id(total))) is not None and mine() is total
-                else self.scratch.take(delta) for total in totals]
-        if self.undo.active:
-            self._made.update((id(out), weakref.ref(out)) for out in outs)
-        return add_scaled(outs, totals, delta, alphas)
+                        plain=self.merge_rule == "mean", own_norms=own_norms, new=new, add=self.writes.add,
+                        later=later)
 
     def _keeps_weighted(self) -> bool:
         """Σ w·Δ is the merge of every rule but the plain mean, and the final consolidation's."""
@@ -189,6 +179,8 @@ class Merging:
         self.grouping = True
         try:
             yield
+            for state in self.fragments.values():
+                state.sums.settle(self.writes.add, self.writes.add_group)
         finally:
             self.grouping = False
 

@@ -171,7 +171,8 @@ class FragmentState:
                         "quorum_at", "deadline")
         undo.keep_attrs(self, "whole", copy=dict)
         undo.keep_attrs(self, "sums", copy=lambda s: replace(s, weighted=dict(s.weighted), plain_sum=dict(s.plain_sum),
-                                                             directions=dict(s.directions), radius=dict(s.radius)))
+                                                             directions=dict(s.directions), radius=dict(s.radius),
+                                                             waiting=list(s.waiting)))
 
     def keep_contribution(self, undo: UndoLog, learner: int) -> None:
         """`learner`'s contribution to the open round is about to change or appear."""

@@ -30,6 +30,9 @@ from diloco.outer.buffers import NewTensor, fp32_like
 MergeRule = Literal["mean", "weighted", "rda"]
 Adder = Callable[[list[torch.Tensor | None], "torch.Tensor | Coded", list[float]], list[torch.Tensor]]
 """add(totals, delta, alphas): each total + alpha·delta (alpha·delta where the total is None)."""
+GroupAdder = Callable[[list[torch.Tensor | None], list[Coded], list[list[float]]], "list[torch.Tensor] | None"]
+"""add_group(totals, deltas, alphas): `Adder` of each delta in turn, in one go; None where it cannot, with
+nothing written."""
 MERGE_RULES: tuple[str, ...] = ("mean", "weighted", "rda")
 CANCEL_TOLERANCE = 1e-6
 """Below this fraction of the summed weights, the directions are taken to have cancelled out."""
@@ -55,35 +58,63 @@ class MergeSums:
     """Σ w over the contributions."""
     count: int = 0
     """Contributions, for the plain mean."""
+    waiting: list[tuple[str, Coded, tuple[str, ...], list[float]]] = field(default_factory=list)
+    """Adds of coded pushes folded `later` and not yet made (tensor, push, which sums, alphas): `settle`."""
 
     def fold(self, deltas: Mapping[str, torch.Tensor], weight: float, *, radial: dict[str, float],
              weighted: bool = True, plain: bool = False, new: bool = True, own_norms: bool = False,
-             add: Adder | None = None) -> None:
+             add: Adder | None = None, later: bool = False) -> None:
         """Add one outer gradient with `weight`. `radial` names the tensors averaged radially, each with
         the norm that scales its direction (its own, or for a learner's later push, its first one's);
         `own_norms`: they are these deltas' own norms, not taken again. `new`: a contribution of its own,
         not more of one already in. `add(totals, delta, alphas)` adds to all of a tensor's sums at once,
-        reading the delta once (default: into new tensors)."""
+        reading the delta once (default: into new tensors). `later`: a coded tensor's adds wait for `settle`
+        (its weight and norm count now); the sums are not to be read until then."""
         add = add or _added
         for name in deltas:
             coded = coded_of(deltas, name)  # a push folded from its codes, never decoded
             delta = coded if coded is not None else deltas[name].to(torch.float32)
-            sums: list[dict[str, torch.Tensor]] = []
+            keys: list[str] = []
             alphas: list[float] = []
             if weighted:
-                sums.append(self.weighted), alphas.append(weight)
+                keys.append("weighted"), alphas.append(weight)
             if plain:
-                sums.append(self.plain_sum), alphas.append(1.0)
+                keys.append("plain_sum"), alphas.append(1.0)
             if name in radial:
                 norm = radial[name] if own_norms else coded.norm() if coded is not None else tensor_norm(delta)
                 self.radius[name] = self.radius.get(name, 0.0) + weight * norm
                 if radial[name] > 0:
-                    sums.append(self.directions), alphas.append(weight / radial[name])
-            for target, total in zip(sums, add([s.get(name) for s in sums], delta, alphas)):
-                target[name] = total
+                    keys.append("directions"), alphas.append(weight / radial[name])
+            if later and coded is not None:
+                coded.norm()  # its codes checked now, as folding it would: a bad push is refused on its own
+                self.waiting.append((name, coded, tuple(keys), alphas))
+            else:
+                self._put(name, keys, add([getattr(self, key).get(name) for key in keys], delta, alphas))
         if new:
             self.weight += weight
             self.count += 1
+
+    def settle(self, add: Adder, add_group: GroupAdder) -> None:
+        """Make the adds waiting (`fold(later=True)`), each tensor's in the order they were folded: together
+        where `add_group` can (each sum then read and written once for all of them), else one by one."""
+        waiting, self.waiting = self.waiting, []
+        by_name: dict[str, list[tuple[str, Coded, tuple[str, ...], list[float]]]] = {}
+        for item in waiting:
+            by_name.setdefault(item[0], []).append(item)
+        for name, items in by_name.items():
+            keys = items[0][2]
+            if all(item[2] == keys for item in items):
+                made = add_group([getattr(self, key).get(name) for key in keys], [item[1] for item in items],
+                                 [item[3] for item in items])
+                if made is not None:
+                    self._put(name, keys, made)
+                    continue
+            for _, delta, keys, alphas in items:
+                self._put(name, keys, add([getattr(self, key).get(name) for key in keys], delta, alphas))
+
+    def _put(self, name: str, keys: Sequence[str], totals: list[torch.Tensor]) -> None:
+        for key, total in zip(keys, totals):
+            getattr(self, key)[name] = total
 
     def mean(self, name: str) -> Scaled:
         return Scaled(self.plain_sum[name], self.count, divide=True)
@@ -121,6 +152,8 @@ class MergeSums:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def plain(self) -> dict:
+        if self.waiting:
+            raise RuntimeError("a round's sums were read with adds still waiting: settle them first")
         return {"weighted": dict(self.weighted), "plain_sum": dict(self.plain_sum),
                 "directions": dict(self.directions), "radius": dict(self.radius), "weight": self.weight,
                 "count": self.count}
