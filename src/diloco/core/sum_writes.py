@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from diloco.cache_chunks import Coded, add_scaled
-from diloco.codecs.coded_blocks import fold_together
+from diloco.codecs.coded_blocks import CodedBlocks, fold_together
 from diloco.core.scratch import Scratch
 from diloco.core.undo import UndoLog
 
@@ -29,8 +29,11 @@ class SumWrites:
     def add(self, totals: list[torch.Tensor | None], delta: torch.Tensor | Coded,
             alphas: list[float]) -> list[torch.Tensor]:
         """total + alpha·delta for each of a round's sums of one tensor, reading `delta` once for all
-        (`cache_chunks.add_scaled`)."""
-        return add_scaled(self.outs(totals, delta), totals, delta, alphas)
+        (`cache_chunks.add_scaled`; a coded push as a group of one where it can: decoded by arithmetic)."""
+        outs = self.outs(totals, delta)
+        if isinstance(delta, CodedBlocks) and fold_together([delta], outs, totals, [alphas]):
+            return outs
+        return add_scaled(outs, totals, delta, alphas)
 
     def add_group(self, totals: list[torch.Tensor | None], deltas: list[Coded],
                   alphas: list[list[float]]) -> list[torch.Tensor] | None:
