@@ -135,22 +135,22 @@ def make_core(merge: str):
     return core
 
 
-def pushes(seq: int, coded: bool) -> list[Push]:
+def pushes(seq: int, coded: bool, decoded_learner: int | None = None) -> list[Push]:
     codec = get_codec("int4", 64)
     out = []
     for m in range(LEARNERS):
         encoded = codec.encode(values(100 * m + seq, scale=1e-3))
-        deltas = DecodedOnUse({"w0": encoded}) if coded else {"w0": codec.decode(encoded)}
+        deltas = DecodedOnUse({"w0": encoded}) if coded and m != decoded_learner else {"w0": codec.decode(encoded)}
         out.append(Push(m, 0, 0 if seq == 1 else seq - 1, seq, deltas, 4 * 64, 4, step_time_s=0.01, sent_at=0.0,
                         step=4 * seq))
     return out
 
 
-def run(merge: str, coded: bool):
+def run(merge: str, coded: bool, decoded_learner: int | None = None):
     core = make_core(merge)
     taken = []
     for seq in range(1, 4):
-        group = pushes(seq, coded)
+        group = pushes(seq, coded, decoded_learner)
         core.handle(PushArrived(group[0]), seq * 1.0)
         core.handle(PushesArrived(tuple(group[1:])), seq * 1.0 + 0.5)
         taken += group
@@ -170,10 +170,13 @@ def test_a_core_fed_coded_pushes_merges_as_one_fed_decoded_pushes():
     assert float((radial.theta["w0"] - radial_twin.theta["w0"]).abs().max()) <= 1e-6  # a few ulps of |Θ| ~ 1
 
 
-def test_a_group_of_coded_pushes_folded_together_merges_as_folded_one_by_one(monkeypatch):
+@pytest.mark.parametrize("decoded_learner", [None, 3])
+def test_a_group_of_coded_pushes_folded_together_merges_as_folded_as_each_is_taken(monkeypatch, decoded_learner):
     """A group's coded pushes wait and are folded together as it ends, each sum read and written once for
-    the group (`coded_blocks.fold_together`): every round's Θ and sums the same bit for bit as folding each
-    push as it is taken."""
+    the group (`coded_blocks.fold_together`): every round's Θ and outer optimizer the same bit for bit as
+    folding each push as it is taken; also where a decoded push at the group's end must be folded after
+    those waiting before it (`decoded_learner`)."""
+    import diloco.core.merging as merging
     import diloco.core.sum_writes as sum_writes
 
     taken_together = []
@@ -184,13 +187,14 @@ def test_a_group_of_coded_pushes_folded_together_merges_as_folded_one_by_one(mon
         return done
 
     monkeypatch.setattr(sum_writes, "fold_together", spy)
-    together, _ = run("rda", coded=True)
+    together, _ = run("rda", coded=True, decoded_learner=decoded_learner)
     assert taken_together and all(done for _, done in taken_together) and max(n for n, _ in taken_together) >= 2
     monkeypatch.setattr(sum_writes, "fold_together", lambda *args: False)
-    one_by_one, _ = run("rda", coded=True)
-    assert len(together.rounds) == len(one_by_one.rounds) >= 3
-    assert torch.equal(together.theta["w0"], one_by_one.theta["w0"])
-    for a, b in zip(together.fragments.values(), one_by_one.fragments.values()):
+    monkeypatch.setattr(merging, "coded_of", lambda *args: None)  # nothing waits: each folded as it is taken
+    as_taken, _ = run("rda", coded=True, decoded_learner=decoded_learner)
+    assert len(together.rounds) == len(as_taken.rounds) >= 3
+    assert torch.equal(together.theta["w0"], as_taken.theta["w0"])
+    for a, b in zip(together.fragments.values(), as_taken.fragments.values()):
         assert all(torch.equal(x, y) for x, y in zip(a.optimizer.tensors(), b.optimizer.tensors()))
 
 
