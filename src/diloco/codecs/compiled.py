@@ -121,10 +121,26 @@ def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, level
     source = x.numpy()
     subtracted = source if minus is None else minus.numpy()
     scratch = np.empty(min(block, max(source.shape[0], 1)), dtype=np.float32)
-    out, values, mask = (np.empty(0, np.float32), np.zeros(1, np.float32), 0) if onto is None else \
-        (onto[0].numpy(), onto[1].first, onto[2])
+    if onto is not None and not _linear(onto[1], levels, onto[2]):
+        raise ValueError(f"a table whose codes are not q / {levels} cannot be decoded onto as a linear code")
+    out = np.empty(0, np.float32) if onto is None else onto[0].numpy()
     _kernels()["encode_linear"](source, subtracted, minus is not None, block, levels, codes, scales, scratch,
-                                out, values, mask, onto is not None)
+                                out, onto is not None)
+
+
+def _linear(tables: DecodeTables, levels: int, mask: int) -> bool:
+    """Whether each code q (its `mask` bits, two's complement) decodes to fp32(q) / levels, as the encode's
+    decode onto computes it in place of a table lookup (the linear codecs' tables are made so)."""
+    key = (tables.first.tobytes(), levels, mask)
+    if key not in _LINEAR:
+        q = np.arange(256) & mask
+        q = np.where(q > mask // 2, q - (mask + 1), q).astype(np.float32)
+        valid = tables.corrupt == 0
+        _LINEAR[key] = bool(np.array_equal(tables.first[valid], (q / np.float32(levels))[valid]))
+    return _LINEAR[key]
+
+
+_LINEAR: dict[tuple[bytes, int, int], bool] = {}
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -203,7 +219,7 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         return flag != 0
 
     @jit
-    def encode_linear_kernel(x, minus, subtract, block, levels, codes, scales, scratch, onto, values, mask,
+    def encode_linear_kernel(x, minus, subtract, block, levels, codes, scales, scratch, onto,
                              apply):  # type: ignore[no-untyped-def]
         top = np.float32(levels)
         numel = x.shape[0]
@@ -235,12 +251,15 @@ def _kernels() -> dict[str, Callable[..., Any]]:
                 continue  # NaN or Inf: the caller's finite check refuses it
             divisor = absmax if top_bits > 0 else np.float32(1)
             target = codes[start:stop]
-            for i in range(part.shape[0]):
-                target[i] = np.int8((part[i] / divisor * top + round_shift) - round_shift)
-            if apply:  # `pairs`/`singles` onto minus: a byte's value · the scale, then + minus
+            if apply:  # and onto minus as `pairs`/`singles` decode: a code's value (q / levels) · the scale + minus
                 out, base = onto[start:stop], minus[start:stop]
                 for i in range(part.shape[0]):
-                    out[i] = values[np.uint8(target[i]) & mask] * absmax + base[i]
+                    q = (part[i] / divisor * top + round_shift) - round_shift
+                    target[i] = np.int8(q)
+                    out[i] = (q / top) * absmax + base[i]
+            else:
+                for i in range(part.shape[0]):
+                    target[i] = np.int8((part[i] / divisor * top + round_shift) - round_shift)
 
     @jit
     def pack(codes, packed):  # type: ignore[no-untyped-def]
