@@ -7,8 +7,9 @@ norm and once per sum it is folded into, and its fp32 values are never written.
 
 The fold is bit for bit what decoding and then `cache_chunks.add_scaled` gives (`compiled_sums.fold`, checked
 against this torch by `compiled_sums.folds_like_torch`). The norm is not: each block's is its scale² times its
-codes' Σ (code value)², summed in float64, which differs from the decoded values' own norm by their fp32
-rounding (about 1e-7 relative), where `tensor_norm` sums the decoded values in fp32 and is off by its
+codes' Σ (code value)², summed in float64 (for the integer codecs (scale / levels)² times Σ q², the codes
+summed exactly as integers), which differs from the decoded values' own norm by their fp32 rounding (about
+1e-7 relative), where `tensor_norm` sums the decoded values in fp32 and is off by its
 summation error (about 1e-6 relative for a few million elements). That moves the radial merge's scale
 and the outlier bound's measure by as much; the finite check is unaffected (code values are at most 1,
 so a finite scale gives finite values). A shard without the compiled loops decodes as before.
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
 Complaint = Callable[[str], Exception]
 FP32_MAX = float(torch.finfo(torch.float32).max)
+_LEVELS: dict[str, float | None] = {}
+"""Per codec name, what `CodedBlocks.levels` found."""
 
 
 class CodedBlocks:
@@ -60,12 +63,21 @@ class CodedBlocks:
         overflow, as in `tensor_norm`); a code no encoder writes is refused as decoding refuses it."""
         if self._norm is None:
             squares, corrupt = compiled_sums.square_sum(self.payload, self.tables, self.scales,
-                                                        self.encoded.block, self._numel)
+                                                        self.encoded.block, self._numel, self.levels())
             if corrupt:
                 raise self.complain(f"corrupt {self.codec.name} tensor: the payload holds a code no encoder writes")
             norm = math.sqrt(squares)  # fp32 as where its sum of squares fits, as `tensor_norm`'s does
             self._norm = float(np.float32(norm)) if squares <= FP32_MAX else norm
         return self._norm
+
+    def levels(self) -> float | None:
+        """L where this codec's codes decode as q / L (`compiled_sums.arithmetic_levels`): loops then decode by
+        arithmetic instead of a table lookup. Found once per codec (by name: its table does not depend on the
+        block size)."""
+        name = self.codec.name
+        if name not in _LEVELS:
+            _LEVELS[name] = compiled_sums.arithmetic_levels(self.tables)
+        return _LEVELS[name]
 
     def sample(self, index: torch.Tensor) -> torch.Tensor:
         """The values at flat positions `index`, as float64: each its code's value times its block's scale,
@@ -93,9 +105,6 @@ class CodedBlocks:
             raise self.complain(str(exc)) from None
 
 
-_levels: dict[str, float | None] = {}
-"""Per codec (by name: its table does not depend on the block size), what `compiled_sums.arithmetic_levels`
-found in its table."""
 
 
 def fold_together(pushes: list[CodedBlocks], outs: list[torch.Tensor], totals: list[torch.Tensor | None],
@@ -104,10 +113,8 @@ def fold_together(pushes: list[CodedBlocks], outs: list[torch.Tensor], totals: l
     the same values. False, with nothing written, where this group cannot go that way (another codec or
     block size, not two sums, the loops off or not checked here); then fold them one by one."""
     first = pushes[0]
-    if first.codec.name not in _levels:
-        _levels[first.codec.name] = compiled_sums.arithmetic_levels(first.tables)
-    levels = _levels[first.codec.name]
-    if (len(outs) != 2 or levels is None or (totals[0] is None) != (totals[1] is None)
+    levels = first.levels()
+    if (len(outs) != 2 or levels is None or first.tables.second is None or (totals[0] is None) != (totals[1] is None)
             or not all(isinstance(p, CodedBlocks) and p.codec.name == first.codec.name
                        and p.encoded.block == first.encoded.block
                        and p.numel() == first.numel() for p in pushes)

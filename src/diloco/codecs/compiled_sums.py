@@ -23,11 +23,18 @@ import diloco.codecs.compiled as compiled
 from diloco.codecs.compiled import DecodeTables
 
 
-def square_sum(payload: np.ndarray, tables: DecodeTables, scales: np.ndarray, block: int, numel: int) -> tuple[float, bool]:
+def square_sum(payload: np.ndarray, tables: DecodeTables, scales: np.ndarray, block: int, numel: int,
+               levels: float | None = None) -> tuple[float, bool]:
     """Σ value² in float64, each block's as its scale² times its codes' Σ (code value)², and whether any code
     is one no encoder writes. It differs from the decoded values' own Σ value² by their fp32 rounding
-    (about 1e-7 relative); no sum of fp32 squares overflows it. Nothing is written."""
+    (about 1e-7 relative); no sum of fp32 squares overflows it. Nothing is written. With `levels` (a linear
+    code's, `arithmetic_levels`), each block's Σ q² is summed exactly in integers and scaled by (scale /
+    levels)², without a table: the same sum but for the fp32 rounding of each q / levels."""
     per_byte = 1 if tables.second is None else 2
+    if levels is not None:
+        total, corrupt = _kernels()["square_sum_linear"](payload, scales, block // per_byte, numel // per_byte,
+                                                         numel % per_byte, per_byte == 2)
+        return float(total) / (levels * levels), bool(corrupt)
     total, corrupt = _kernels()["square_sum"](payload, tables.squares, tables.first, tables.corrupt, scales,
                                               block // per_byte, numel // per_byte, numel % per_byte)
     return float(total), bool(corrupt)
@@ -82,16 +89,26 @@ def fold_group(payloads: list[np.ndarray], scales: list[np.ndarray], block: int,
 
 
 def arithmetic_levels(tables: DecodeTables) -> float | None:
-    """L where every valid byte of an int4 table decodes to fp32(q) / fp32(L), q its two's-complement nibble
-    (the integer codecs: `fold_group` then decodes by arithmetic, the same values); None for any other table."""
-    if tables.second is None or not tables.first[1] > 0:
+    """L where every byte of a table decodes as a linear code's: each code q (two's complement, 4 bits for two
+    codes a byte, else 8) to fp32(q) / fp32(L), and exactly those with q = −(L + 1) written by no encoder (the
+    integer codecs: `fold_group` and `square_sum` then decode by arithmetic); None for any other table."""
+    pairs = tables.second is not None
+    bits = 4 if pairs else 8
+    byte = np.arange(256)
+    codes = [byte & 15, byte >> 4] if pairs else [byte]
+    quanta = [((c ^ (1 << (bits - 1))) - (1 << (bits - 1))) for c in codes]
+    if not tables.first[1] > 0:
         return None
     levels = np.float32(round(1 / float(tables.first[1])))
-    nibbles = np.arange(256)
-    valid = tables.corrupt == 0
-    for values, nibble in ((tables.first, nibbles & 15), (tables.second, nibbles >> 4)):
-        expected = ((nibble ^ 8) - 8).astype(np.float32) / levels
-        if not np.array_equal(values[valid], expected[valid]):
+    if levels != (1 << (bits - 1)) - 1:
+        return None
+    corrupt = np.zeros(256, dtype=bool)
+    for q in quanta:
+        corrupt |= q == -(int(levels) + 1)
+    if not np.array_equal(tables.corrupt != 0, corrupt):
+        return None
+    for values, q in zip((tables.first, tables.second) if pairs else (tables.first,), quanta):
+        if not np.array_equal(values[~corrupt], (q.astype(np.float32) / levels)[~corrupt]):
             return None
     return float(levels)
 
@@ -191,6 +208,34 @@ def _kernels() -> dict[str, Callable[..., Any]]:
             value = np.float64(first[byte]) * np.float64(scales[scales.shape[0] - 1])
             total += value * value
         return total, flag != 0
+
+    @summing
+    def square_sum_linear(payload, scales, bytes_per_block, whole_bytes, odd, pairs):  # type: ignore[no-untyped-def]
+        bad = np.int32(0)
+        total = 0.0
+        for b in range(scales.shape[0]):
+            source = payload[b * bytes_per_block:min((b + 1) * bytes_per_block, whole_bytes)]
+            part = np.int64(0)  # Σ q² of a block, exact
+            if pairs:
+                for j in range(source.shape[0]):
+                    byte = np.int32(source[j])
+                    low, high = ((byte & 15) ^ 8) - 8, ((byte >> 4) ^ 8) - 8
+                    part += low * low + high * high
+                    bad |= np.int32(low == -8) | np.int32(high == -8)
+            else:
+                for j in range(source.shape[0]):
+                    q = (np.int32(source[j]) ^ 128) - 128
+                    part += q * q
+                    bad |= np.int32(q == -128)
+            scale = np.float64(scales[b])
+            total += np.float64(part) * scale * scale
+        if odd:  # an odd int4 count's last byte holds one code (its byte checked whole, as `pairs` does)
+            byte = np.int32(payload[whole_bytes])
+            low, high = ((byte & 15) ^ 8) - 8, ((byte >> 4) ^ 8) - 8
+            bad |= np.int32(low == -8) | np.int32(high == -8)
+            scale = np.float64(scales[scales.shape[0] - 1])
+            total += np.float64(low * low) * scale * scale
+        return total, bad != 0
 
     @fusing
     def fold_pairs(payload, first, second, scales, block, out, total, alpha, add):  # type: ignore[no-untyped-def]
@@ -333,5 +378,5 @@ def _kernels() -> dict[str, Callable[..., Any]]:
                 out0[last] = value * alphas[k, 0] + out0[last]
                 out1[last] = value * alphas[k, 1] + out1[last]
 
-    return {"fold_group_pairs": fold_group_pairs, "square_sum": square_sum, "fold_pairs": fold_pairs, "fold_singles": fold_singles,
+    return {"fold_group_pairs": fold_group_pairs, "square_sum": square_sum, "square_sum_linear": square_sum_linear, "fold_pairs": fold_pairs, "fold_singles": fold_singles,
             "fold_pairs_two": fold_pairs_two, "fold_singles_two": fold_singles_two}
