@@ -109,7 +109,7 @@ def test_bytes_that_do_not_fit_are_refused_as_a_push_in_one_line(damage, words):
 
 def test_small_tensors_other_codecs_and_hosts_without_the_loops_decode_as_before():
     assert coded_blocks(get_codec("int4", 64), get_codec("int4", 64).encode(values(8, 1000))) is None
-    assert DecodedOnUse({"w": get_codec("fp32").encode(values(8))}).coded("w") is None
+    assert DecodedOnUse({"w": get_codec("bf16").encode(values(8))}).coded("w") is None
     assert coded_blocks(get_codec("int4", 7), get_codec("int4", 7).encode(values(8))) is None  # odd block
     compiled.set_enabled(False)
     try:

@@ -70,6 +70,26 @@ def add_scaled(outs: list[torch.Tensor], totals: list[torch.Tensor | None], delt
     return outs
 
 
+def add_scaled_group(outs: list[torch.Tensor], totals: list[torch.Tensor | None], deltas: list[torch.Tensor],
+                     alphas: list[list[float]]) -> list[torch.Tensor]:
+    """`add_scaled` of each of `deltas` in turn (`alphas[k]`: delta k's alpha for each sum), a chunk of every
+    sum at a time: each sum is read and written once for them all, not once per delta. Element by element
+    the same torch ops in the same order, so the same values."""
+    flats = [d.reshape(-1) for d in deltas]
+    targets = [(out.view(-1), None if total is None else total.reshape(-1)) for out, total in zip(outs, totals)]
+    for start, stop in chunks(flats[0].numel(), flats[0].device):
+        for i, (out, total) in enumerate(targets):
+            piece, first = out[start:stop], 0
+            if total is None:
+                torch.mul(flats[0][start:stop], alphas[0][i], out=piece)
+                first = 1
+            elif total.data_ptr() != out.data_ptr():
+                piece.copy_(total[start:stop])
+            for k in range(first, len(flats)):
+                piece.add_(flats[k][start:stop], alpha=alphas[k][i])
+    return outs
+
+
 @dataclass(frozen=True)
 class Scaled:
     """`tensor`·factor (or ÷ factor with `divide`), not yet written: a merged outer gradient that the outer

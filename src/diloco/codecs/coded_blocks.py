@@ -113,7 +113,7 @@ def fold_together(pushes: list[CodedBlocks], outs: list[torch.Tensor], totals: l
     the same values. False, with nothing written, where this group cannot go that way (another codec or
     block size, not two sums, the loops off or not checked here); then fold them one by one."""
     first = pushes[0]
-    levels = first.levels()
+    levels = first.levels() if isinstance(first, CodedBlocks) else None
     if (len(outs) != 2 or levels is None or first.tables.second is None or (totals[0] is None) != (totals[1] is None)
             or not all(isinstance(p, CodedBlocks) and p.codec.name == first.codec.name
                        and p.encoded.block == first.encoded.block

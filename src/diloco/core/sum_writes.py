@@ -13,8 +13,9 @@ import weakref
 
 import torch
 
-from diloco.cache_chunks import Coded, add_scaled
+from diloco.cache_chunks import Coded, add_scaled, add_scaled_group
 from diloco.codecs.coded_blocks import CodedBlocks, fold_together
+from diloco.codecs.fp32_view import Fp32View
 from diloco.core.scratch import Scratch
 from diloco.core.undo import UndoLog
 
@@ -37,10 +38,15 @@ class SumWrites:
 
     def add_group(self, totals: list[torch.Tensor | None], deltas: list[Coded],
                   alphas: list[list[float]]) -> list[torch.Tensor] | None:
-        """`add` of each of a group's coded pushes in turn, in one pass over the sums where the codec allows
-        (`coded_blocks.fold_together`); None where it does not, with nothing written."""
+        """`add` of each of a group's coded pushes in turn, in one pass over the sums where their codec allows
+        (int4: `coded_blocks.fold_together`; fp32 read in place: `cache_chunks.add_scaled_group`); None where
+        it does not, with nothing written."""
         outs = self.outs(totals, deltas[0])
-        return outs if fold_together(deltas, outs, totals, alphas) else None
+        if fold_together(deltas, outs, totals, alphas):
+            return outs
+        if all(isinstance(d, Fp32View) for d in deltas):
+            return add_scaled_group(outs, totals, [d.values for d in deltas], alphas)
+        return None
 
     def outs(self, totals: list[torch.Tensor | None], like: torch.Tensor | Coded) -> list[torch.Tensor]:
         """Where each sum's new value goes: the sum itself where this transaction made it, else a free buffer."""

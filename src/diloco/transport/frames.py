@@ -16,7 +16,9 @@ import torch
 
 from diloco.codecs import CODEC_NAMES, DEFAULT_BLOCK, Encoded, get_codec
 from diloco.codecs.blockwise import BlockCodec
+from diloco.codecs.cast import CastCodec
 from diloco.codecs.coded_blocks import CodedBlocks, coded_blocks
+from diloco.codecs.fp32_view import Fp32View, fp32_view
 from diloco.codecs.encoded import MAX_NDIM
 from diloco.errors import DilocoError
 from diloco.v1 import diloco_pb2 as pb
@@ -272,13 +274,16 @@ def decode(encoded: Encoded) -> torch.Tensor:
         raise FrameError(str(exc)) from None
 
 
-def coded(encoded: Encoded, complain: Callable[[str], Exception]) -> CodedBlocks | None:
-    """`encoded` readable from its codes, without decoding it, where its codec and this host allow
-    (`codecs.coded_blocks`); None: decode it. Bytes that do not fit are refused through `complain`."""
+def coded(encoded: Encoded, complain: Callable[[str], Exception]) -> CodedBlocks | Fp32View | None:
+    """`encoded` readable without decoding it, where its codec and this host allow: from its codes
+    (`codecs.coded_blocks`), or fp32 in place (`codecs.fp32_view`); None: decode it. Bytes that do not fit
+    are refused through `complain`."""
     try:
         codec = get_codec(encoded.codec, encoded.block or DEFAULT_BLOCK)
     except DilocoError as exc:
         raise complain(str(exc)) from None
+    if isinstance(codec, CastCodec) and codec.name == "fp32":
+        return fp32_view(codec, encoded, complain)
     return coded_blocks(codec, encoded, complain) if isinstance(codec, BlockCodec) else None
 
 

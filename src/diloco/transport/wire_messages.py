@@ -19,6 +19,7 @@ import torch
 from diloco.clock import SYSTEM_CLOCK as clock
 from diloco.codecs import Encoded, get_codec
 from diloco.codecs.coded_blocks import CodedBlocks
+from diloco.codecs.fp32_view import Fp32View
 from diloco.config import Config
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Progress, Push, Update
 from diloco.core.refusals import ProtocolError
@@ -45,11 +46,12 @@ class DecodedOnUse(Mapping):
     def __init__(self, tensors: dict[str, Encoded]) -> None:
         self.tensors = tensors
         self.decoded: dict[str, torch.Tensor] = {}
-        self._coded: dict[str, CodedBlocks | None] = {}
+        self._coded: dict[str, CodedBlocks | Fp32View | None] = {}
 
-    def coded(self, name: str) -> CodedBlocks | None:
-        """The tensor readable from its codes, never decoded (`codecs.coded_blocks`), where its codec and this
-        host allow and it was not decoded already; None: read it as a tensor."""
+    def coded(self, name: str) -> CodedBlocks | Fp32View | None:
+        """The tensor readable without decoding it (from its codes, `codecs.coded_blocks`, or fp32 in place,
+        `codecs.fp32_view`), where its codec and this host allow and it was not decoded already; None: read it
+        as a tensor."""
         if name in self.decoded:
             return None
         if name not in self._coded:
