@@ -102,10 +102,17 @@ def run(merge: str, on_the_wire: bool, nan_learner: int | None = None):
 
 
 @pytest.mark.parametrize("merge", ["rda", "weighted"])
-def test_a_core_fed_pushes_as_they_arrived_merges_as_one_fed_the_decoded_tensors(merge):
+def test_a_core_fed_pushes_as_they_arrived_merges_as_one_fed_the_decoded_tensors(merge, monkeypatch):
     """Θ and the outer optimizer the same bit for bit, and no push read off the wire was copied (the run's
-    first push of a round is kept whole and decoded)."""
+    first push of a round is kept whole and decoded); each group's pushes were folded into the sums together."""
+    import diloco.core.sum_writes as sum_writes
+
+    groups = []
+    monkeypatch.setattr(sum_writes, "add_scaled_group",
+                        lambda outs, totals, deltas, alphas: groups.append(len(deltas)) or
+                        add_scaled_group(outs, totals, deltas, alphas))
     core, taken, _ = run(merge, on_the_wire=True)
+    assert groups and max(groups) >= 2
     twin, _, _ = run(merge, on_the_wire=False)
     assert len(core.rounds) == len(twin.rounds) >= 3
     assert torch.equal(core.theta["w0"], twin.theta["w0"])
