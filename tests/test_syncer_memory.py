@@ -1,7 +1,8 @@
 """The syncer's memory does not grow with its learners, and what learners hold stays exact meanwhile.
 
 Memory is measured by walking everything the core references (tensors by storage, byte strings), not
-by the core's own accounting, which is checked against it.
+by the core's own accounting, which is checked against it. Of its recycled buffers (`core/scratch.py`), those
+that something else holds are that holder's: an answer's, or the core's through its own reference.
 """
 
 import dataclasses
@@ -17,6 +18,7 @@ from diloco.codecs import get_codec
 from diloco.core import Push, SyncerCore
 from diloco.core import downlink as downlink_module
 from diloco.core.downlink import CHAIN_SHARE
+from diloco.core.scratch import Scratch
 from diloco.fragments import Fragment
 from diloco.outer import Nesterov
 from diloco.client.learner_client import Learner
@@ -37,7 +39,9 @@ def reachable_bytes(root) -> int:
         if id(obj) in seen or isinstance(obj, (int, float, str, bool, type(None), type)):
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, Scratch):  # tensors it keeps that others hold are theirs
+            stack.extend(obj.free())
+        elif isinstance(obj, torch.Tensor):
             storage = obj.untyped_storage()
             if storage.data_ptr() not in storages:
                 storages.add(storage.data_ptr())
@@ -62,8 +66,9 @@ def core_with(learners: int, down: str, rule: str) -> SyncerCore:
                       quorum=1, down_codec=get_codec(down), outlier="clip")
 
 
-def run_rounds(core: SyncerCore, learners: int, rounds: int) -> list:
-    """Every learner pushes every fragment `rounds` times, each based on the version it was answered."""
+def run_rounds(core: SyncerCore, learners: int, rounds: int, keep: bool = True) -> list:
+    """Every learner pushes every fragment `rounds` times, each based on the version it was answered. Its
+    answers are returned, all held until then (`keep`), or dropped as they come, as sent ones are."""
     updates, now, seq = [], 0.0, dict.fromkeys(range(learners), 0)
     for _ in range(rounds):
         for m in range(learners):
@@ -74,7 +79,7 @@ def run_rounds(core: SyncerCore, learners: int, rounds: int) -> list:
                 push = Push(m, fragment.fragment.index, core.held_versions[m][fragment.fragment.index], seq[m],
                             deltas, tokens=64, steps=1, step=seq[m])
                 for action in core.on_push(push, now):
-                    updates.extend(getattr(action, "updates", {}).values())
+                    updates.extend(getattr(action, "updates", {}).values() if keep else ())
     return updates
 
 
@@ -84,7 +89,7 @@ def test_syncer_memory_with_sixteen_learners_is_within_a_fifth_of_one(down, rule
     memory = {}
     for learners in (1, 16):
         core = core_with(learners, down, rule)
-        run_rounds(core, learners, rounds=4)
+        answers = run_rounds(core, learners, rounds=4)  # in flight: what they hold is theirs, not the core's
         assert all(s.version >= 4 for s in core.fragments.values())
         memory[learners] = reachable_bytes(core)
         accounted = core.memory()
@@ -95,6 +100,7 @@ def test_syncer_memory_with_sixteen_learners_is_within_a_fifth_of_one(down, rule
             assert accounted["downlink_bytes"] == 0
         else:  # published once, plus at most CHAIN_SHARE of the fragments' size in differences
             assert accounted["downlink_bytes"] <= fp32 * (1 + CHAIN_SHARE) * 1.01
+        del answers
     assert memory[16] <= 1.2 * memory[1], memory
 
 
@@ -256,14 +262,17 @@ def test_an_update_stream_waiting_for_its_next_answer_keeps_nothing_of_the_last_
 
 def test_what_an_answer_holds_stays_as_it_was_sent_while_later_rounds_recycle_their_buffers():
     """Rounds take their fragment-sized tensors again once nobody holds them (`core/scratch.py`): the values
-    and the wire of an answer still held are never written, and a round once warm makes no new tensor."""
+    and the wire of an answer still held are never written, and a round once warm makes no new tensor, though
+    all four of the core's tensors share one shape (as a model's layers do)."""
     core = core_with(2, "fp32", "rda")
+    assert len({t.shape for t in core.merging.theta.values()}) == 1
     held = run_rounds(core, 2, rounds=2)[-1]
     values = {n: v.clone() for n, v in held.values.items()}
     wire = {n: bytes(e.payload) for n, e in held.wire[0].items()}
-    run_rounds(core, 2, rounds=2)
-    kept = sum(len(k) for k in core.merging.scratch.kept.values())
-    run_rounds(core, 2, rounds=6)
+    run_rounds(core, 2, rounds=2, keep=False)
+    kept, made = sum(len(k) for k in core.merging.scratch.kept.values()), core.merging.scratch.made
+    run_rounds(core, 2, rounds=6, keep=False)
     assert all(torch.equal(held.values[n], v) for n, v in values.items())
     assert all(bytes(held.wire[0][n].payload) == w for n, w in wire.items())
-    assert sum(len(k) for k in core.merging.scratch.kept.values()) == kept
+    assert sum(len(k) for k in core.merging.scratch.kept.values()) <= kept
+    assert core.merging.scratch.made == made

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping
 from typing import Callable, Iterable, Iterator
 
@@ -57,7 +58,8 @@ class Merging:
         """Keep a round's pushes whole, then weigh and fold them in learner order as it closes: its float
         sums do not depend on which push came first (a reproducible run; it holds the round's pushes)."""
         self.theta = {n: t.detach().to(torch.float32).clone() for n, t in params.items()}
-        self.scratch = Scratch(ROUND_COPIES * max((4 * f.numel for f in fragments), default=0))
+        self.scratch = Scratch(ROUND_COPIES * max((4 * f.numel for f in fragments), default=0),
+                               Counter(tuple(self.theta[n].shape) for f in fragments for n in f.names))
         """Where a round's fragment-sized tensors come from: buffers taken again once nobody holds them."""
         self.fragments = {f.index: FragmentState(f, optimizer(), Downlink(down_codec, f.names, self.theta, undo),
                                                  Sampler({n: self.theta[n].numel() for n in f.names}))
@@ -242,6 +244,7 @@ class Merging:
     def close(self, state: FragmentState, now: float, final: bool = False) -> Publish:
         """Merge the round, take the outer step (or consolidate), record it, answer its participants."""
         state.keep(self.undo)
+        self.scratch.trim()
         self.judge_whole(state)
         contributions = [state.pending[m] for m in sorted(state.pending)]
         staleness = tuple(state.version - c.base_version for c in contributions)

@@ -16,13 +16,16 @@ is held. Where the storage's count cannot be read (another torch), nothing is re
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 
 import torch
 
 MIN_NUMEL = 1 << 16
 """Smaller tensors are allocated as usual: their memory comes from the allocator's own free lists."""
 KEPT = 8
-"""Tensors kept per shape and dtype, free or in use: a round of a fragment has about this many alive."""
+"""Tensors kept per dtype and per tensor of the shape in the shard's fragments, free or in use: a round of a
+fragment has about this many alive for each of its tensors. A shape that n tensors share (a model's layers,
+fragments of one size) keeps n times as many, or its rounds would allocate afresh all the same."""
 ROUND_COPIES = 6
 """Free tensors kept, in copies of the largest fragment: what closing a round frees (the old Θ, the outer
 optimizer's old state, the sums, the merged Δ and a temporary), so that the next round finds them all
@@ -40,10 +43,14 @@ def _counts(tensor: torch.Tensor) -> tuple[int, int]:
 class Scratch:
     """Tensors the core made, each taken again once it is free (see the module's docstring)."""
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, shapes: Mapping[tuple[int, ...], int] | None = None) -> None:
         self.kept: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self.limit_bytes = limit_bytes
         """Most bytes of free kept tensors: fragments of other shapes drop each other's, not grow the shard."""
+        self.shapes = dict(shapes or {})
+        """How many of the shard's tensors have each shape (one where not given)."""
+        self.made = 0
+        """Tensors of at least MIN_NUMEL made so far: a warm shard makes none (`tests/test_syncer_memory.py`)."""
         probe = [torch.empty(1)]
         self._unheld = (-1, -1)
         for tensor in probe:  # the counts of a tensor held only by a list, read through as many calls as `take`'s
@@ -60,7 +67,8 @@ class Scratch:
 
     def take(self, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A tensor of `like`'s shape (and `dtype`), on the CPU, whose values are to be overwritten: one kept
-        that is free, else a new one (kept, while there is room: KEPT of a shape, free ones up to the limit)."""
+        that is free, else a new one (kept, while there is room: KEPT per tensor of its shape, free ones up to
+        the limit)."""
         if like.numel() < MIN_NUMEL or like.device.type != "cpu":
             return torch.empty(like.shape, dtype=dtype, device=like.device)
         kept = self.kept.setdefault((tuple(like.shape), dtype), [])
@@ -68,13 +76,15 @@ class Scratch:
             if self._free(tensor):
                 return tensor
         made = torch.empty(like.shape, dtype=dtype)
-        if len(kept) < KEPT:
-            self._trim(made.numel() * made.element_size())
+        self.made += 1
+        if len(kept) < KEPT * self.shapes.get(tuple(like.shape), 1):
+            self.trim(made.numel() * made.element_size())
             kept.append(made)
         return made
 
-    def _trim(self, room: int) -> None:
-        """Drop free kept tensors, oldest shapes first, until `room` more bytes fit under the limit."""
+    def trim(self, room: int = 0) -> None:
+        """Drop free kept tensors, oldest shapes first, until `room` more bytes fit under the limit. A round's
+        close trims first: tensors that answers held may have come free in any number since the last round."""
         free = [(key, t) for key, kept in self.kept.items() for t in kept if self._free(t)]
         total = sum(t.numel() * t.element_size() for _, t in free) + room
         for key, tensor in free:
@@ -83,6 +93,10 @@ class Scratch:
             self.kept[key] = [t for t in self.kept[key] if t is not tensor]
             total -= tensor.numel() * tensor.element_size()
 
+    def free(self) -> list[torch.Tensor]:
+        """The kept tensors nobody else holds: the scratch's own memory (the others are their holders')."""
+        return [t for kept in self.kept.values() for t in kept if self._free(t)]
+
     def nbytes(self) -> int:
         """Bytes of the kept tensors that are free now (those in use are counted by whoever holds them)."""
-        return sum(t.numel() * t.element_size() for kept in self.kept.values() for t in kept if self._free(t))
+        return sum(t.numel() * t.element_size() for t in self.free())

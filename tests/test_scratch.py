@@ -1,0 +1,47 @@
+"""The core's recycled buffers (`core/scratch.py`): a tensor is taken again only once nobody else holds it,
+a shape that many tensors share keeps enough for all of them, and what is free stays within the limit."""
+
+import torch
+
+from diloco.core.scratch import KEPT, MIN_NUMEL, Scratch
+
+LIKE = torch.empty(MIN_NUMEL)
+BYTES = 4 * MIN_NUMEL
+
+
+def test_a_tensor_someone_holds_is_never_taken_again_and_a_free_one_is():
+    scratch = Scratch(limit_bytes=8 * BYTES)
+    held = scratch.take(LIKE)
+    view = scratch.take(LIKE)[:10]  # a view alone keeps its tensor's memory in use
+    other = scratch.take(LIKE)
+    assert len({held.data_ptr(), view.data_ptr(), other.data_ptr()}) == 3
+    pointer = other.data_ptr()
+    del other
+    again = scratch.take(LIKE)
+    assert again.data_ptr() == pointer and scratch.made == 3
+
+
+def test_a_shape_that_three_tensors_share_keeps_three_times_as_many_without_allocating_again():
+    scratch = Scratch(limit_bytes=3 * KEPT * BYTES, shapes={tuple(LIKE.shape): 3})
+    held = [scratch.take(LIKE) for _ in range(3 * KEPT)]
+    assert scratch.made == 3 * KEPT and sum(map(len, scratch.kept.values())) == 3 * KEPT
+    pointers = {t.data_ptr() for t in held}
+    del held
+    again = [scratch.take(LIKE) for _ in range(3 * KEPT)]
+    assert {t.data_ptr() for t in again} == pointers and scratch.made == 3 * KEPT
+
+
+def test_tensors_that_came_free_all_at_once_are_trimmed_to_the_limit():
+    scratch = Scratch(limit_bytes=2 * BYTES, shapes={tuple(LIKE.shape): 1})
+    held = [scratch.take(LIKE) for _ in range(KEPT)]
+    assert scratch.nbytes() == 0  # every one is in use: the holders' memory, not the scratch's
+    del held
+    assert scratch.nbytes() == KEPT * BYTES
+    scratch.trim()
+    assert scratch.nbytes() == 2 * BYTES and len(scratch.free()) == 2
+
+
+def test_small_tensors_are_not_kept():
+    scratch = Scratch(limit_bytes=BYTES)
+    scratch.take(torch.empty(MIN_NUMEL - 1))
+    assert scratch.made == 0 and not scratch.kept
