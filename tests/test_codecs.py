@@ -244,7 +244,7 @@ def _corruptions(name: str, encoded: Encoded) -> dict[str, Encoded]:
     replace = functools.partial(dataclasses.replace, encoded)
     cases = {
         "truncated payload": replace(payload=encoded.payload[:-1]),
-        "extra payload byte": replace(payload=encoded.payload + b"\0"),
+        "extra payload byte": replace(payload=bytes(encoded.payload) + b"\0"),
         "empty payload": replace(payload=b""),
         "payload not bytes": replace(payload=bytearray(encoded.payload)),
         "other codec": replace(codec="int8" if name != "int8" else "int4"),

@@ -41,7 +41,8 @@ def _both(run, monkeypatch: pytest.MonkeyPatch):
     taken = []
     for name in ("decode", "encode_linear"):
         real = getattr(compiled, name)
-        monkeypatch.setattr(compiled, name, lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a))
+        monkeypatch.setattr(compiled, name,
+                            lambda *a, _real=real, _name=name, **k: taken.append(_name) or _real(*a, **k))
     loops = run()
     assert taken, "the compiled loops were not taken"
     return eager, loops

@@ -10,6 +10,7 @@ import gc
 import time
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,8 +32,8 @@ NAMES = ("a", "b", "c", "d")
 
 
 def reachable_bytes(root) -> int:
-    """Bytes of every tensor storage and byte string reachable from `root`, each counted once."""
-    seen, storages, total = set(), set(), 0
+    """Bytes of every tensor storage, array and byte string reachable from `root`, each counted once."""
+    seen, storages, arrays, total = set(), set(), set(), 0
     stack = [root]
     while stack:
         obj = stack.pop()
@@ -48,6 +49,13 @@ def reachable_bytes(root) -> int:
                 total += storage.nbytes()
         elif isinstance(obj, (bytes, bytearray)):
             total += len(obj)
+        elif isinstance(obj, memoryview):  # an encoded payload's read-only view of the array it was coded into
+            stack.append(obj.obj)
+        elif isinstance(obj, np.ndarray):
+            base = obj if obj.base is None else obj.base
+            if id(base) not in arrays:
+                arrays.add(id(base))
+                total += base.nbytes
         elif isinstance(obj, dict):
             stack.extend(obj.keys())
             stack.extend(obj.values())
@@ -260,11 +268,13 @@ def test_an_update_stream_waiting_for_its_next_answer_keeps_nothing_of_the_last_
         server.stop(0)
 
 
-def test_what_an_answer_holds_stays_as_it_was_sent_while_later_rounds_recycle_their_buffers():
-    """Rounds take their fragment-sized tensors again once nobody holds them (`core/scratch.py`): the values
-    and the wire of an answer still held are never written, and a round once warm makes no new tensor, though
-    all four of the core's tensors share one shape (as a model's layers do)."""
-    core = core_with(2, "fp32", "rda")
+@pytest.mark.parametrize("down", ["fp32", "int4"])
+def test_what_an_answer_holds_stays_as_it_was_sent_while_later_rounds_recycle_their_buffers(down):
+    """Rounds take their fragment-sized tensors again once nobody holds them (`core/scratch.py`), the lossy
+    downlink's published copy included: the values and the wire of an answer still held are never written,
+    and a round once warm makes no new tensor, though all four of the core's tensors share one shape (as a
+    model's layers do)."""
+    core = core_with(2, down, "rda")
     assert len({t.shape for t in core.merging.theta.values()}) == 1
     held = run_rounds(core, 2, rounds=2)[-1]
     values = {n: v.clone() for n, v in held.values.items()}

@@ -115,11 +115,13 @@ class BlockCodec(Codec):
         payload = pack_nibbles(codes) if self.bits == 4 else codes
         return Encoded(self.name, shape, block, to_bytes(payload), to_bytes(scales))
 
-    def encode_difference_onto(self, tensor: torch.Tensor, base: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
+    def encode_difference_onto(self, tensor: torch.Tensor, base: torch.Tensor, out: torch.Tensor | None = None
+                               ) -> tuple[Encoded, torch.Tensor]:
         x, minus = flat_input(tensor), flat_input(base)
         if self.levels is None or not compiled.usable(x.numel(), x, minus):
             return super().encode_difference_onto(tensor, base)
-        onto = torch.empty(x.numel(), dtype=torch.float32)
+        into = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == x.numel()
+        onto = out.view(-1) if into else torch.empty(x.numel(), dtype=torch.float32)
         encoded = self._encode_compiled(x, minus, tuple(tensor.shape), x.numel() % 2 if self.bits == 4 else 0,
                                         onto=onto)
         return encoded, onto.view(tensor.shape)
@@ -128,13 +130,18 @@ class BlockCodec(Codec):
                          pad: int, onto: torch.Tensor | None = None) -> Encoded:
         """`_encode` of a linear code in one compiled pass per block: the same bytes. With `onto`, also
         `decode_onto` of them onto `minus` into it, in the same pass (`encode_difference_onto`)."""
-        codes = np.zeros(x.numel() + pad, dtype=np.int8)
         scales = np.empty(-(-x.numel() // self.block), dtype=np.float32)
-        compiled.encode_linear(x, minus, self.block, self.levels, codes, scales,
-                               None if onto is None else (onto, self.loop_tables(), (1 << self.bits) - 1))
+        decoding = None if onto is None else (onto, self.loop_tables(), (1 << self.bits) - 1)
+        if self.bits == 4 and self.block % 2 == 0:  # packed as each block is coded
+            payload = np.empty((x.numel() + 1) // 2, dtype=np.uint8)
+            compiled.encode_linear(x, minus, self.block, self.levels, np.empty(self.block, dtype=np.int8), scales,
+                                   decoding, packed=payload)
+        else:
+            codes = np.zeros(x.numel() + pad, dtype=np.int8)
+            compiled.encode_linear(x, minus, self.block, self.levels, codes, scales, decoding)
+            payload = compiled.pack_nibbles(codes) if self.bits == 4 else codes.view(np.uint8)
         require_finite(torch.from_numpy(scales), "tensor to encode")
-        payload = compiled.pack_nibbles(codes) if self.bits == 4 else codes
-        return Encoded(self.name, shape, self.block, payload.tobytes(), scales.tobytes())
+        return Encoded(self.name, shape, self.block, memoryview(payload).toreadonly(), scales.tobytes())
 
     def byte_table(self) -> torch.Tensor:
         """What each payload byte decodes to, before scaling, as raw bits: int32 (one fp32 value per

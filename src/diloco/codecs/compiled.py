@@ -110,14 +110,19 @@ def decodes(codes_per_byte: int, block: int) -> bool:
 
 
 def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, levels: int, codes: np.ndarray,
-                  scales: np.ndarray, onto: tuple[torch.Tensor, DecodeTables, int] | None = None) -> None:
+                  scales: np.ndarray, onto: tuple[torch.Tensor, DecodeTables, int] | None = None,
+                  packed: np.ndarray | None = None) -> None:
     """The linear codes of x − minus (x where None): per block its absmax s into `scales` (NaN or Inf if
     the block holds one, for the caller's finite check) and round_half_even((x − minus)/s · levels) into
-    `codes` (int8), with s = 1 for an all-zero block. With `onto` (out, the codec's tables, the mask of a
-    code's bits), also out = minus + each code's value · s, as `decode` onto minus computes it, while the
-    block is in cache; a block that is not finite is left unwritten there (the caller refuses it)."""
+    `codes` (int8), with s = 1 for an all-zero block. With `packed` (uint8, one byte per two codes, an even
+    block), `codes` is one block's room and each block goes into `packed` as `pack_nibbles` packs it, while
+    in cache: no codes of the whole tensor are written and read again. With `onto` (out, the codec's tables,
+    the mask of a code's bits), also out = minus + each code's value · s, as `decode` onto minus computes it,
+    while the block is in cache; a block that is not finite is left unwritten there (the caller refuses it)."""
     if onto is not None and minus is None:
         raise ValueError("decoding onto needs the tensor the difference was taken from")
+    if packed is not None and (block % 2 or codes.shape[0] < block or packed.shape[0] != (x.numel() + 1) // 2):
+        raise ValueError("packing as it encodes needs an even block, a block's room of codes and a byte per two")
     source = x.numpy()
     subtracted = source if minus is None else minus.numpy()
     scratch = np.empty(min(block, max(source.shape[0], 1)), dtype=np.float32)
@@ -125,7 +130,8 @@ def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, level
         raise ValueError(f"a table whose codes are not q / {levels} cannot be decoded onto as a linear code")
     out = np.empty(0, np.float32) if onto is None else onto[0].numpy()
     _kernels()["encode_linear"](source, subtracted, minus is not None, block, levels, codes, scales, scratch,
-                                out, onto is not None)
+                                out, onto is not None, np.empty(0, np.uint8) if packed is None else packed,
+                                packed is not None)
 
 
 def _linear(tables: DecodeTables, levels: int, mask: int) -> bool:
@@ -219,8 +225,8 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         return flag != 0
 
     @jit
-    def encode_linear_kernel(x, minus, subtract, block, levels, codes, scales, scratch, onto,
-                             apply):  # type: ignore[no-untyped-def]
+    def encode_linear_kernel(x, minus, subtract, block, levels, codes, scales, scratch, onto, apply, packed,
+                             pack):  # type: ignore[no-untyped-def]
         top = np.float32(levels)
         numel = x.shape[0]
         word = np.zeros(1, np.uint32)
@@ -250,7 +256,7 @@ def _kernels() -> dict[str, Callable[..., Any]]:
             if top_bits >= infinity:
                 continue  # NaN or Inf: the caller's finite check refuses it
             divisor = absmax if top_bits > 0 else np.float32(1)
-            target = codes[start:stop]
+            target = codes[:stop - start] if pack else codes[start:stop]
             if apply:  # and onto minus as `pairs`/`singles` decode: a code's value (q / levels) · the scale + minus
                 out, base = onto[start:stop], minus[start:stop]
                 for i in range(part.shape[0]):
@@ -260,6 +266,13 @@ def _kernels() -> dict[str, Callable[..., Any]]:
             else:
                 for i in range(part.shape[0]):
                     target[i] = np.int8((part[i] / divisor * top + round_shift) - round_shift)
+            if pack:  # blocks start at even elements: this block's bytes, an odd last code alone in its byte
+                half = part.shape[0] // 2
+                into = packed[start // 2:start // 2 + half]
+                for j in range(half):
+                    into[j] = np.uint8(target[2 * j] & 15) | np.uint8((target[2 * j + 1] & 15) << 4)
+                if part.shape[0] % 2:
+                    packed[start // 2 + half] = np.uint8(target[part.shape[0] - 1] & 15)
 
     @jit
     def pack(codes, packed):  # type: ignore[no-untyped-def]

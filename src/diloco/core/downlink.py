@@ -27,6 +27,7 @@ import torch
 
 from diloco.codecs import Codec, Encoded, get_codec
 from diloco.core.undo import UndoLog
+from diloco.outer.buffers import NewTensor, fp32_like
 
 CHAIN_SHARE = 0.5
 """Encoded differences kept per fragment, in fp32 copies of it: answers further behind go whole."""
@@ -67,9 +68,12 @@ class Downlink:
     """One fragment's downlink state: the published values (lossy codecs) and recent differences."""
 
     def __init__(self, codec: Codec, names: tuple[str, ...], theta: dict[str, torch.Tensor],
-                 undo: UndoLog | None = None) -> None:
+                 undo: UndoLog | None = None, new: NewTensor = fp32_like) -> None:
         self.undo = undo or UndoLog()
         """Where a change made in a transaction keeps what it replaced (`undo.py`)."""
+        self.new = new
+        """Where each round's published copy is written: the core's recycled buffers (`scratch.py`), which
+        take no tensor that an answer in flight or the transaction's undo log still holds."""
         self.codec, self.names = codec, names
         self.lossless = codec.name == "fp32"
         self.published = {} if self.lossless else {n: theta[n].clone() for n in names}
@@ -86,13 +90,12 @@ class Downlink:
 
     def publish(self, version: int, theta: dict[str, torch.Tensor]) -> None:
         """The fragment moved to `version` (Θ is its new value): advance published by one difference, in one
-        pass where the codec can (`encode_difference_onto`). Its tensors are new memory, not the core's
-        recycled buffers: answers in flight hold the older ones, so recycling them kept more copies alive
-        with more learners (`tests/test_syncer_memory.py`)."""
+        pass where the codec can (`encode_difference_onto`), into buffers from `new`."""
         if self.lossless:
             return
         self.undo.keep_attrs(self, "published", "steps")
-        moved = {n: self.codec.encode_difference_onto(theta[n], self.published[n]) for n in self.names}
+        moved = {n: self.codec.encode_difference_onto(theta[n], self.published[n], self.new(theta[n]))
+                 for n in self.names}
         wire = {n: encoded for n, (encoded, _) in moved.items()}
         self.published = {n: published for n, (_, published) in moved.items()}
         steps = [*self.steps, Step(version, wire)]

@@ -61,7 +61,8 @@ class Merging:
         self.scratch = Scratch(ROUND_COPIES * max((4 * f.numel for f in fragments), default=0),
                                Counter(tuple(self.theta[n].shape) for f in fragments for n in f.names))
         """Where a round's fragment-sized tensors come from: buffers taken again once nobody holds them."""
-        self.fragments = {f.index: FragmentState(f, optimizer(), Downlink(down_codec, f.names, self.theta, undo),
+        self.fragments = {f.index: FragmentState(f, optimizer(),
+                                                 Downlink(down_codec, f.names, self.theta, undo, self.scratch.take),
                                                  Sampler({n: self.theta[n].numel() for n in f.names}))
                           for f in fragments}
         """By global fragment index: a shard of a sharded syncer holds some fragments only."""

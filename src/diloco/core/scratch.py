@@ -1,9 +1,10 @@
 """Fragment-sized tensors taken again once nobody holds them, instead of allocated for every round.
 
 A round makes several tensors of its fragment's size: the sums its pushes are folded into, the merged
-outer gradient, the outer optimizer's new state, the new Θ. A new tensor that large is new memory: the
-kernel maps and zeroes every page on first touch, which cost 0.3 ns per parameter with huge pages here
-(`benchmarks/core_events.py --merge`), more than the in-place pass that then fills it. So the core takes
+outer gradient, the outer optimizer's new state, the new Θ, the downlink's new published copy. A new tensor
+that large is new memory: the kernel maps and zeroes every page on first touch, which cost 0.3 ns per
+parameter with huge pages here (`benchmarks/core_events.py --merge`), more than the in-place pass that then
+fills it. So the core takes
 them from a `Scratch`: a tensor it made before that is free again, or a new one that it keeps for later.
 
 Free means that nothing but the scratch holds it: no other reference to the tensor object (an answer in
@@ -26,9 +27,9 @@ KEPT = 8
 """Tensors kept per dtype and per tensor of the shape in the shard's fragments, free or in use: a round of a
 fragment has about this many alive for each of its tensors. A shape that n tensors share (a model's layers,
 fragments of one size) keeps n times as many, or its rounds would allocate afresh all the same."""
-ROUND_COPIES = 6
+ROUND_COPIES = 7
 """Free tensors kept, in copies of the largest fragment: what closing a round frees (the old Θ, the outer
-optimizer's old state, the sums, the merged Δ and a temporary), so that the next round finds them all
+optimizer's old state, the sums, the merged Δ, a temporary and the downlink's old published copy), so that the next round finds them all
 and the shard's peak stays what it was when they were allocated and dropped each round."""
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
