@@ -10,6 +10,7 @@ import torch
 from diloco import cache_chunks
 from diloco.cache_chunks import Scaled
 from diloco.codecs import compiled
+from diloco.core import closing
 from diloco.outer import compiled_step
 from diloco.outer.delayed_nesterov import DelayedNesterov
 
@@ -108,3 +109,23 @@ def test_a_spare_shard_loads_the_compiled_step_before_it_is_handed_a_resume(tmp_
     ready = tmp_path / "ready"
     assert prestarted.wait_as_spare("syncer", str(ready)) == 0
     assert ready.exists() and compiled_step.steps_like_torch.cache_info().currsize == 1
+
+
+def test_a_rounds_distance_in_one_read_is_the_float64_sum_of_the_fp32_differences_squared(monkeypatch):
+    """The update norm's compiled loop: each difference as torch.sub rounds it, squares summed in float64 (any
+    order: so within float64 rounding of the exact sum); the torch path's fp32 norms per piece agree to fp32
+    precision; a NaN reaches the sum, for the round's finite checks to refuse."""
+    generator = torch.Generator().manual_seed(5)
+    a = torch.randn(NUMEL, generator=generator)
+    b = a + torch.randn(NUMEL, generator=generator) * 1e-3
+    got = compiled_step.square_distance(a, b)
+    exact = float((torch.sub(a, b).double() ** 2).sum())
+    assert got is not None and abs(got - exact) <= 1e-12 * exact
+    monkeypatch.setattr(compiled, "_enabled", False)
+    assert compiled_step.square_distance(a, b) is None
+    assert abs(closing.squared_pieces(a, b) - got) <= 1e-5 * got
+    monkeypatch.setattr(compiled, "_enabled", True)
+    assert closing.squared_pieces(a, b) == got
+    assert compiled_step.square_distance(a[:100], b[:100]) is None  # below the loop's size: torch's
+    b[7] = float("nan")
+    assert compiled_step.square_distance(a, b) != compiled_step.square_distance(a, b)

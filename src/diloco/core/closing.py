@@ -20,6 +20,7 @@ from diloco.core.accumulate import Contribution, norm_of
 from diloco.core.refusals import RoundRefused
 from diloco.core.rounds import FragmentState, OuterOptimizer
 from diloco.outer.buffers import NewTensor, fp32_like
+import diloco.outer.compiled_step as compiled_step
 from diloco.outer.merge import MergeRule
 
 WEIGHT_CAP = 16.0
@@ -81,7 +82,11 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def squared_pieces(a: torch.Tensor, b: torch.Tensor) -> float:
     """Σ ‖a − b‖² over pieces of DISTANCE_CHUNK elements of flat `a` and `b` (from a multiple of it), each
-    piece's norm in float32 and their squares summed in float64."""
+    piece's norm in float32 and their squares summed in float64; where the compiled loop takes them, every
+    square summed in float64 in one pass (`compiled_step.square_distance`: a metric's last bits differ)."""
+    compiled = compiled_step.square_distance(a, b)
+    if compiled is not None:
+        return compiled
     squares = 0.0
     for start in range(0, a.numel(), DISTANCE_CHUNK):
         stop = min(start + DISTANCE_CHUNK, a.numel())

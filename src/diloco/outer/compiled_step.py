@@ -1,4 +1,5 @@
-"""The delayed-Nesterov plain step as one compiled loop, where numba is installed (`diloco[fast]`).
+"""The delayed-Nesterov plain step as one compiled loop, where numba is installed (`diloco[fast]`), and the
+distance of the new Θ from the old (a round's update norm) in one read.
 
 Why: a syncer's round that does not complete its outer optimizer's period takes a plain step
 (`delayed_nesterov.py`): g = the merged gradient, S ← S + s·g, Θ ← Θ − η·s·g. In torch that is three ops
@@ -35,6 +36,15 @@ def plain_step(theta: torch.Tensor, source: torch.Tensor, factor: float, divide:
     them. All flat fp32 tensors of one length."""
     _kernels()["plain_step"](theta.numpy(), source.numpy(), np.float32(factor), divide, old.numpy(),
                              np.float32(share), np.float32(rate), total.numpy(), target.numpy())
+
+
+def square_distance(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """Σ (a − b)² of flat fp32 tensors in one read of each, no difference written: each difference rounded
+    to fp32 as `torch.sub` rounds it, its square summed in float64. None where the loop does not take them."""
+    if not (compiled.usable(a.numel(), a, b) and a.dtype == b.dtype == torch.float32 and a.is_contiguous()
+            and b.is_contiguous() and a.numel() == b.numel()):
+        return None
+    return float(_kernels()["square_distance"](a.numpy(), b.numpy()))
 
 
 def load_for(tensors: Iterable[torch.Tensor]) -> None:
@@ -86,4 +96,15 @@ def _kernels() -> dict[str, Callable[..., Any]]:
                 total[i] = g * share + old[i]
                 target[i] = theta[i] - g * rate
 
-    return {"plain_step": plain_step}
+    summing = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", fastmath={"reassoc"})
+    """A sum in any order, so that it vectorizes; each difference and square is still one rounded op."""
+
+    @summing
+    def square_distance(a, b):  # type: ignore[no-untyped-def]
+        total = 0.0
+        for i in range(a.shape[0]):
+            difference = np.float64(a[i] - b[i])
+            total += difference * difference
+        return total
+
+    return {"plain_step": plain_step, "square_distance": square_distance}
