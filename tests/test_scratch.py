@@ -45,3 +45,20 @@ def test_small_tensors_are_not_kept():
     scratch = Scratch(limit_bytes=BYTES)
     scratch.take(torch.empty(MIN_NUMEL - 1))
     assert scratch.made == 0 and not scratch.kept
+
+
+def test_a_shape_that_many_tensors_share_finds_a_free_one_without_reading_every_held_one(monkeypatch):
+    """Taken ones go to the back: a round that takes n of a shape while the last round's n are held reads
+    about one count per take, not n (a model's hundreds of layers of one shape would make that quadratic)."""
+    n = 40
+    reads = []
+    real = Scratch._read
+    monkeypatch.setattr(Scratch, "_read", lambda self, tensor: reads.append(1) or real(self, tensor))
+    scratch = Scratch(limit_bytes=4 * n * BYTES, shapes={tuple(LIKE.shape): n})  # calibrated through the count
+    last = [scratch.take(LIKE) for _ in range(n)]
+    for round_ in range(4):  # each round's n replace the last round's, which come free after it
+        reads.clear()
+        now = [scratch.take(LIKE) for _ in range(n)]
+        assert round_ == 0 or len(reads) == n, (round_, len(reads))  # the first made n more: all held
+        last = now
+    assert scratch.made == 2 * n and last

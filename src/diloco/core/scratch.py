@@ -73,8 +73,11 @@ class Scratch:
         if like.numel() < MIN_NUMEL or like.device.type != "cpu":
             return torch.empty(like.shape, dtype=dtype, device=like.device)
         kept = self.kept.setdefault((tuple(like.shape), dtype), [])
-        for tensor in kept:
+        for index in range(len(kept)):  # the longest untaken first: with many of a shape, found at once
+            tensor = kept[index]
             if self._free(tensor):
+                del kept[index]
+                kept.append(tensor)
                 return tensor
         made = torch.empty(like.shape, dtype=dtype)
         self.made += 1
