@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -35,12 +36,14 @@ class Codec(ABC):
         is in cache, instead of in a pass of its own."""
         return self.decode(encoded, device=base.device).add_(base)
 
-    def encode_difference_onto(self, tensor: torch.Tensor, base: torch.Tensor, out: torch.Tensor | None = None
+    def encode_difference_onto(self, tensor: torch.Tensor, base: torch.Tensor,
+                               new: Callable[[torch.Tensor], torch.Tensor] | None = None
                                ) -> tuple[Encoded, torch.Tensor]:
         """encode_difference(tensor, base) and decode_onto of it onto base, the same bytes and values: a
         syncer moves its published copy towards Θ this way every round. The linear block codecs do both in
         one pass where their compiled loops run, reading neither the codes nor base a second time, and write
-        the new copy into `out` (fp32, tensor's size, nobody else's) where given; others make it anew."""
+        the new copy into `new(tensor)` where given (fp32, tensor's shape, nobody else's: the syncer's
+        recycled buffers); other paths make it themselves and never call `new`."""
         encoded = self.encode_difference(tensor, base)
         return encoded, self.decode_onto(encoded, base)
 

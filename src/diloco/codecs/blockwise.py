@@ -19,7 +19,7 @@ over the whole tensor, and nothing leaves the device before the final bytes.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -115,13 +115,13 @@ class BlockCodec(Codec):
         payload = pack_nibbles(codes) if self.bits == 4 else codes
         return Encoded(self.name, shape, block, to_bytes(payload), to_bytes(scales))
 
-    def encode_difference_onto(self, tensor: torch.Tensor, base: torch.Tensor, out: torch.Tensor | None = None
+    def encode_difference_onto(self, tensor: torch.Tensor, base: torch.Tensor,
+                               new: Callable[[torch.Tensor], torch.Tensor] | None = None
                                ) -> tuple[Encoded, torch.Tensor]:
         x, minus = flat_input(tensor), flat_input(base)
         if self.levels is None or not compiled.usable(x.numel(), x, minus):
             return super().encode_difference_onto(tensor, base)
-        into = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == x.numel()
-        onto = out.view(-1) if into else torch.empty(x.numel(), dtype=torch.float32)
+        onto = torch.empty(x.numel(), dtype=torch.float32) if new is None else new(tensor).view(-1)
         encoded = self._encode_compiled(x, minus, tuple(tensor.shape), x.numel() % 2 if self.bits == 4 else 0,
                                         onto=onto)
         return encoded, onto.view(tensor.shape)

@@ -94,8 +94,7 @@ class Downlink:
         if self.lossless:
             return
         self.undo.keep_attrs(self, "published", "steps")
-        moved = {n: self.codec.encode_difference_onto(theta[n], self.published[n], self.new(theta[n]))
-                 for n in self.names}
+        moved = {n: self.codec.encode_difference_onto(theta[n], self.published[n], self.new) for n in self.names}
         wire = {n: encoded for n, (encoded, _) in moved.items()}
         self.published = {n: published for n, (_, published) in moved.items()}
         steps = [*self.steps, Step(version, wire)]

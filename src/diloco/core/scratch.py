@@ -4,8 +4,8 @@ A round makes several tensors of its fragment's size: the sums its pushes are fo
 outer gradient, the outer optimizer's new state, the new Θ, the downlink's new published copy. A new tensor
 that large is new memory: the kernel maps and zeroes every page on first touch, which cost 0.3 ns per
 parameter with huge pages here (`benchmarks/core_events.py --merge`), more than the in-place pass that then
-fills it. So the core takes
-them from a `Scratch`: a tensor it made before that is free again, or a new one that it keeps for later.
+fills it. So the core takes them from a `Scratch`: a tensor it made before that is free again, or a new one
+that it keeps for later.
 
 Free means that nothing but the scratch holds it: no other reference to the tensor object (an answer in
 flight, a saved state, the undo log of a transaction in progress, a test) and no view of its memory.
@@ -29,8 +29,9 @@ fragment has about this many alive for each of its tensors. A shape that n tenso
 fragments of one size) keeps n times as many, or its rounds would allocate afresh all the same."""
 ROUND_COPIES = 7
 """Free tensors kept, in copies of the largest fragment: what closing a round frees (the old Θ, the outer
-optimizer's old state, the sums, the merged Δ, a temporary and the downlink's old published copy), so that the next round finds them all
-and the shard's peak stays what it was when they were allocated and dropped each round."""
+optimizer's old state, the sums, the merged Δ, a temporary and the downlink's old published copy), so that
+the next round finds them all and the shard's peak stays what it was when they were allocated and dropped
+each round."""
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
