@@ -150,8 +150,9 @@ def test_a_node_that_joins_mid_run_gains_a_learner_whose_pushes_merge(cluster, t
     assert [p["name"] for p in newcomer] == ["learner-2"]
     assert summary["learners"] == 3 and summary["cluster"]["learners_started"] == 3
     shards = json.loads((tmp_path / "syncer" / "shards.json").read_text())
-    merged, _ = ledger_of(shards, 2)
-    assert sum(merged.values()) > 0, shards[0]["ledger"].get("2")
+    merged, stale = ledger_of(shards, 2)
+    # merged at all: on a loaded host a newcomer's every push may land a version behind (merged as stale)
+    assert sum(merged.values()) + sum(stale.values()) > 0, shards[0]["ledger"].get("2")
     assert_accounted(tmp_path, summary)
     assert_no_process_left(tmp_path)
 
