@@ -166,6 +166,7 @@ def test_a_non_finite_round_changes_nothing(monkeypatch):
     def poisoned(self, params, deltas, share=1.0, out=None, **kwargs):
         for theta in (params if out is None else out).values():
             theta.fill_(float("inf"))
+        return []
     monkeypatch.setattr(Nesterov, "step", poisoned)
     with pytest.raises(RoundRefused) as caught:
         core.handle(PushArrived(push(1, 1, HONEST)), now=2.0)

@@ -1,6 +1,7 @@
-"""The delayed-Nesterov plain step's compiled loop gives the torch ops' Θ, sums and momentum bit for bit, over
+"""The delayed-Nesterov steps' compiled loops give the torch ops' Θ, sums and momentum bit for bit, over
 steps of every kind (plain and full rounds, merged gradients scaled or divided or as they are, in place and
-into new tensors, chunks of either path): a shard with numba and one without must agree exactly."""
+into new tensors, chunks of either path): a shard with numba and one without must agree exactly. What the
+loops find non-finite as they write it is handed back to be checked, and the round is refused."""
 
 from __future__ import annotations
 
@@ -31,38 +32,71 @@ def _gradient(kind: str, step: int) -> torch.Tensor | Scaled:
     return values
 
 
-def _run(kind: str, into_new: bool) -> tuple[list[torch.Tensor], DelayedNesterov]:
+def _run(kind: str, into_new: bool) -> tuple[list[torch.Tensor], DelayedNesterov, list[int]]:
     optimizer = DelayedNesterov(lr=0.7, momentum=0.9)
     theta = {"w": torch.randn(NUMEL, generator=torch.Generator().manual_seed(99))}
-    seen = []
+    seen, unchecked = [], []
     for step, share in enumerate(SHARES):
         written: list[tuple[str, int, int]] = []
         out = {"w": torch.empty(NUMEL)} if into_new else None
-        optimizer.step(theta, {"w": _gradient(kind, step)}, share, out=out,
-                       written=lambda *chunk: written.append(chunk))
+        unchecked.append(len(optimizer.step(theta, {"w": _gradient(kind, step)}, share, out=out,
+                                            written=lambda *chunk: written.append(chunk))))
         assert written[-1][2] == NUMEL and all(a[2] == b[1] for a, b in zip(written, written[1:]))
         theta = out if into_new else theta
         seen.append(theta["w"].clone())
-    return seen, optimizer
+    return seen, optimizer, unchecked
 
 
 @pytest.mark.parametrize("into_new", [False, True])
 @pytest.mark.parametrize("kind", ["divided", "scaled", "plain"])
-def test_the_compiled_plain_step_gives_the_torch_values(kind, into_new, monkeypatch):
+def test_the_compiled_steps_give_the_torch_values(kind, into_new, monkeypatch):
     monkeypatch.setattr(cache_chunks, "CPU_CHUNK_ELEMENTS", compiled.MIN_ELEMENTS)
     monkeypatch.setattr(compiled, "_enabled", False)
-    eager, eager_optimizer = _run(kind, into_new)
+    eager, eager_optimizer, eager_unchecked = _run(kind, into_new)
+    assert eager_unchecked == [1, 1, 1, 1, 1, 1, 1, 1]  # torch's ops check nothing: the new sums, or momentum
     monkeypatch.setattr(compiled, "_enabled", True)
-    taken = []
-    real = compiled_step.plain_step
-    monkeypatch.setattr(compiled_step, "plain_step", lambda *a: taken.append(a[0].numel()) or real(*a))
-    loops, loops_optimizer = _run(kind, into_new)
-    # plain steps only, every chunk of the tensor: whole ones and the short last one
-    assert taken and set(taken) == {compiled.MIN_ELEMENTS, 13}, taken
+    assert compiled_step.steps_like_torch()  # its probe's calls made before the spies below
+    taken: dict[str, list[int]] = {"plain_step": [], "momentum_step": []}
+    for name, chunks_taken in taken.items():
+        real = getattr(compiled_step, name)
+        monkeypatch.setattr(compiled_step, name,
+                            lambda *a, real=real, seen=chunks_taken: seen.append(a[0].numel()) or real(*a))
+    loops, loops_optimizer, loops_unchecked = _run(kind, into_new)
+    # every chunk of every step in a loop: whole ones and the short last one; 5 plain steps, 3 full rounds
+    assert taken["plain_step"] == [compiled.MIN_ELEMENTS, compiled.MIN_ELEMENTS, 13] * 5
+    assert taken["momentum_step"] == [compiled.MIN_ELEMENTS, compiled.MIN_ELEMENTS, 13] * 3
+    assert loops_unchecked == [0] * len(SHARES)  # the loops checked what they wrote
     for got, want in zip(loops, eager):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     for got, want in zip(loops_optimizer.tensors(), eager_optimizer.tensors()):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("accumulated", [0.0, 0.9])  # a plain step; a full round, its momentum overflowing
+def test_a_round_whose_loops_find_the_optimizers_state_not_finite_is_refused_and_changes_nothing(accumulated):
+    """The loops say what they found as they wrote the sums or the momentum; a non-finite one is handed
+    back to be checked, so a round that would overflow the outer optimizer's state is refused as before."""
+    import core_state
+    from diloco.core import Push, SyncerCore
+    from diloco.core.events import PushArrived
+    from diloco.fragments import Fragment
+
+    core = SyncerCore({"w": torch.zeros(NUMEL)}, [Fragment(0, ("w",), NUMEL, False)], (0, 1),
+                      optimizer=lambda: DelayedNesterov(lr=1e-30, momentum=0.9), merge_rule="weighted",
+                      outlier="off", quorum=1)
+    optimizer = core.fragments[0].optimizer
+    optimizer.sums, optimizer.buffers = {"w": torch.full((NUMEL,), 3e38)}, {"w": torch.full((NUMEL,), 3e38)}
+    optimizer.accumulated = accumulated
+    handed: list[int] = []
+    real = DelayedNesterov.step
+    spy = lambda self, *a, **k: handed.append(len(unchecked := real(self, *a, **k))) or unchecked  # noqa: E731
+    before = core_state.frozen(core)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DelayedNesterov, "step", spy)
+        message = core_state.refused(lambda: core.handle(PushArrived(
+            Push(0, 0, 0, 1, {"w": torch.full((NUMEL,), 3e38)}, 100, 1, step=1)), now=1.0))
+    assert "non-finite" in message and handed == [1]
+    assert core_state.same(core_state.frozen(core), before) and core.version(0) == 0
 
 
 def test_the_probe_holds_on_this_torch():

@@ -58,9 +58,10 @@ def test_refused_calls_leave_the_core_as_a_twin_that_never_saw_them(seed, monkey
     honest_step = optimizer_type.step
 
     def poisoned(self, params, deltas, share=1.0, out=None, **kwargs):
-        honest_step(self, params, deltas, share, out=out, **kwargs)
+        unchecked = honest_step(self, params, deltas, share, out=out, **kwargs)
         for t in (params if out is None else out).values():
             t.fill_(float("inf"))
+        return unchecked
 
     step, seq, away = [0] * LEARNERS, [0] * LEARNERS, set()
     now, refused = 0.0, 0

@@ -108,10 +108,10 @@ def next_theta(state: FragmentState, theta: dict[str, torch.Tensor], *, rule: Me
     the learners' models (Θ ← Θ − Δ̄); plus the correction waiting. Also the update's norm ‖Θ_new − Θ‖,
     read from each chunk of the step as it is written (`distance`'s pieces, the same value). Raises
     RoundRefused, with nothing changed, where either would not be finite: only what the step made is
-    checked, the rest was before."""
+    checked, the rest was before, and of that only what its compiled loops did not check as they wrote it."""
     names = list(state.fragment.names)
     after = {n: new(theta[n]) for n in names}
-    optimizer = state.optimizer
+    optimizer, unchecked = state.optimizer, []
     squares = dict.fromkeys(names, 0.0)
 
     def written(name: str, start: int, stop: int) -> None:
@@ -123,8 +123,8 @@ def next_theta(state: FragmentState, theta: dict[str, torch.Tensor], *, rule: Me
             torch.sub(theta[n], mean.whole(new(mean.tensor)), out=after[n])
     else:
         optimizer = state.optimizer.fork()
-        optimizer.step({n: theta[n] for n in names}, state.sums.merged_lazily(names, rule, embeddings), share,
-                       out=after, new=new, written=written if state.correction is None else None)
+        unchecked = optimizer.step({n: theta[n] for n in names}, state.sums.merged_lazily(names, rule, embeddings),
+                                   share, out=after, new=new, written=written if state.correction is None else None)
     if state.correction is not None:
         for n in names:
             after[n].add_(state.correction[n])
@@ -132,9 +132,7 @@ def next_theta(state: FragmentState, theta: dict[str, torch.Tensor], *, rule: Me
         update_norm = math.sqrt(sum(distance(after[n], theta[n]) ** 2 for n in names))
     else:
         update_norm = math.sqrt(sum(from_squares(squares[n], after[n], theta[n]) ** 2 for n in names))
-    kept = {id(t) for t in state.optimizer.tensors()}
-    made = [t for t in optimizer.tensors() if id(t) not in kept]
-    if not (all(finite(t) for t in after.values()) and all_finite(made)):
+    if not (all(finite(t) for t in after.values()) and all_finite(unchecked)):
         raise RoundRefused(f"round {state.version + 1} of fragment {state.fragment.index} would make Θ or the "
                            f"outer optimizer's state non-finite: refused, nothing changed")
     return after, optimizer, update_norm

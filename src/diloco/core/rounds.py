@@ -25,7 +25,9 @@ __all__ = ["ProtocolError", "RoundRefused", "OuterOptimizer", "LedgerEntry", "Ro
 
 
 class OuterOptimizer(Protocol):
-    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0) -> None: ...
+    def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], share: float = 1.0
+             ) -> list[torch.Tensor]:
+        """Returns the new state tensors not known to be finite."""
 
     def fork(self) -> OuterOptimizer: ...
 

@@ -1,14 +1,16 @@
-"""The delayed-Nesterov plain step as one compiled loop, where numba is installed (`diloco[fast]`), and the
+"""The delayed-Nesterov steps as compiled loops, where numba is installed (`diloco[fast]`), and the
 distance of the new Θ from the old (a round's update norm) in one read.
 
-Why: a syncer's round that does not complete its outer optimizer's period takes a plain step
-(`delayed_nesterov.py`): g = the merged gradient, S ← S + s·g, Θ ← Θ − η·s·g. In torch that is three ops
-per chunk (the merged gradient's scale, the add, the sub), each a pass over the chunk; with one push per
-round that was a fifth of the round's CPU. One loop does the three while an element is in registers.
+Why: a syncer's round takes a plain step (`delayed_nesterov.py`): g = the merged gradient, S ← S + s·g,
+Θ ← Θ − η·s·g; and once its shares add up to a full round, the momentum step. In torch those are three
+and seven ops per chunk, each a pass over the chunk; with one or two pushes per round they were half of a
+round's CPU. One loop does them while an element is in registers, and says whether the state it wrote is
+finite, so that no pass of its own checks it.
 
-The values are torch's bit for bit: the scale is one rounded multiply (or divide), and the add and the sub
-with an alpha are one fused multiply-add each, which is what torch's vectorized CPU kernels compute
-(`steps_like_torch` checks it once against the torch of this process, and without it the torch ops run).
+The values are torch's bit for bit: the scale, and each product and sum that torch rounds on its own, is
+one rounded op; the add and the sub with an alpha are one fused multiply-add each (`_fma`), which is what
+torch's vectorized CPU kernels compute. `steps_like_torch` checks both loops once against the torch of
+this process; without it the torch ops run.
 """
 
 from __future__ import annotations
@@ -30,12 +32,24 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 def plain_step(theta: torch.Tensor, source: torch.Tensor, factor: float, divide: bool, old: torch.Tensor,
-               share: float, rate: float, total: torch.Tensor, target: torch.Tensor) -> None:
+               share: float, rate: float, total: torch.Tensor, target: torch.Tensor) -> bool:
     """g = source·factor (source ÷ factor with `divide`); total = old + share·g; target = theta − rate·g, as
     `torch.mul`/`torch.div`, `torch.add(old, g, alpha=share)` and `torch.sub(theta, g, alpha=rate)` give
-    them. All flat fp32 tensors of one length."""
-    _kernels()["plain_step"](theta.numpy(), source.numpy(), np.float32(factor), divide, old.numpy(),
-                             np.float32(share), np.float32(rate), total.numpy(), target.numpy())
+    them. All flat fp32 tensors of one length. Whether every total is finite."""
+    return bool(_kernels()["plain_step"](theta.numpy(), source.numpy(), np.float32(factor), divide, old.numpy(),
+                                         np.float32(share), np.float32(rate), total.numpy(), target.numpy()))
+
+
+def momentum_step(theta: torch.Tensor, source: torch.Tensor, factor: float, divide: bool, old: torch.Tensor,
+                  share: float, momentum: float, old_momentum: torch.Tensor, lr: float, total: torch.Tensor,
+                  new_momentum: torch.Tensor, target: torch.Tensor) -> bool:
+    """The full round's step: with g as in `plain_step` and S = old + share·g, b = μ·old_momentum + S
+    (two rounded ops, `torch.mul` then `add_`), target = theta − lr·(μ·b + share·g) and total = 0, as
+    `DelayedNesterov._step_chunk` computes them. Whether every new momentum value is finite."""
+    return bool(_kernels()["momentum_step"](
+        theta.numpy(), source.numpy(), np.float32(factor), divide, old.numpy(), np.float32(share),
+        np.float32(momentum), old_momentum.numpy(), np.float32(lr), total.numpy(), new_momentum.numpy(),
+        target.numpy()))
 
 
 def square_distance(a: torch.Tensor, b: torch.Tensor) -> float | None:
@@ -56,21 +70,27 @@ def load_for(tensors: Iterable[torch.Tensor]) -> None:
 
 @cache
 def steps_like_torch() -> bool:
-    """Whether `plain_step` gives torch's values bit for bit here, checked once (as `compiled_sums` checks
-    its folds): the fused multiply-add is what torch computes wherever its CPU kernels are vectorized."""
+    """Whether `plain_step` and `momentum_step` give torch's values bit for bit here, checked once (as
+    `compiled_sums` checks its folds): the fused multiply-add is what torch computes wherever its CPU
+    kernels are vectorized."""
     if not (compiled.is_enabled() and compiled.loaded()):
         return False
     generator = torch.Generator().manual_seed(0)
     numel = compiled.MIN_ELEMENTS + 37
-    theta, source, old = (torch.randn(numel, generator=generator) for _ in range(3))
-    factor, share, rate = 0.3712345, 0.2718281, 0.7 * 0.2718281
+    theta, source, old, old_momentum = (torch.randn(numel, generator=generator) for _ in range(4))
+    factor, share, momentum, lr = 0.3712345, 0.2718281, 0.9, 0.7
     for divide in (False, True):
-        total, target = torch.empty(numel), torch.empty(numel)
-        _kernels()["plain_step"](theta.numpy(), source.numpy(), np.float32(factor), divide, old.numpy(),
-                                 np.float32(share), np.float32(rate), total.numpy(), target.numpy())
         g = torch.div(source, factor) if divide else torch.mul(source, factor)
+        total, target, new_momentum = torch.empty(numel), torch.empty(numel), torch.empty(numel)
+        plain_step(theta, source, factor, divide, old, share, lr * share, total, target)
         if not (torch.equal(total, torch.add(old, g, alpha=share))
-                and torch.equal(target, torch.sub(theta, g, alpha=rate))):
+                and torch.equal(target, torch.sub(theta, g, alpha=lr * share))):
+            return False
+        momentum_step(theta, source, factor, divide, old, share, momentum, old_momentum, lr, total, new_momentum,
+                      target)
+        b = torch.mul(old_momentum, momentum).add_(torch.add(old, g, alpha=share))
+        if not (torch.equal(new_momentum, b) and not total.any()
+                and torch.equal(target, torch.sub(theta, torch.mul(b, momentum).add_(g, alpha=share), alpha=lr))):
             return False
     return True
 
@@ -78,23 +98,43 @@ def steps_like_torch() -> bool:
 @cache
 def _kernels() -> dict[str, Callable[..., Any]]:
     import numba
+    from numba.core import types
+    from numba.extending import intrinsic
 
-    fusing = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", fastmath={"contract"})
-    """g·share + old and theta − g·rate contracted into fused multiply-adds, as torch's add and sub with an
-    alpha are; g itself is a product (or quotient) that feeds no add, so it stays rounded on its own."""
+    @intrinsic
+    def _fma(typing_context, a, b, c):  # type: ignore[no-untyped-def]
+        """a·b + c rounded once (LLVM's fma), where torch fuses; every other op in the loops below is
+        rounded on its own, since they are compiled without fast-math flags."""
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            return builder.fma(*args)
+        return types.float32(types.float32, types.float32, types.float32), codegen
 
-    @fusing
+    exact = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+    largest = np.float32(np.finfo(np.float32).max)
+
+    @exact
     def plain_step(theta, source, factor, divide, old, share, rate, total, target):  # type: ignore[no-untyped-def]
-        if divide:
-            for i in range(theta.shape[0]):
-                g = source[i] / factor
-                total[i] = g * share + old[i]
-                target[i] = theta[i] - g * rate
-        else:
-            for i in range(theta.shape[0]):
-                g = source[i] * factor
-                total[i] = g * share + old[i]
-                target[i] = theta[i] - g * rate
+        infinite = False
+        for i in range(theta.shape[0]):
+            g = source[i] / factor if divide else source[i] * factor
+            summed = _fma(g, share, old[i])
+            total[i] = summed
+            target[i] = _fma(-g, rate, theta[i])
+            infinite |= not abs(summed) <= largest  # NaN too
+        return not infinite
+
+    @exact
+    def momentum_step(theta, source, factor, divide, old, share, momentum, old_momentum, lr, total,  # type: ignore[no-untyped-def]
+                      new_momentum, target):
+        infinite = False
+        for i in range(theta.shape[0]):
+            g = source[i] / factor if divide else source[i] * factor
+            b = old_momentum[i] * momentum + _fma(g, share, old[i])
+            new_momentum[i] = b
+            target[i] = _fma(-_fma(g, share, b * momentum), lr, theta[i])
+            total[i] = 0.0
+            infinite |= not abs(b) <= largest
+        return not infinite
 
     summing = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", fastmath={"reassoc"})
     """A sum in any order, so that it vectorizes; each difference and square is still one rounded op."""
@@ -107,4 +147,4 @@ def _kernels() -> dict[str, Callable[..., Any]]:
             total += difference * difference
         return total
 
-    return {"plain_step": plain_step, "square_distance": square_distance}
+    return {"plain_step": plain_step, "momentum_step": momentum_step, "square_distance": square_distance}

@@ -43,15 +43,17 @@ class DelayedNesterov:
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor | Scaled], share: float = 1.0,
              out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like, written: Written | None = None
-             ) -> None:
+             ) -> list[torch.Tensor]:
         """Step `params` in place, or into `out` (the syncer's new Θ, `params` left as they were). Its new
         state comes from `new`; the state it holds is replaced, never written (`fork`). `written(name, start,
-        stop)` is called as each chunk of the new values is done, to read it while it is in cache."""
+        stop)` is called as each chunk of the new values is done, to read it while it is in cache. Returns
+        the new state tensors not known to be finite (the compiled loops check what they write)."""
         s = self.fixed_share or share
         if not 0 < s <= 1:
             raise ValueError(f"an arrival's share of a round must be in (0, 1], got {s}")
         self.accumulated += s
         full_round = self.accumulated >= _FULL
+        unchecked: list[torch.Tensor] = []
         for name, theta in params.items():
             total = self.sums.get(name)
             if total is None:
@@ -59,29 +61,39 @@ class DelayedNesterov:
                 self.buffers[name] = torch.zeros_like(theta, dtype=torch.float32)
             old, new_total = total.reshape(-1), new(theta)
             self.sums[name] = new_total
+            made = [new_total]
             momentum = old_momentum = None
             if full_round:
                 old_momentum, self.buffers[name] = self.buffers[name].reshape(-1), new(theta)
                 momentum = self.buffers[name].view(-1)
+                made = [self.buffers[name]]  # the sums are zeroed
             target = (theta if out is None else out[name]).view(-1)
             delta = deltas[name]
             source = (delta.tensor if isinstance(delta, Scaled) else delta).reshape(-1)
-            fused = momentum is None and compiled_step.usable(theta, source, old, new_total, target)
+            factor, divide = (delta.factor, delta.divide) if isinstance(delta, Scaled) else (1.0, False)
+            state = [old, new_total] if momentum is None else [old, new_total, old_momentum, momentum]
+            compiled = compiled_step.usable(theta, source, target, *state)
+            finite = compiled
             for start, stop in chunks(target.numel(), target.device):
-                piece = theta.reshape(-1)[start:stop]
-                if fused:  # the plain step in one loop: the same values (`compiled_step.py`)
-                    factor, divide = (delta.factor, delta.divide) if isinstance(delta, Scaled) else (1.0, False)
-                    compiled_step.plain_step(piece, source[start:stop], factor, divide, old[start:stop], s,
-                                             self.lr * s, new_total.view(-1)[start:stop], target[start:stop])
+                piece, part = theta.reshape(-1)[start:stop], slice(start, stop)
+                if compiled and momentum is None:  # one loop each, the same values (`compiled_step.py`)
+                    finite &= compiled_step.plain_step(piece, source[part], factor, divide, old[part], s,
+                                                       self.lr * s, new_total.view(-1)[part], target[part])
+                elif compiled:
+                    finite &= compiled_step.momentum_step(piece, source[part], factor, divide, old[part], s,
+                                                          self.momentum, old_momentum[part], self.lr,
+                                                          new_total.view(-1)[part], momentum[part], target[part])
                 else:
-                    self._step_chunk(piece, piece_of(delta, start, stop), target[start:stop], s, old[start:stop],
-                                     new_total.view(-1)[start:stop],
-                                     None if old_momentum is None else old_momentum[start:stop],
-                                     None if momentum is None else momentum[start:stop])
+                    self._step_chunk(piece, piece_of(delta, start, stop), target[part], s, old[part],
+                                     new_total.view(-1)[part], None if old_momentum is None else old_momentum[part],
+                                     None if momentum is None else momentum[part])
                 if written is not None:
                     written(name, start, stop)
+            if not finite:
+                unchecked += made
         if full_round:
             self.accumulated = 0.0
+        return unchecked
 
     def _step_chunk(self, theta: torch.Tensor, g: torch.Tensor, target: torch.Tensor, s: float, old: torch.Tensor,
                     total: torch.Tensor, old_momentum: torch.Tensor | None, momentum: torch.Tensor | None) -> None:

@@ -25,7 +25,7 @@ class Nesterov:
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor | Scaled], share: float = 1.0,
              out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like, written: Written | None = None
-             ) -> None:
+             ) -> list[torch.Tensor]:
         """Step `params` (fp32) with the merged outer gradients `deltas`, scaled by the share of a full round
         they stand for (1 unless the syncer heard from only some learners): in place, or into `out` (the
         syncer's new Θ, `params` left as they were). Its new state comes from `new`. A chunk at a time, each
@@ -45,6 +45,7 @@ class Nesterov:
                           out=target[start:stop])
                 if written is not None:
                     written(name, start, stop)
+        return [self.buffers[name] for name in params]
 
     def fork(self) -> Nesterov:
         """A copy sharing this one's tensors: steps replace them, never change them in place, so this
