@@ -17,14 +17,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-SHARD_CPU_NS_PER_PARAM = 3.66
+SHARD_CPU_NS_PER_PARAM = 3.03
 """CPU-ns of a shard per pushed parameter: `cpu_ns_per_param` of
 `python benchmarks/scale.py --params 20M --learners 8 --codec int4 --quorum 1 --seconds 8 --min-pushes 8
---socket-seconds 2 --bulk-port --json benchmarks/results/scale-q1-plan-s60-2.json` (one shard, 8 learners,
+--socket-seconds 2 --bulk-port --json benchmarks/results/scale-q1-plan-s61-2.json` (one shard, 8 learners,
 int4 pushes, each closing its own round unless pushes wait for it: CPU-seconds of the shard process ÷
-parameters pushed in the window; 4.04, 3.66 and 3.45 in three runs of the same code, `-s60-{1,2,3}`, the
-median kept). Earlier: 7.71 (s39, without the bulk port, the compiled loops or a group folded together), 7.54
-(the median at s51), 4.93 (s59, before a warm shard stopped allocating its rounds' tensors anew)."""
+parameters pushed in the window; 2.90, 3.03 and 3.44 in three runs of the same code, `-s61-{1,2,3}`, the
+median kept; the code before s61's momentum loop gave a median 3.22 the same morning, so part of the drop
+from s60 is the host). Earlier: 7.71 (s39, without the bulk port, the compiled loops or a group folded
+together), 7.54 (the median at s51), 4.93 (s59), 3.66 (s60, before the full round's momentum step was one
+compiled loop)."""
 SHARD_PULL_BYTES_PER_S = 408e6
 """Bytes/s of Θ one shard serves a joining learner over gRPC (a shard without `--bulk-port`):
 `join_bytes ÷ join_s` of the same run (80 MB of fp32 Θ from one shard in 0.196 s, 4 fragments on 4
