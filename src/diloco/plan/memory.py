@@ -17,7 +17,9 @@ copies of its parameters:
 None of it grows with the number of learners. On top, while a round closes, the new values and
 optimizer state of that one fragment are computed on copies and committed only if finite, and a lossless
 answer is encoded once for all its recipients: a transient of (1 + optimizer copies), +1 for an fp32
-downlink, of the largest fragment owned.
+downlink, of the largest fragment owned. Not counted: the pushes being received (at most `UPLOADS_AT_ONCE`
+at once over the bulk port), and the free buffers kept to receive the next ones in (at most eight pushes'
+bytes, and 1 GiB: `transport/receive_buffers.py`).
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ from pathlib import Path
 
 from diloco.errors import DilocoError
 from diloco.transport.bulk_idle import IdleConnections
+from diloco.transport.receive_buffers import ReceiveBuffers
 from diloco.transport.security_settings import TransportSecurity
 
 log = logging.getLogger("diloco.syncer")
@@ -182,6 +183,7 @@ class BulkServer:
         self.lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(BULK_CONNECTIONS)
         self.uploads = threading.BoundedSemaphore(UPLOADS_AT_ONCE)
+        self.receive_buffers = ReceiveBuffers()
         self.served = 0
         """Tickets whose values were sent (pulls of Θ, answers)."""
         self.received = 0
@@ -305,7 +307,7 @@ class BulkServer:
     def _take_upload(self, conn: socket.socket, upload: Upload) -> None:
         """A push's data read into a buffer of the size its header declared, taken, and the reply sent."""
         with self.uploads:
-            data = bytearray(upload.nbytes)
+            data = self.receive_buffers.take(upload.nbytes)
             _receive_into(conn, memoryview(data), "the push")
             status, body = upload.take(memoryview(data).toreadonly())
         with self.lock:
