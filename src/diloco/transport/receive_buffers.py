@@ -5,10 +5,11 @@ all of it. With fp32 pushes of 5M-parameter fragments that was about a tenth of 
 faults, the kernel zeroing pages, `memset`). A push's bytes are read in place until they are folded (the
 core's views of them keep the bytearray alive), so a buffer is handed out again only once its reference
 count says that this pool alone holds it, as `core/scratch.py` does for tensors. The pool also knows the
-buffers in use (they are the pushes' own memory, held whether or not it knows them); of those that come free
-it keeps at most KEPT times the largest push and never more than KEPT_BYTES, the oldest dropped first. What
-a shard keeps for this is bounded by its own pushes' size, not by how many learners push (a push's size was
-checked against its fragment and codec before a byte of it is read).
+buffers in use (they are the pushes' own memory, held whether or not it knows them); at each take, of those
+that came free it keeps at most KEPT times the largest push and never more than KEPT_BYTES, the oldest
+dropped first (so a shard that no push reaches any more keeps what its last pushes left, at most as much as
+they held at once). What a shard keeps for this is bounded by its own pushes' size, not by how many learners
+push (a push's size was checked against its fragment and codec before a byte of it is read).
 """
 
 from __future__ import annotations
