@@ -1,5 +1,6 @@
 """The core's recycled buffers (`core/scratch.py`): a tensor is taken again only once nobody else holds it,
-a shape that many tensors share keeps enough for all of them, and what is free stays within the limit."""
+a shape that many tensors share keeps enough for all of them, and what is free stays within the most the
+scratch held in use at once, or the limit."""
 
 import torch
 
@@ -31,14 +32,37 @@ def test_a_shape_that_three_tensors_share_keeps_three_times_as_many_without_allo
     assert {t.data_ptr() for t in again} == pointers and scratch.made == 3 * KEPT
 
 
-def test_tensors_that_came_free_all_at_once_are_trimmed_to_the_limit():
+def test_tensors_that_came_free_all_at_once_are_all_kept_up_to_the_most_held_at_once():
+    """A paced grid closes several fragments while answers hold their last versions: as many come free at
+    once as the next closes take. Kept, they are taken again, not made anew."""
     scratch = Scratch(limit_bytes=2 * BYTES, shapes={tuple(LIKE.shape): 1})
     held = [scratch.take(LIKE) for _ in range(KEPT)]
     assert scratch.nbytes() == 0  # every one is in use: the holders' memory, not the scratch's
+    assert scratch.peak_in_use == KEPT * BYTES
     del held
-    assert scratch.nbytes() == KEPT * BYTES
     scratch.trim()
-    assert scratch.nbytes() == 2 * BYTES and len(scratch.free()) == 2
+    assert scratch.nbytes() == KEPT * BYTES  # no more than were held at once: the peak is not raised
+    again = [scratch.take(LIKE) for _ in range(KEPT)]
+    assert scratch.made == KEPT and len(again) == KEPT
+
+
+def test_free_tensors_beyond_the_peak_in_use_are_trimmed_to_the_limit():
+    """Tensors of a shape no round takes any more make room as another shape's are made: the scratch's free
+    bytes never exceed the larger of the limit and what the peak leaves beside those in use."""
+    other = torch.empty(2 * MIN_NUMEL)
+    scratch = Scratch(limit_bytes=2 * BYTES, shapes={tuple(LIKE.shape): 1, tuple(other.shape): 1})
+    held = [scratch.take(LIKE) for _ in range(4)]
+    del held
+    assert scratch.nbytes() == 4 * BYTES
+    now = [scratch.take(other) for _ in range(4)]  # 8 * BYTES in use: the peak
+    assert scratch.peak_in_use == 8 * BYTES
+    assert scratch.nbytes() == 2 * BYTES and len(scratch.free()) == 2  # the limit: the peak leaves no room
+    del now
+    scratch.trim()
+    assert scratch.nbytes() == 8 * BYTES  # the peak's worth, the older shape's dropped first
+    assert not scratch.kept[(tuple(LIKE.shape), torch.float32)]
+    again = [scratch.take(other) for _ in range(4)]
+    assert scratch.made == 8 and len(again) == 4  # the second shape's came back, none made
 
 
 def test_small_tensors_are_not_kept():

@@ -28,10 +28,13 @@ KEPT = 8
 fragment has about this many alive for each of its tensors. A shape that n tensors share (a model's layers,
 fragments of one size) keeps n times as many, or its rounds would allocate afresh all the same."""
 ROUND_COPIES = 7
-"""Free tensors kept, in copies of the largest fragment: what closing a round frees (the old Θ, the outer
-optimizer's old state, the sums, the merged Δ, a temporary and the downlink's old published copy), so that
-the next round finds them all and the shard's peak stays what it was when they were allocated and dropped
-each round."""
+"""Free tensors always kept, in copies of the largest fragment: what closing a round frees (the old Θ, the
+outer optimizer's old state, the sums, the merged Δ, a temporary and the downlink's old published copy), so
+that the next round finds them all. Beyond it, free tensors are kept up to what the scratch's tensors held in
+use at once at most (`peak_in_use`): several fragments closing one after the other while their answers still
+hold the last versions (a paced grid) free many at once, and the next closes take as many again. Dropping
+those made a paced shard allocate (and the kernel zero) about twenty fragment-sized tensors a second,
+without lowering its peak."""
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -53,6 +56,9 @@ class Scratch:
         """How many of the shard's tensors have each shape (one where not given)."""
         self.made = 0
         """Tensors of at least MIN_NUMEL made so far: a warm shard makes none (`tests/test_syncer_memory.py`)."""
+        self.peak_in_use = 0
+        """The most bytes of kept tensors in use at once, as seen when one is made: free ones are kept up to it
+        (with what is in use now), so keeping them never raises the memory the shard already needed."""
         probe = [torch.empty(1)]
         self._unheld = (-1, -1)
         for tensor in probe:  # the counts of a tensor held only by a list, read through as many calls as `take`'s
@@ -83,20 +89,31 @@ class Scratch:
         made = torch.empty(like.shape, dtype=dtype)
         self.made += 1
         if len(kept) < KEPT * self.shapes.get(tuple(like.shape), 1):
-            self.trim(made.numel() * made.element_size())
+            self.trim(_nbytes(made))
             kept.append(made)
         return made
 
     def trim(self, room: int = 0) -> None:
-        """Drop free kept tensors, oldest shapes first, until `room` more bytes fit under the limit. A round's
-        close trims first: tensors that answers held may have come free in any number since the last round."""
-        free = [(key, t) for key, kept in self.kept.items() for t in kept if self._free(t)]
-        total = sum(t.numel() * t.element_size() for _, t in free) + room
+        """Drop free kept tensors, oldest shapes first, until their bytes are within the larger of `limit_bytes`
+        and what the peak in use leaves beside those in use now (`room`: a tensor being made, in use from now
+        on). A round's close trims first: tensors that answers held may have come free in any number since the
+        last round."""
+        free, in_use = [], room
+        for key, kept in self.kept.items():
+            for t in kept:
+                if self._free(t):
+                    free.append((key, t))
+                else:
+                    in_use += _nbytes(t)
+        if room:
+            self.peak_in_use = max(self.peak_in_use, in_use)
+        limit = max(self.limit_bytes, self.peak_in_use - in_use)
+        total = sum(_nbytes(t) for _, t in free)
         for key, tensor in free:
-            if total <= self.limit_bytes:
+            if total <= limit:
                 break
             self.kept[key] = [t for t in self.kept[key] if t is not tensor]
-            total -= tensor.numel() * tensor.element_size()
+            total -= _nbytes(tensor)
 
     def free(self) -> list[torch.Tensor]:
         """The kept tensors nobody else holds: the scratch's own memory (the others are their holders')."""
@@ -104,4 +121,8 @@ class Scratch:
 
     def nbytes(self) -> int:
         """Bytes of the kept tensors that are free now (those in use are counted by whoever holds them)."""
-        return sum(t.numel() * t.element_size() for t in self.free())
+        return sum(_nbytes(t) for t in self.free())
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
