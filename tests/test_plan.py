@@ -21,7 +21,9 @@ from diloco.plan.layout import assumed_layout
 from diloco.plan.plan_model import plan
 from diloco.plan.replay import predicted_wire_bytes, replay, replay_problem
 from diloco.plan.search import keeps_up, smallest_H, smallest_tau
+from diloco.plan.deployment import traffic
 from diloco.plan.wire import push_bytes, update_bytes
+from diloco.transport.receive_buffers import KEPT, KEPT_BYTES, UPLOADS_AT_ONCE
 
 SMALL = ["learners.count=2", "train.tokens=2560"]
 """Two learners, 20 steps each: a whole simulated run in a few seconds."""
@@ -157,12 +159,33 @@ def _seed(**changes) -> object:
 
 
 def test_shard_memory_does_not_grow_with_learners():
+    """The state is per fragment; the pushes being received grow with learners only up to what the bulk port
+    takes at once."""
     from dataclasses import replace
 
-    few, many = _seed(), _seed()
-    many = replace(many, speeds=(1.0,) * 64)
-    assert [s.memory for s in plan(few).shards] == [s.memory for s in plan(many).shards]
+    few, many = _seed(), replace(_seed(), speeds=(1.0,) * 64)
+    port, more = replace(_seed(), speeds=(1.0,) * UPLOADS_AT_ONCE), replace(_seed(), speeds=(1.0,) * 4 * UPLOADS_AT_ONCE)
+    state = [(m.resident_bytes, m.transient_bytes) for m in (s.memory for s in plan(few).shards)]
+    assert state == [(m.resident_bytes, m.transient_bytes) for m in (s.memory for s in plan(many).shards)]
+    assert [s.memory for s in plan(port).shards] == [s.memory for s in plan(more).shards]
     assert plan(many).shards[0].in_per_s == pytest.approx(8 * plan(few).shards[0].in_per_s)
+
+
+def test_a_shards_peak_counts_the_pushes_it_reads_in_place():
+    """Pushes are received into buffers the core reads in place: as many as the port takes at once of the
+    largest, a fragment's first push kept whole (every learner's in a reproducible run), the free buffers."""
+    from dataclasses import replace
+
+    d = replace(_seed(), layout=assumed_layout(1_000_000_000, 4), shards=1, regions=(), speeds=(1.0,) * 8)
+    push = traffic(d).push
+    memory = plan(d).shards[0].memory
+    assert memory.receiving_bytes == 8 * max(push) + sum(push) + min(KEPT * max(push), KEPT_BYTES)
+    assert memory.peak_bytes == memory.resident_bytes + memory.transient_bytes + memory.receiving_bytes
+    reproducible = plan(replace(d, reproducible=True)).shards[0].memory
+    assert reproducible.receiving_bytes == memory.receiving_bytes + 7 * sum(push)
+    fp32, wide = plan(replace(d, codec_up="fp32")).shards[0].memory, traffic(replace(d, codec_up="fp32")).push
+    assert max(wide) > 7 * max(push)  # 32 bits a parameter, against 4 and a scale per 64
+    assert fp32.receiving_bytes == 8 * max(wide) + sum(wide) + KEPT_BYTES  # 8 pushes' free buffers pass 1 GiB
 
 
 def test_shard_memory_counts_the_optimizer_and_downlink_copies():
@@ -176,10 +199,11 @@ def test_shard_memory_counts_the_optimizer_and_downlink_copies():
     assert lossy.resident_bytes == 4 * 1_000_000 * (1 + 2 + 2 + 1.5)
 
 
-def test_the_seed_run_keeps_up_and_needs_six_shards():
-    """The plan docs/plan.md works through: if it changes, the doc must too."""
+def test_the_seed_run_keeps_up_and_needs_eight_shards():
+    """A plan docs/plan.md lists (16 fragments, int4 both ways): if it changes, the doc must too. Its pushes
+    (eight of 422 MB arriving at once) need two more shards than its state alone."""
     p = plan(_seed())
-    assert p.keeps_up and p.shards_needed == 6
+    assert p.keeps_up and p.shards_needed == 8
     assert max(s.round_trip_s for s in p.sites) < 5 * 1.5
     assert not plan(_seed(codec_up="int8", codec_down="int8")).keeps_up
 
@@ -208,9 +232,9 @@ def test_the_seed_run_prints_and_writes_its_plan(tmp_path, capsys):
     out = tmp_path / "seed.json"
     assert main([*SEED_RUN, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "keeps up" in printed and "shards needed: 6" in printed
+    assert "keeps up" in printed and "shards needed: 8" in printed
     data = json.loads(out.read_text())
-    assert data["keeps_up"] is True and data["shards_needed"] == 6
+    assert data["keeps_up"] is True and data["shards_needed"] == 8
     assert data["totals"]["exact"] is False
     assert data["advice"]["smallest_H"] and data["advice"]["least_codec"] == "int4"
 

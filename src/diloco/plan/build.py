@@ -100,7 +100,7 @@ def deployment(config: Config, layout: Layout | None = None, *, regions: tuple[R
         codec_up=config.codec.up, codec_down=config.codec.down, block=config.codec.block, optimizer=spec.optimizer,
         merge_rule=spec.merge_rule, consolidate=spec.consolidate, regions=regions, shards=shards,
         shard_memory_bytes=shard_memory_bytes, tokens_per_step=tokens_per_step or own, tokens=tokens,
-        network=config if config.regions else None)
+        reproducible=config.outer.reproducible, network=config if config.regions else None)
 
 
 def replayed_run(config: Config, d: Deployment, args: argparse.Namespace) -> ReplayResult | None:

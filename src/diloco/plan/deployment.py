@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from diloco.fragments import Schedule
 from diloco.plan.layout import Layout
 from diloco.plan.steady_links import Site, Traffic
-from diloco.plan.memory import SyncerState
+from diloco.plan.memory import Pushes, SyncerState
 from diloco.plan.wire import progress_bytes, push_bytes, update_bytes
 
 if TYPE_CHECKING:
@@ -65,6 +65,8 @@ class Deployment:
     """How the step time was found when it was not given (`--params`: from the model's FLOPs)."""
     shard_cores: float | None = None
     """Cores of one shard's machine: how many shards the syncer's CPU needs (`syncer_cost.py`)."""
+    reproducible: bool = False
+    """`outer.reproducible`: a round keeps every push whole until it closes (`plan/memory.py`)."""
     network: Config | None = field(default=None, compare=False, repr=False)
     """A config with `[[regions]]`: its regions, learners, links, topology and placement, which the
     plan's per-link loads follow (`network.py`); None otherwise."""
@@ -110,6 +112,10 @@ class Deployment:
 
     def syncer_state(self) -> SyncerState:
         return SyncerState(self.optimizer, self.merge_rule, self.consolidate, self.codec_down != "fp32")
+
+    def pushes(self) -> Pushes:
+        """What the shards' pushes hold while they arrive (`plan/memory.py`)."""
+        return Pushes(traffic(self).push, self.learners, self.learners if self.reproducible else 1)
 
 
 def traffic(d: Deployment) -> Traffic:

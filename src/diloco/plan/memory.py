@@ -17,9 +17,9 @@ copies of its parameters:
 None of it grows with the number of learners. On top, while a round closes, the new values and
 optimizer state of that one fragment are computed on copies and committed only if finite, and a lossless
 answer is encoded once for all its recipients: a transient of (1 + optimizer copies), +1 for an fp32
-downlink, of the largest fragment owned. Not counted: the pushes being received (at most `UPLOADS_AT_ONCE`
-at once over the bulk port), and the free buffers kept to receive the next ones in (at most eight pushes'
-bytes, and 1 GiB: `transport/receive_buffers.py`).
+downlink, of the largest fragment owned. And the pushes' own bytes, which a shard reads in place
+(`transport/receive_buffers.held_bytes`): those being received and taken over the bulk port at once, those
+an open round keeps whole until it can weigh them, and the free buffers kept to receive the next ones in.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diloco.core.downlink import CHAIN_SHARE
+from diloco.transport.receive_buffers import held_bytes
 
 FP32 = 4
 OPTIMIZER_COPIES = {"nesterov": 1, "delayed-nesterov": 2}
@@ -60,16 +61,28 @@ class SyncerState:
 
 
 @dataclass(frozen=True)
+class Pushes:
+    """What a shard's pushes hold while they arrive: each fragment's push in bytes (its codec's), how many
+    learners push, and how many of a round's pushes it keeps whole (1; every learner's in a reproducible run)."""
+
+    push_bytes: tuple[int, ...]
+    learners: int
+    whole: int = 1
+
+
+@dataclass(frozen=True)
 class ShardMemory:
     index: int
     fragments: tuple[int, ...]
     parameters: int
     resident_bytes: int
     transient_bytes: int
+    receiving_bytes: int = 0
+    """The pushes' own bytes at most (`Pushes`): being received, kept whole, and free buffers for the next."""
 
     @property
     def peak_bytes(self) -> int:
-        return self.resident_bytes + self.transient_bytes
+        return self.resident_bytes + self.transient_bytes + self.receiving_bytes
 
 
 def owned(fragments: int, shards: int, owners: Sequence[int] | None = None) -> list[tuple[int, ...]]:
@@ -80,19 +93,22 @@ def owned(fragments: int, shards: int, owners: Sequence[int] | None = None) -> l
 
 
 def shard_memory(numels: list[int], embedding: list[bool], shards: int, state: SyncerState,
-                 owners: Sequence[int] | None = None) -> list[ShardMemory]:
-    """Each shard's fragments and memory, for fragments of `numels` elements."""
+                 owners: Sequence[int] | None = None, pushes: Pushes | None = None) -> list[ShardMemory]:
+    """Each shard's fragments and memory, for fragments of `numels` elements (with `pushes`, their bytes too)."""
     result = []
     for i, mine in enumerate(owned(len(numels), shards, owners)):
         resident = sum(FP32 * numels[p] * state.resident_copies(embedding[p]) for p in mine)
         transient = FP32 * state.transient_copies * max((numels[p] for p in mine), default=0)
-        result.append(ShardMemory(i, mine, sum(numels[p] for p in mine), round(resident), transient))
+        receiving = 0 if pushes is None else held_bytes([pushes.push_bytes[p] for p in mine], pushes.learners,
+                                                        pushes.whole)
+        result.append(ShardMemory(i, mine, sum(numels[p] for p in mine), round(resident), transient, receiving))
     return result
 
 
-def shards_needed(numels: list[int], embedding: list[bool], state: SyncerState, limit_bytes: float) -> int | None:
+def shards_needed(numels: list[int], embedding: list[bool], state: SyncerState, limit_bytes: float,
+                  pushes: Pushes | None = None) -> int | None:
     """The fewest shards whose every peak fits in `limit_bytes`; None if even one fragment per shard does not."""
     for shards in range(1, len(numels) + 1):
-        if all(s.peak_bytes <= limit_bytes for s in shard_memory(numels, embedding, shards, state)):
+        if all(s.peak_bytes <= limit_bytes for s in shard_memory(numels, embedding, shards, state, pushes=pushes)):
             return shards
     return None

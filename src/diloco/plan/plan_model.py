@@ -89,7 +89,7 @@ def shard_reports(d: Deployment, sites: list[SiteReport], shards: int, owners: S
     fragments = d.layout.fragments
     reports = []
     for mem in shard_memory([f.numel for f in fragments], [f.embedding for f in fragments], shards,
-                            d.syncer_state(), owners):
+                            d.syncer_state(), owners, d.pushes()):
         pushes = sum(t.push[p] for p in mem.fragments) * learners
         answers = sum(t.update[p] for p in mem.fragments) * learners
         pushed = mem.parameters * learners / d.period_s
@@ -118,7 +118,7 @@ def plan(d: Deployment, replayed: ReplayResult | None = None) -> Plan:
     elif d.exchange == "outer":
         if d.shard_memory_bytes is not None:
             needed = shards_needed(list(numels), [f.embedding for f in d.layout.fragments], d.syncer_state(),
-                                   d.shard_memory_bytes)
+                                   d.shard_memory_bytes, d.pushes())
         for_cores = shards_for_cores(pushed_params_per_s(d), numels, d.shard_cores) if d.shard_cores else None
         count = d.shards or max(needed or 1, for_cores or 1)
         shards = shard_reports(d, sites, min(count, len(numels)))

@@ -155,13 +155,14 @@ def shards_table(p: Plan) -> Table:
     d = p.deployment
     held = f"Θ, {d.optimizer} state, {d.merge_rule} sums" + (", published copy" if d.codec_down != "fp32" else "")
     table = Table(title=f"per shard ({len(p.shards)}; fp32: {held})")
-    for col in ("shard", "fragments", "parameters", "in / s", "out / s", "cores", "resident", "closing", "peak"):
+    for col in ("shard", "fragments", "parameters", "in / s", "out / s", "cores", "resident", "closing", "pushes",
+                "peak"):
         table.add_column(col, justify="right")
     for s in p.shards:
         m = s.memory
         table.add_row(str(m.index), _fragment_list(m.fragments), f"{m.parameters:,}", rate(s.in_per_s),
                       rate(s.out_per_s), f"{s.cores:.3g}", gib(m.resident_bytes), gib(m.transient_bytes),
-                      gib(m.peak_bytes))
+                      gib(m.receiving_bytes), gib(m.peak_bytes))
     return table
 
 

@@ -55,7 +55,7 @@ from pathlib import Path
 
 from diloco.errors import DilocoError
 from diloco.transport.bulk_idle import IdleConnections
-from diloco.transport.receive_buffers import ReceiveBuffers
+from diloco.transport.receive_buffers import UPLOADS_AT_ONCE, ReceiveBuffers
 from diloco.transport.security_settings import TransportSecurity
 
 log = logging.getLogger("diloco.syncer")
@@ -69,8 +69,6 @@ that commits have since replaced stays in memory until its ticket is used or voi
 many pulls' worth, each for at most TICKET_TTL_S. A join takes one per fragment, used within moments."""
 BULK_CONNECTIONS = 16
 """Connections not yet past their ticket; a ticket's holder is bounded by the tickets handed out."""
-UPLOADS_AT_ONCE = 16
-"""Pushes' buffers being filled or taken at once (each the size its header declared); more wait their turn."""
 BULK_THREADS = BULK_CONNECTIONS + UPLOADS_AT_ONCE
 """Threads serving connections, kept for the server's life (daemons: a stalled transfer never holds up
 the process's exit): a push is taken (decoded and merged by torch) on the thread that read it, and a

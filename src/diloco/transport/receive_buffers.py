@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 
+UPLOADS_AT_ONCE = 16
+"""Pushes' buffers being filled or taken at once (each the size its header declared); more wait their turn."""
 KEPT = 8
 """Free buffers' bytes kept, in the largest push's: a round's close lets go of a group's pushes at once, and
 as many arrive again."""
@@ -65,3 +68,17 @@ class ReceiveBuffers:
 
     def _free(self) -> list[int]:
         return [i for i in range(len(self.kept)) if _references(self.kept, i) == self._unheld]
+
+
+def held_bytes(push_bytes: Sequence[int], senders: int, whole: int) -> int:
+    """The most bytes a shard's pushes hold at once, for owned fragments whose pushes are `push_bytes` each:
+    as many being received and taken as the port takes at once (UPLOADS_AT_ONCE, at most one per sender) of
+    the largest; the pushes an open round keeps whole until it can weigh them, read in place (`whole` per
+    fragment: the first push of a fragment's first round, before any learner has a weight to judge it
+    against, or every learner's push in a reproducible run); and the free buffers kept for the next ones.
+    `diloco plan` counts it in a shard's peak (`plan/memory.py`)."""
+    if not push_bytes or senders <= 0:
+        return 0
+    largest = max(push_bytes)
+    return (min(UPLOADS_AT_ONCE, senders) * largest + min(whole, senders) * sum(push_bytes)
+            + min(KEPT * largest, KEPT_BYTES))
