@@ -86,3 +86,49 @@ def test_a_shape_that_many_tensors_share_finds_a_free_one_without_reading_every_
         assert round_ == 0 or len(reads) == n, (round_, len(reads))  # the first made n more: all held
         last = now
     assert scratch.made == 2 * n and last
+
+
+def test_a_tensor_taken_again_is_never_judged_by_what_was_remembered_of_its_old_values():
+    """The compiled loops write through numpy, which torch's version counter does not see; a norm remembered
+    of a recycled tensor's old values (the finite check of a new Θ reads it) must not stand for the new ones."""
+    from diloco.core.closing import finite
+
+    scratch = Scratch(limit_bytes=8 * BYTES)
+    theta = scratch.take(LIKE)
+    theta.fill_(1.0)
+    assert finite(theta)  # its norm is remembered, by identity and version
+    pointer = theta.data_ptr()
+    del theta
+    again = scratch.take(LIKE)
+    assert again.data_ptr() == pointer
+    again.numpy()[:] = float("nan")  # as a compiled step writes an overflowing Θ
+    assert not finite(again)
+
+
+def test_a_warm_core_refuses_a_round_that_makes_theta_non_finite_whatever_its_recycled_tensors_were():
+    """End to end: every tensor the core keeps has its norm remembered from its last life; the round whose
+    step overflows Θ alone (the sums stay finite; Θ is written by the compiled loop into one of them) is still
+    refused, nothing changed. Before s62 the stale norm (0.0) passed it and Θ became infinite."""
+    import core_state
+    from diloco.core import Push, SyncerCore
+    from diloco.core.accumulate import norm_of
+    from diloco.core.events import PushArrived
+    from diloco.fragments import Fragment
+    from diloco.outer.delayed_nesterov import DelayedNesterov
+
+    numel = 2 * MIN_NUMEL
+    core = SyncerCore({"w": torch.zeros(numel)}, [Fragment(0, ("w",), numel, False)], (0, 1),
+                      optimizer=lambda: DelayedNesterov(lr=1e10, momentum=0.0), merge_rule="weighted",
+                      outlier="off", quorum=1)
+    for seq in range(1, 13):
+        core.handle(PushArrived(Push(0, 0, core.version(0), seq, {"w": torch.full((numel,), 1e-12)}, 100, 1,
+                                     step=seq)), now=float(seq))
+    for kept in core.merging.scratch.kept.values():
+        for tensor in kept:
+            norm_of(tensor)
+    before = core_state.frozen(core)
+    message = core_state.refused(lambda: core.handle(PushArrived(
+        Push(0, 0, core.version(0), 13, {"w": torch.full((numel,), -1e30)}, 100, 1, step=13)), now=13.0))
+    assert "non-finite" in message
+    assert core_state.same(core_state.frozen(core), before) and core.version(0) == 12
+    assert bool(torch.isfinite(core.merging.theta["w"]).all())

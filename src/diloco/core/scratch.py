@@ -85,6 +85,9 @@ class Scratch:
             if self._free(tensor):
                 del kept[index]
                 kept.append(tensor)
+                # Its old values are void: what was remembered of them by version (`accumulate.norm_of`) must not
+                # hold for the new ones, which the compiled loops write through numpy, unseen by torch's counter.
+                torch.autograd.graph.increment_version(tensor)
                 return tensor
         made = torch.empty(like.shape, dtype=dtype)
         self.made += 1
