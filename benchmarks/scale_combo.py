@@ -289,6 +289,7 @@ def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, An
             "latency_median_s": statistics.median(latencies) if latencies else None,
             "latency_p95_s": percentile(latencies, 0.95),
             "rounds_per_s": len(rounds) / seconds,
+            "pushes_per_round": push_params * combo.fragments / combo.params / len(rounds) if rounds else None,
         })
     all_latencies.sort()
     largest = max(range(combo.shards), key=lambda i: per_shard[i]["rss_bytes"])
@@ -302,6 +303,8 @@ def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, An
         "latency_median_s": statistics.median(all_latencies) if all_latencies else None,
         "latency_p95_s": percentile(all_latencies, 0.95),
         "rounds_per_s": sum(s["rounds_per_s"] for s in per_shard), "join": m["join"],
+        "pushes_per_round": pushed * combo.fragments / combo.params / max(1e-9, seconds * sum(
+            s["rounds_per_s"] for s in per_shard)) if pushed else None,
         "learners_rss_bytes": sampler.learners_rss, "min_available_bytes": sampler.min_available,
         "problems": problems, "per_shard": per_shard,
     }

@@ -115,7 +115,7 @@ def print_report(console, runs: list[dict[str, Any]]) -> None:
     shards = Table(title="per shard")
     for col in ("params", "learners", "shard", "fragments", "push MB/s", "pull MB/s", "RSS GiB", "HWM GiB",
                 "Θ GiB", "optimizer GiB", "accumulating GiB", "downlink GiB", "total GiB", "lat p50 ms",
-                "lat p95 ms", "rounds/s", "pushes", "busy"):
+                "lat p95 ms", "rounds/s", "pushes/round", "pushes", "busy"):
         shards.add_column(col, justify="right")
     for r in runs:
         for s in r.get("per_shard") or []:
@@ -126,7 +126,7 @@ def print_report(console, runs: list[dict[str, Any]]) -> None:
                            *(gib(mem.get(k)) for k in ("theta_bytes", "optimizer_bytes", "accumulating_bytes",
                                                        "downlink_bytes", "total_bytes")),
                            ms(s["latency_median_s"]), ms(s["latency_p95_s"]), fmt(s["rounds_per_s"], ".1f"),
-                           str(s["pushes"]), str(s["busy"]))
+                           fmt(s.get("pushes_per_round"), ".2f"), str(s["pushes"]), str(s["busy"]))
     console.print(shards)
 
     rows = targets(runs)

@@ -65,6 +65,7 @@ def test_a_tiny_run_end_to_end(tmp_path):
     shard = run["per_shard"][0]
     assert shard["pushes"] > 0 and shard["answers"] > 0 and shard["refused"] == 0
     assert shard["latency_median_s"] > 0 and shard["rounds_per_s"] > 0
+    assert 0.5 <= shard["pushes_per_round"] <= 1.5  # one learner at quorum 1: each push closes its own round
 
 
 @pytest.mark.integration
