@@ -6,8 +6,9 @@
 
 With --merge, the merge arithmetic instead: one fragment of --numel parameters (default 10M), 8 learners,
 fp32 pushes already decoded, the default config's decoupled wiring at quorum 1, no gRPC or journal; CPU
-ns per pushed parameter of `handle`, each push alone (each closes its own round) and as groups of 8
-(`PushesArrived`: one round per group), against a roofline measured in the same run (one fused in-place
+ns per pushed parameter of `handle`, each push alone (each closes its own round), as groups of 8
+(`PushesArrived`: one round per group) and one by one into rounds of 8 (quorum 8: a round that waits for
+its learners, as a paced one does), against a roofline measured in the same run (one fused in-place
 pass, Θ += w·Δ, over a tensor of the fragment's size). One thread (--threads: torch's intra-op threads,
 as `diloco syncer --threads` sets them). With --codec, the pushes arrive encoded, as a shard takes them off
 the wire (decoded by the core as it reads them), and the answers go out in that codec too: the shard's
@@ -94,12 +95,14 @@ def measure(learners: int, events: int) -> dict[str, float]:
     return {kind: spent[kind] / counted[kind] for kind in KINDS}
 
 
-def merge_cost(numel: int, rounds: int, group: int, learners: int = 8, codec: str = "fp32") -> float:
+def merge_cost(numel: int, rounds: int, group: int, learners: int = 8, codec: str = "fp32", quorum: int = 1) -> float:
     """CPU ns per pushed parameter of `handle` over `rounds` rounds of `learners` pushes of one fragment,
-    handed as groups of `group` pushes (1: each push alone). Every push is a tensor of its own, as off the
-    wire (the core remembers a tensor's norm: the same tensor pushed again would skip its check's pass)."""
+    handed as groups of `group` pushes (1: each push alone; with `quorum` = `learners`, one at a time into a
+    round that closes as the last comes, as a round that waits for its learners takes them). Every push is a
+    tensor of its own, as off the wire (the core remembers a tensor's norm: the same tensor pushed again
+    would skip its check's pass)."""
     spec = build_strategy(load_config(overrides=[f"learners.count={learners}", "learners.speeds=[]",
-                                                 "outer.fragments=1", "outer.quorum=1", f"codec.up={codec}",
+                                                 "outer.fragments=1", f"outer.quorum={quorum}", f"codec.up={codec}",
                                                  f"codec.down={codec}"]))
     generator = torch.Generator().manual_seed(0)
     core = spec.syncer_core({"w": torch.randn(numel, generator=generator) * 0.05},
@@ -140,13 +143,14 @@ def main_merge(args: argparse.Namespace) -> None:
         compiled.set_enabled(loops == "compiled")
         if loops == "compiled" and not compiled.usable(args.numel, torch.empty(0)):
             raise SystemExit("--codec-loops compiled needs numba: pip install 'diloco[fast]'")
-        alone = merge_cost(args.numel, args.rounds, 1, codec=args.codec)
-        grouped = merge_cost(args.numel, args.rounds, 8, codec=args.codec)
-        result["codec_loops"][loops] = {"cpu_ns_per_param": {"alone": alone, "group_of_8": grouped},
-                                        "vs_roofline": {"alone": alone / line, "group_of_8": grouped / line}}
+        ways = {"alone": merge_cost(args.numel, args.rounds, 1, codec=args.codec),
+                "group_of_8": merge_cost(args.numel, args.rounds, 8, codec=args.codec),
+                "round_of_8": merge_cost(args.numel, args.rounds, 1, codec=args.codec, quorum=8)}
+        result["codec_loops"][loops] = {"cpu_ns_per_param": ways, "vs_roofline": {k: v / line for k, v in ways.items()}}
         print(f"{args.codec}, {args.threads} thread(s), {loops} codec loops: roofline {line:.3f} ns/param; handle: "
-              f"each push alone {alone:.2f} ns/param ({alone / line:.1f}x), groups of 8 {grouped:.2f} ns/param "
-              f"({grouped / line:.1f}x)")
+              f"each push alone {ways['alone']:.2f} ns/param ({ways['alone'] / line:.1f}x), groups of 8 "
+              f"{ways['group_of_8']:.2f} ({ways['group_of_8'] / line:.1f}x), one by one into rounds of 8 "
+              f"{ways['round_of_8']:.2f} ({ways['round_of_8'] / line:.1f}x)")
     result.update(result["codec_loops"][loops])  # the last variant's figures at the top, as before
     if {"torch", "compiled"} <= set(result["codec_loops"]):
         before, after = (result["codec_loops"][k]["cpu_ns_per_param"] for k in ("torch", "compiled"))

@@ -35,9 +35,11 @@ With no arguments, a quick sweep (20M parameters, 1, 4, 8 and 16 learners, one s
             pull MB/s   tensor bytes of answers received in the window;
             latency     per push sent in the window, push sent -> its answer (ack_seq >= its seq)
                         fully received (the learners wait for these after the window): median, p95;
-            rounds/s    distinct versions answered in the window; pushes/round (`pushes_per_round`), the
-                        pushed parameters of the window in fragments' worth over those rounds: at quorum 1
-                        one push closes its round unless others arrived while it was merged (group commit).
+            rounds/s    distinct versions answered in the window (a learner may skip a version that a
+                        newer answer covers); pushes/round (`pushes_per_round`), the pushed parameters of
+                        the window in fragments' worth over the rounds the shards closed in it (their
+                        Status at both ends, `rounds_closed`): at quorum 1 one push closes its round unless
+                        others arrived while it was merged (group commit).
   memory    per shard, VmRSS and VmHWM from /proc/PID/status every 0.2 s: `rss_bytes` is the largest
             VmRSS from the learners' start to the window's end (under load, after Θ was seeded);
             `hwm_bytes` the kernel's peak, the seeding included. Θ bytes held: the Status report's

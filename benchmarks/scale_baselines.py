@@ -1,5 +1,6 @@
 """scale.py's baselines, measured in the same invocation as the runs they are compared with: the shards'
-CPU time, the roofline of a merge (one fused in-place pass over a fragment), and the plain TCP socket."""
+CPU time, the roofline of a merge (one fused in-place pass over a fragment), and the plain TCP socket; and
+what a shard says it did (`rounds_closed`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from children import Processes, tail  # benchmarks/children.py
 from scale_model import MB
@@ -78,3 +80,16 @@ def socket_baseline(procs: Processes, work: Path, payload_file: str, seconds: fl
                 "mb_s": messages * size / elapsed / MB}
     finally:
         procs.stop([proc], grace_s=2.0, sig=signal.SIGKILL)
+
+
+def percentile(ordered: list[float], q: float) -> float | None:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+def rounds_closed(client: Any) -> int | None:
+    """A shard's rounds closed so far (its Status), None where it did not answer: pushes per round is then
+    left out, the rest of the run stands."""
+    try:
+        return client.status(timeout_s=30).rounds
+    except Exception:  # noqa: BLE001
+        return None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from children import Processes, diloco, tail  # benchmarks/children.py
-from scale_baselines import cpu_seconds, roofline_ns_per_param, socket_baseline
+from scale_baselines import cpu_seconds, percentile, rounds_closed, roofline_ns_per_param, socket_baseline
 from scale_memory import MemoryModel, Sampler, mem_available
 from scale_model import (DRAIN_S, GIB, LEARNER_RSS_BYTES, MB, PUSH_BOUND_S, STARTUP_S, TensorMeta, init_frames,
                          model_layout, shard_fragments, write_payloads)
@@ -174,12 +174,14 @@ class Run:
         w0 = t0 + args.warmup
         self._sleep_until(w0)
         cpu0 = [cpu_seconds(p.pid) for p in self.shard_procs]
+        rounds0 = self._rounds()
         self._sleep_until(w0 + args.seconds)
         wanted = args.min_pushes * self.combo.shards
         while time.time() < w0 + args.max_seconds and self._progress() < wanted:
             self._sleep_until(time.time() + 0.2)
         w1 = time.time()
         cpu1 = [cpu_seconds(p.pid) for p in self.shard_procs]
+        rounds1 = self._rounds()
         self.sampler.sample()
         self.sampler.loaded = False  # the window is over: what the shards do next is not load
         (self.work / "stop.tmp").write_text(repr(w1))
@@ -202,6 +204,7 @@ class Run:
                     statuses.append({"error": str(exc)})
         (self.work / "release").write_text("read\n")  # the learners may disconnect now
         return {"window": (w0, w1), "reports": reports, "statuses": statuses,
+                "rounds_closed": [None if a is None or b is None else b - a for a, b in zip(rounds0, rounds1)],
                 "cpu_s": [b - a for a, b in zip(cpu0, cpu1)], "join": self.join()}
 
     def join(self) -> dict[str, Any]:
@@ -228,6 +231,9 @@ class Run:
             times.append(time.perf_counter() - started)
         return {"seconds": statistics.median(times), "join_seconds": times, "bytes": pulled,
                 "streams": min(PULL_STREAMS, len(pulls))}
+
+    def _rounds(self) -> list[int | None]:
+        return [rounds_closed(c) for c in self.clients]
 
     def _progress(self) -> int:
         """Pushes taken since the window opened, summed over the learners' progress files."""
@@ -289,7 +295,8 @@ def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, An
             "latency_median_s": statistics.median(latencies) if latencies else None,
             "latency_p95_s": percentile(latencies, 0.95),
             "rounds_per_s": len(rounds) / seconds,
-            "pushes_per_round": push_params * combo.fragments / combo.params / len(rounds) if rounds else None,
+            "rounds_closed": (closed := m["rounds_closed"][i]),
+            "pushes_per_round": push_params * combo.fragments / combo.params / closed if closed else None,
         })
     all_latencies.sort()
     largest = max(range(combo.shards), key=lambda i: per_shard[i]["rss_bytes"])
@@ -303,15 +310,11 @@ def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, An
         "latency_median_s": statistics.median(all_latencies) if all_latencies else None,
         "latency_p95_s": percentile(all_latencies, 0.95),
         "rounds_per_s": sum(s["rounds_per_s"] for s in per_shard), "join": m["join"],
-        "pushes_per_round": pushed * combo.fragments / combo.params / max(1e-9, seconds * sum(
-            s["rounds_per_s"] for s in per_shard)) if pushed else None,
+        "pushes_per_round": pushed * combo.fragments / combo.params / closed
+        if (closed := sum(s["rounds_closed"] or 0 for s in per_shard)) else None,
         "learners_rss_bytes": sampler.learners_rss, "min_available_bytes": sampler.min_available,
         "problems": problems, "per_shard": per_shard,
     }
-
-
-def percentile(ordered: list[float], q: float) -> float | None:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
 def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespace, model: MemoryModel,

@@ -18,6 +18,7 @@ from diloco.errors import DilocoError
 from diloco.plan import units
 from diloco.plan.build import deployment, parse_regions
 from diloco.plan.layout import assumed_layout
+from diloco.plan.memory import waiting_bytes
 from diloco.plan.plan_model import plan
 from diloco.plan.replay import predicted_wire_bytes, replay, replay_problem
 from diloco.plan.search import keeps_up, smallest_H, smallest_tau
@@ -173,19 +174,22 @@ def test_shard_memory_does_not_grow_with_learners():
 
 def test_a_shards_peak_counts_the_pushes_it_reads_in_place():
     """Pushes are received into buffers the core reads in place: as many as the port takes at once of the
-    largest, a fragment's first push kept whole (every learner's in a reproducible run), the free buffers."""
+    largest, a fragment's first push kept whole (every learner's in a reproducible run), coded pushes whose
+    adds wait for their round's close, the free buffers."""
     from dataclasses import replace
 
     d = replace(_seed(), layout=assumed_layout(1_000_000_000, 4), shards=1, regions=(), speeds=(1.0,) * 8)
     push = traffic(d).push
     memory = plan(d).shards[0].memory
-    assert memory.receiving_bytes == 8 * max(push) + sum(push) + min(KEPT * max(push), KEPT_BYTES)
+    waiting = 3 * sum(push)  # three 4-bit pushes of a fragment fit in half its fp32 bytes: their adds wait
+    assert [waiting_bytes(f.numel, b) for f, b in zip(d.layout.fragments, push)] == [3 * b for b in push]
+    assert memory.receiving_bytes == 8 * max(push) + sum(push) + waiting + min(KEPT * max(push), KEPT_BYTES)
     assert memory.peak_bytes == memory.resident_bytes + memory.transient_bytes + memory.receiving_bytes
     reproducible = plan(replace(d, reproducible=True)).shards[0].memory
     assert reproducible.receiving_bytes == memory.receiving_bytes + 7 * sum(push)
     fp32, wide = plan(replace(d, codec_up="fp32")).shards[0].memory, traffic(replace(d, codec_up="fp32")).push
     assert max(wide) > 7 * max(push)  # 32 bits a parameter, against 4 and a scale per 64
-    assert fp32.receiving_bytes == 8 * max(wide) + sum(wide) + KEPT_BYTES  # 8 pushes' free buffers pass 1 GiB
+    assert fp32.receiving_bytes == 8 * max(wide) + sum(wide) + KEPT_BYTES  # none waits; 8 pushes' free buffers pass 1 GiB
 
 
 def test_shard_memory_counts_the_optimizer_and_downlink_copies():

@@ -58,6 +58,9 @@ class CodedBlocks:
     def numel(self) -> int:
         return self._numel
 
+    def nbytes(self) -> int:
+        return self.payload.nbytes + self.scales.nbytes
+
     def norm(self) -> float:
         """‖values‖ from the codes in float64, rounded to fp32 (left float64 where an fp32 sum of squares would
         overflow, as in `tensor_norm`); a code no encoder writes is refused as decoding refuses it."""

@@ -36,6 +36,9 @@ class Fp32View:
     def numel(self) -> int:
         return self.values.numel()
 
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size()
+
     def norm(self) -> float:
         """`outer.merge.tensor_norm` of the values: fp32, in float64 where that overflows."""
         if self._norm is None:

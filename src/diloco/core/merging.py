@@ -41,7 +41,7 @@ from diloco.core.sum_writes import SumWrites
 from diloco.core.rounds import FragmentState, OuterOptimizer, RoundRecord, mean_cosine, token_weight
 from diloco.core.undo import UndoLog
 from diloco.fragments import Fragment
-from diloco.outer.merge import MergeRule
+from diloco.outer.merge import WAIT_SHARE, MergeRule
 
 EMA = 0.3
 """Weight of the newest sample in the running estimates of ξ_step and ξ_sync."""
@@ -143,14 +143,22 @@ class Merging:
 
     def _fold(self, state: FragmentState, deltas: Mapping[str, torch.Tensor], contribution: Contribution,
               own_norms: bool = False, new: bool = True) -> None:
-        """In a group, a coded push's adds wait and are made with the group's others as it ends (`grouped`):
-        each sum is then read and written once per group. Anything else is folded now, after those waiting."""
-        later = self.grouping and all(coded_of(deltas, n) is not None for n in deltas)
+        """A coded push's adds wait, and are made with the others' as the round closes, or once those waiting
+        hold more than WAIT_SHARE of the fragment (a group's: as it ends, `grouped`). Anything else is folded
+        now, after those waiting. The sums are the same either way, made in the order the pushes came."""
+        later = all(coded_of(deltas, n) is not None for n in deltas)
         if not later:
-            state.sums.settle(self.writes.add, self.writes.add_group)
+            self._settle(state)
         state.sums.fold(deltas, contribution.weight, radial=contribution.norms, weighted=self._keeps_weighted(),
                         plain=self.merge_rule == "mean", own_norms=own_norms, new=new, add=self.writes.add,
                         later=later)
+        if not self.grouping:
+            self._settle(state, WAIT_SHARE)
+
+    def _settle(self, state: FragmentState, share: float = 0.0) -> None:
+        """Make the adds waiting, if their pushes hold more than `share` of the fragment's fp32 bytes."""
+        if state.sums.waiting and state.sums.waiting_bytes() > share * 4 * state.fragment.numel:
+            state.sums.settle(self.writes.add, self.writes.add_group)
 
     def _keeps_weighted(self) -> bool:
         """Σ w·Δ is the merge of every rule but the plain mean, and the final consolidation's."""
@@ -183,7 +191,7 @@ class Merging:
         try:
             yield
             for state in self.fragments.values():
-                state.sums.settle(self.writes.add, self.writes.add_group)
+                self._settle(state, WAIT_SHARE)
         finally:
             self.grouping = False
 
@@ -247,6 +255,7 @@ class Merging:
         state.keep(self.undo)
         self.scratch.trim()
         self.judge_whole(state)
+        self._settle(state)
         contributions = [state.pending[m] for m in sorted(state.pending)]
         staleness = tuple(state.version - c.base_version for c in contributions)
         members = self.membership
@@ -354,6 +363,8 @@ class Merging:
     # ------------------------------------------------------------ saved state
 
     def state_dict(self) -> dict:
+        for state in self.fragments.values():  # the same sums, whole: a state file keeps no pushes
+            self._settle(state)
         return {"theta": {n: t.clone() for n, t in self.theta.items()},
                 "fragments": {p: s.plain() for p, s in self.fragments.items()},
                 "rounds": [dataclasses.astuple(r) for r in self.records], "last_weight": dict(self.last_weight),

@@ -44,6 +44,13 @@ def tensor_norm(tensor: torch.Tensor) -> float:
     return norm if math.isfinite(norm) else float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
 
 
+WAIT_SHARE = 0.5
+"""Coded pushes whose adds may wait for their round's close, in fp32 copies of their fragment's bytes: each
+sum is then read and written once for all of them instead of once a push (a round of eight 4-bit pushes
+makes two passes over its sums, not sixteen). Beyond it they are made at once: what they hold stays bounded
+(`diloco plan` counts it, `plan/memory.py`)."""
+
+
 @dataclass
 class MergeSums:
     """Running sums of one round's outer gradients, per tensor: Σ w·Δ (weighted mean), Σ Δ (plain mean,
@@ -93,6 +100,10 @@ class MergeSums:
         if new:
             self.weight += weight
             self.count += 1
+
+    def waiting_bytes(self) -> int:
+        """The bytes of the pushes whose adds wait (`fold(later=True)`): their wire forms, held until `settle`."""
+        return sum(coded.nbytes() for _, coded, _, _ in self.waiting)
 
     def settle(self, add: Adder, add_group: GroupAdder) -> None:
         """Make the adds waiting (`fold(later=True)`), each tensor's in the order they were folded: together

@@ -19,7 +19,9 @@ optimizer state of that one fragment are computed on copies and committed only i
 answer is encoded once for all its recipients: a transient of (1 + optimizer copies), +1 for an fp32
 downlink, of the largest fragment owned. And the pushes' own bytes, which a shard reads in place
 (`transport/receive_buffers.held_bytes`): those being received and taken over the bulk port at once, those
-an open round keeps whole until it can weigh them, and the free buffers kept to receive the next ones in.
+an open round keeps whole until it can weigh them, and the free buffers kept to receive the next ones in;
+plus, per owned fragment, the coded pushes whose adds wait for their round's close (at most WAIT_SHARE of
+an fp32 copy, `outer/merge.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diloco.core.downlink import CHAIN_SHARE
+from diloco.outer.merge import WAIT_SHARE
 from diloco.transport.receive_buffers import held_bytes
 
 FP32 = 4
@@ -78,7 +81,8 @@ class ShardMemory:
     resident_bytes: int
     transient_bytes: int
     receiving_bytes: int = 0
-    """The pushes' own bytes at most (`Pushes`): being received, kept whole, and free buffers for the next."""
+    """The pushes' own bytes at most (`Pushes`): being received, kept whole, waiting to be folded, and free
+    buffers for the next."""
 
     @property
     def peak_bytes(self) -> int:
@@ -100,9 +104,16 @@ def shard_memory(numels: list[int], embedding: list[bool], shards: int, state: S
         resident = sum(FP32 * numels[p] * state.resident_copies(embedding[p]) for p in mine)
         transient = FP32 * state.transient_copies * max((numels[p] for p in mine), default=0)
         receiving = 0 if pushes is None else held_bytes([pushes.push_bytes[p] for p in mine], pushes.learners,
-                                                        pushes.whole)
+                                                        pushes.whole) + sum(
+            waiting_bytes(numels[p], pushes.push_bytes[p]) for p in mine)
         result.append(ShardMemory(i, mine, sum(numels[p] for p in mine), round(resident), transient, receiving))
     return result
+
+
+def waiting_bytes(numel: int, push_bytes: int) -> int:
+    """The most bytes of a fragment's pushes whose adds wait for its round's close: as many whole pushes as
+    fit in WAIT_SHARE of its fp32 bytes (none of an fp32 push, which is folded as it comes)."""
+    return int(WAIT_SHARE * FP32 * numel // push_bytes) * push_bytes if push_bytes > 0 else 0
 
 
 def shards_needed(numels: list[int], embedding: list[bool], state: SyncerState, limit_bytes: float,
