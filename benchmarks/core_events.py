@@ -9,11 +9,12 @@ fp32 pushes already decoded, the default config's decoupled wiring at quorum 1, 
 ns per pushed parameter of `handle`, each push alone (each closes its own round), as groups of 8
 (`PushesArrived`: one round per group) and one by one into rounds of 8 (quorum 8: a round that waits for
 its learners, as a paced one does), against a roofline measured in the same run (one fused in-place
-pass, Θ += w·Δ, over a tensor of the fragment's size). One thread (--threads: torch's intra-op threads,
-as `diloco syncer --threads` sets them). With --codec, the pushes arrive encoded, as a shard takes them off
-the wire (decoded by the core as it reads them), and the answers go out in that codec too: the shard's
-arithmetic without its transport. --codec-loops torch,compiled measures the codecs' eager torch ops and
-their compiled loops (numba) in turn, with their ratio.
+pass, Θ += w·Δ, over a tensor of the fragment's size), and the wall time of the same calls. One thread
+(--threads: the compiled loops' pieces and torch's intra-op threads, as `diloco syncer --threads` sets
+them). With --codec, the pushes arrive encoded, as a shard takes them off the wire (decoded by the core as
+it reads them), and the answers go out in that codec too: the shard's arithmetic without its transport.
+--codec-loops torch,compiled measures the codecs' eager torch ops and their compiled loops (numba) in turn,
+with their ratio.
 
 Drives `SyncerCore.handle` by hand (no gRPC, no journal), with the core built as both drivers build it:
 from the default config's strategy spec (`build_strategy(load_config()).syncer_core`). The model is a few
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+import diloco.chunk_threads as chunk_threads
 from diloco.config import load_config
 from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived, PushesArrived
 from diloco.codecs import compiled, get_codec
@@ -95,8 +97,33 @@ def measure(learners: int, events: int) -> dict[str, float]:
     return {kind: spent[kind] / counted[kind] for kind in KINDS}
 
 
-def merge_cost(numel: int, rounds: int, group: int, learners: int = 8, codec: str = "fp32", quorum: int = 1) -> float:
-    """CPU ns per pushed parameter of `handle` over `rounds` rounds of `learners` pushes of one fragment,
+class LoopsClock:
+    """CPU time the calling thread spends in `chunk_threads.run` (the loops that run in pieces), while it is
+    installed: on one thread, the share of a merge that more threads can shorten."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self._run = chunk_threads.run
+
+    def __enter__(self) -> LoopsClock:
+        def timed(spans, work):
+            started = time.thread_time_ns()
+            try:
+                return self._run(spans, work)
+            finally:
+                self.ns += time.thread_time_ns() - started
+
+        chunk_threads.run = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        chunk_threads.run = self._run
+
+
+def merge_cost(numel: int, rounds: int, group: int, learners: int = 8, codec: str = "fp32", quorum: int = 1
+               ) -> tuple[float, float, float]:
+    """CPU and wall ns per pushed parameter of `handle`, and the share of its CPU in the loops that run in
+    pieces (`LoopsClock`; meaningful on one thread), over `rounds` rounds of `learners` pushes of one fragment,
     handed as groups of `group` pushes (1: each push alone; with `quorum` = `learners`, one at a time into a
     round that closes as the last comes, as a round that waits for its learners takes them). Every push is a
     tensor of its own, as off the wire (the core remembers a tensor's norm: the same tensor pushed again
@@ -112,7 +139,7 @@ def merge_cost(numel: int, rounds: int, group: int, learners: int = 8, codec: st
     for m in range(learners):
         core.declare(m, TOKENS_PER_STEP)
         core.rejoin_state(m, after_seq=0)
-    spent = pushed = 0
+    spent = waited = pushed = in_loops = 0
     now = 0.0
     for r in range(rounds + 1):  # the first round warms up (weights judged, buffers allocated)
         pushes = [Push(m, 0, core.version(0), r + 1,
@@ -122,13 +149,16 @@ def merge_cost(numel: int, rounds: int, group: int, learners: int = 8, codec: st
         for k in range(0, learners, group):
             now += TICK_S
             event = PushArrived(pushes[k]) if group == 1 else PushesArrived(tuple(pushes[k:k + group]))
-            started = time.process_time_ns()
-            core.handle(event, now)
+            started, began = time.process_time_ns(), time.perf_counter_ns()
+            with LoopsClock() as loops:
+                core.handle(event, now)
             if r:
                 spent += time.process_time_ns() - started
+                waited += time.perf_counter_ns() - began
+                in_loops += loops.ns
                 pushed += numel * min(group, learners - k)
     assert core.rounds_closed >= rounds, "pushes were not merged: not a fair measure"
-    return spent / pushed
+    return spent / pushed, waited / pushed, in_loops / spent
 
 
 def main_merge(args: argparse.Namespace) -> None:
@@ -136,6 +166,7 @@ def main_merge(args: argparse.Namespace) -> None:
 
     huge_pages_for_tensors()  # as a shard runs its core
     torch.set_num_threads(args.threads)
+    chunk_threads.set_threads(args.threads)
     line = roofline_ns_per_param(args.numel)
     result: dict = {"numel": args.numel, "learners": 8, "codec": args.codec, "threads": args.threads,
                     "roofline_ns_per_param": line, "codec_loops": {}}
@@ -143,14 +174,21 @@ def main_merge(args: argparse.Namespace) -> None:
         compiled.set_enabled(loops == "compiled")
         if loops == "compiled" and not compiled.usable(args.numel, torch.empty(0)):
             raise SystemExit("--codec-loops compiled needs numba: pip install 'diloco[fast]'")
-        ways = {"alone": merge_cost(args.numel, args.rounds, 1, codec=args.codec),
-                "group_of_8": merge_cost(args.numel, args.rounds, 8, codec=args.codec),
-                "round_of_8": merge_cost(args.numel, args.rounds, 1, codec=args.codec, quorum=8)}
-        result["codec_loops"][loops] = {"cpu_ns_per_param": ways, "vs_roofline": {k: v / line for k, v in ways.items()}}
+        measured = {"alone": merge_cost(args.numel, args.rounds, 1, codec=args.codec),
+                    "group_of_8": merge_cost(args.numel, args.rounds, 8, codec=args.codec),
+                    "round_of_8": merge_cost(args.numel, args.rounds, 1, codec=args.codec, quorum=8)}
+        ways = {k: cpu for k, (cpu, _, _) in measured.items()}
+        walls = {k: wall for k, (_, wall, _) in measured.items()}
+        result["codec_loops"][loops] = {"cpu_ns_per_param": ways, "vs_roofline": {k: v / line for k, v in ways.items()},
+                                        "wall_ns_per_param": walls}
+        if args.threads == 1:
+            result["codec_loops"][loops]["loops_share"] = {k: share for k, (_, _, share) in measured.items()}
+            print("share of the merge's CPU in loops that run in pieces on --threads: " + ", ".join(
+                f"{k} {share:.2f}" for k, (_, _, share) in measured.items()))
         print(f"{args.codec}, {args.threads} thread(s), {loops} codec loops: roofline {line:.3f} ns/param; handle: "
-              f"each push alone {ways['alone']:.2f} ns/param ({ways['alone'] / line:.1f}x), groups of 8 "
-              f"{ways['group_of_8']:.2f} ({ways['group_of_8'] / line:.1f}x), one by one into rounds of 8 "
-              f"{ways['round_of_8']:.2f} ({ways['round_of_8'] / line:.1f}x)")
+              + ", ".join(f"{label} {ways[k]:.2f} ns/param CPU ({ways[k] / line:.1f}x), {walls[k]:.2f} wall"
+                          for k, label in (("alone", "each push alone"), ("group_of_8", "groups of 8"),
+                                           ("round_of_8", "one by one into rounds of 8"))))
     result.update(result["codec_loops"][loops])  # the last variant's figures at the top, as before
     if {"torch", "compiled"} <= set(result["codec_loops"]):
         before, after = (result["codec_loops"][k]["cpu_ns_per_param"] for k in ("torch", "compiled"))
@@ -173,7 +211,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="--merge: timed rounds of 8 pushes")
     parser.add_argument("--codec", default="fp32", help="--merge: codec of the pushes and answers (int4: as a "
                         "run sends them; fp32: already decoded)")
-    parser.add_argument("--threads", type=int, default=1, help="--merge: torch's intra-op threads")
+    parser.add_argument("--threads", type=int, default=1, help="--merge: the merge's threads, as `diloco syncer "
+                        "--threads` sets them")
     parser.add_argument("--codec-loops", default="compiled" if compiled.usable(1 << 20, torch.empty(0))
                         else "torch", help="--merge: which codec loops decode and encode, a comma list of "
                         "compiled (numba) and torch (eager ops), each measured in turn (default compiled "

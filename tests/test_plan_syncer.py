@@ -15,8 +15,9 @@ from diloco.cli import main
 from diloco.plan.build import deployment
 from diloco.plan.layout import assumed_layout
 from diloco.plan.plan_model import plan
-from diloco.plan.syncer_cost import (LEARNER_FLOPS, PLAN_STEP_TOKENS, SHARD_BULK_PULL_BYTES_PER_S,
-                                     SHARD_CPU_NS_PER_PARAM, SHARD_PULL_BYTES_PER_S, join_s, shards_for_cores)
+from diloco.plan.syncer_cost import (LEARNER_FLOPS, PLAN_MAX_THREADS, PLAN_STEP_TOKENS, SHARD_BULK_PULL_BYTES_PER_S,
+                                     SHARD_CPU_NS_PER_PARAM, SHARD_PULL_BYTES_PER_S, SHARD_SERIAL_SHARE, join_s,
+                                     shard_capacity, shards_for_cores, threads_for)
 
 README_EXAMPLE = ["plan", "--params", "12B", "--learners", "8", "--bandwidth", "1Gbit"]
 
@@ -65,6 +66,48 @@ def test_shards_for_cores_is_the_fewest_whose_busiest_fits():
     assert max(s.cores for s in fewer.shards) > limit
     numels = [f.numel for f in d.layout.fragments]
     assert shards_for_cores(total / SHARD_CPU_NS_PER_PARAM * 1e9, numels, total / 100) is None  # a fragment > limit
+
+
+@pytest.mark.parametrize("needed", [0.3, 1.0, 1.01, 1.4, 1.7, 2.0, 2.2])
+def test_threads_for_is_the_fewest_whose_capacity_covers_the_shard(needed: float):
+    threads = threads_for(needed)
+    assert threads is not None and shard_capacity(threads) >= needed - 1e-9
+    assert threads == 1 or shard_capacity(threads - 1) < needed
+    assert shard_capacity(1) == pytest.approx(1.0)
+
+
+def test_no_thread_count_covers_more_than_the_serial_share_allows():
+    ceiling = 1 / SHARD_SERIAL_SHARE
+    assert threads_for(ceiling) is None and threads_for(ceiling * 1.5) is None
+    assert threads_for(shard_capacity(PLAN_MAX_THREADS + 1)) is None  # reachable, but not with a sane count
+
+
+def test_a_shard_on_several_cores_gets_through_only_its_capacity():
+    d = _deployment()
+    total = plan(replace(d, shards=1)).shards[0].cores
+    rate = total / SHARD_CPU_NS_PER_PARAM * 1e9  # pushed parameters/s of the whole model
+    numels = [f.numel for f in d.layout.fragments]
+    for cores_each in (2, 4, 16):
+        shards = shards_for_cores(rate * 2.0 / total, numels, cores_each)  # a model that needs 2 cores in all
+        assert shards is not None
+        largest = max(sum(numels[p::shards]) for p in range(shards))
+        assert 2.0 * largest / sum(numels) <= shard_capacity(cores_each) + 1e-9
+        assert shards == 1 or 2.0 * max(sum(numels[p::shards - 1]) for p in range(shards - 1)) / sum(numels) \
+            > shard_capacity(cores_each)
+
+
+def test_a_plan_splits_a_shard_that_no_thread_count_keeps_up_with(tmp_path, capsys):
+    """The README example's one shard would need 3.9 cores, more than a shard gets through on any thread
+    count: the plan takes two shards by default and names the threads each needs."""
+    data = _plan_json(tmp_path, README_EXAMPLE)
+    busiest = max(s["cores"] for s in data["shards"])
+    assert data["shards_for_cores"] == len(data["shards"]) == 2
+    assert 1 < busiest <= 1 / SHARD_SERIAL_SHARE
+    assert data["shard_threads"] == threads_for(busiest)
+    forced = _plan_json(tmp_path, [*README_EXAMPLE, "--shards", "1"], "one.json")
+    assert forced["shard_threads"] is None
+    assert main([*README_EXAMPLE, "--shards", "1"]) == 0
+    assert "no thread count is enough for the busiest shard" in capsys.readouterr().out
 
 
 def test_a_params_plan_derives_its_step_time_from_the_models_flops(tmp_path):

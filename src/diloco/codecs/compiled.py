@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+import diloco.chunk_threads as chunk_threads
+
 MIN_ELEMENTS = 1 << 16
 """Below this a tensor takes the torch path: a call's fixed cost is then most of the work."""
 
@@ -125,13 +127,21 @@ def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, level
         raise ValueError("packing as it encodes needs an even block, a block's room of codes and a byte per two")
     source = x.numpy()
     subtracted = source if minus is None else minus.numpy()
-    scratch = np.empty(min(block, max(source.shape[0], 1)), dtype=np.float32)
     if onto is not None and not _linear(onto[1], levels, onto[2]):
         raise ValueError(f"a table whose codes are not q / {levels} cannot be decoded onto as a linear code")
     out = np.empty(0, np.float32) if onto is None else onto[0].numpy()
-    _kernels()["encode_linear"](source, subtracted, minus is not None, block, levels, codes, scales, scratch,
-                                out, onto is not None, np.empty(0, np.uint8) if packed is None else packed,
-                                packed is not None)
+    kernel, spans = _kernels()["encode_linear"], chunk_threads.pieces(source.shape[0], block)
+
+    def piece(start: int, stop: int) -> None:
+        """Whole blocks from `start` (even where packed): their scales, codes, bytes and values, as the one
+        loop over the tensor makes them; with several pieces, each a block's room of its own."""
+        room = codes[start:stop] if packed is None else codes if len(spans) == 1 else np.empty_like(codes)
+        kernel(source[start:stop], subtracted[start:stop], minus is not None, block, levels, room,
+               scales[start // block:-(-stop // block)], np.empty(min(block, max(stop - start, 1)), np.float32),
+               out[start:stop] if onto is not None else out, onto is not None,
+               np.empty(0, np.uint8) if packed is None else packed[start // 2:(stop + 1) // 2], packed is not None)
+
+    chunk_threads.run(spans, piece)
 
 
 def _linear(tables: DecodeTables, levels: int, mask: int) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import diloco.chunk_threads as chunk_threads
 import diloco.codecs.compiled as compiled
 from diloco.codecs.compiled import DecodeTables
 
@@ -84,8 +85,16 @@ def fold_group(payloads: list[np.ndarray], scales: list[np.ndarray], block: int,
     base0, base1 = (_flat(total0), _flat(total1)) if has_base else (target0, target1)
     from numba.typed import List  # one compiled loop for any number of pushes (a tuple's length is its type)
 
-    _kernels()["fold_group_pairs"](List(payloads), List(scales), block, np.float32(levels), target0, base0,
-                                   target1, base1, alphas.astype(np.float32), has_base, copy_base, GROUP_BLOCKS)
+    kernel, weights = _kernels()["fold_group_pairs"], alphas.astype(np.float32)
+
+    def piece(start: int, stop: int) -> None:
+        """Whole blocks from `start` (even: a byte's two codes in one piece), folded as the whole loop folds them."""
+        bytes_, blocks = slice(start // 2, (stop + 1) // 2), slice(start // block, -(-stop // block))
+        kernel(List([p[bytes_] for p in payloads]), List([s[blocks] for s in scales]), block, np.float32(levels),
+               target0[start:stop], base0[start:stop], target1[start:stop], base1[start:stop], weights, has_base,
+               copy_base, GROUP_BLOCKS)
+
+    chunk_threads.run(chunk_threads.pieces(target0.shape[0], block * GROUP_BLOCKS), piece)
 
 
 def arithmetic_levels(tables: DecodeTables) -> float | None:

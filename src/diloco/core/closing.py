@@ -112,10 +112,10 @@ def next_theta(state: FragmentState, theta: dict[str, torch.Tensor], *, rule: Me
     names = list(state.fragment.names)
     after = {n: new(theta[n]) for n in names}
     optimizer, unchecked = state.optimizer, []
-    squares = dict.fromkeys(names, 0.0)
+    pieces: dict[tuple[str, int], float] = {}
 
-    def written(name: str, start: int, stop: int) -> None:
-        squares[name] += squared_pieces(after[name].view(-1)[start:stop], theta[name].reshape(-1)[start:stop])
+    def written(name: str, start: int, stop: int) -> None:  # on the thread that stepped the chunk
+        pieces[(name, start)] = squared_pieces(after[name].view(-1)[start:stop], theta[name].reshape(-1)[start:stop])
 
     if consolidate:
         for n in names:
@@ -131,6 +131,9 @@ def next_theta(state: FragmentState, theta: dict[str, torch.Tensor], *, rule: Me
     if consolidate or state.correction is not None:
         update_norm = math.sqrt(sum(distance(after[n], theta[n]) ** 2 for n in names))
     else:
+        squares = dict.fromkeys(names, 0.0)
+        for name, start in sorted(pieces):
+            squares[name] += pieces[(name, start)]  # in the chunks' order, whichever threads stepped them
         update_norm = math.sqrt(sum(from_squares(squares[n], after[n], theta[n]) ** 2 for n in names))
     if not (all(finite(t) for t in after.values()) and all_finite(unchecked)):
         raise RoundRefused(f"round {state.version + 1} of fragment {state.fragment.index} would make Θ or the "

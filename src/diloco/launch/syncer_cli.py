@@ -63,9 +63,9 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
                         "over gRPC, with a one-use ticket their authenticated Pull or Push hands out; open it in "
                         "firewalls as the gRPC port (--bulk-pulls: the same, its earlier name)")
     p.add_argument("--threads", type=thread_count, default=1, metavar="N",
-                   help="torch threads for the merge arithmetic (default 1). More shorten a round's wall time but "
-                        "cost more CPU per pushed parameter: its passes are chunks of a few MB, which threads share "
-                        "poorly (1.4-1.7x the CPU with 2; docs/runtime.md). To merge more, run more shards")
+                   help="cores for the merge arithmetic (default 1): a round's compiled loops run in pieces on N "
+                        "threads at once, and torch's own ops on N intra-op threads; the values do not depend on "
+                        "N. More shorten a round's wall time and let one shard merge more (docs/runtime.md)")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
     p.add_argument("--region", metavar="NAME",
@@ -93,6 +93,9 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    from diloco import chunk_threads
+
+    chunk_threads.set_threads(args.threads)
     die_with_parent()
     setup_logging(args.verbose)
     from diloco.codecs import compiled

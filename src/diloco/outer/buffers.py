@@ -15,4 +15,5 @@ def fp32_like(like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like, dtype=torch.float32)
 
 Written = Callable[[str, int, int], None]
-"""written(name, start, stop): elements start:stop of the named tensor's new values (flattened) are done."""
+"""written(name, start, stop): elements start:stop of the named tensor's new values (flattened) are done.
+Chunks may be done on several threads at once (`chunk_threads`): a callback keeps what it learns per chunk."""

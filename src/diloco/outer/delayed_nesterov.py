@@ -20,6 +20,7 @@ import copy
 
 import torch
 
+import diloco.chunk_threads as chunk_threads
 from diloco.cache_chunks import Scaled, chunks, piece_of
 import diloco.outer.compiled_step as compiled_step
 from diloco.outer.buffers import NewTensor, Written, fp32_like
@@ -73,23 +74,29 @@ class DelayedNesterov:
             factor, divide = (delta.factor, delta.divide) if isinstance(delta, Scaled) else (1.0, False)
             state = [old, new_total] if momentum is None else [old, new_total, old_momentum, momentum]
             compiled = compiled_step.usable(theta, source, target, *state)
-            finite = compiled
-            for start, stop in chunks(target.numel(), target.device):
+
+            def one_chunk(start: int, stop: int) -> bool:
                 piece, part = theta.reshape(-1)[start:stop], slice(start, stop)
+                finite = compiled
                 if compiled and momentum is None:  # one loop each, the same values (`compiled_step.py`)
-                    finite &= compiled_step.plain_step(piece, source[part], factor, divide, old[part], s,
-                                                       self.lr * s, new_total.view(-1)[part], target[part])
+                    finite = compiled_step.plain_step(piece, source[part], factor, divide, old[part], s,
+                                                      self.lr * s, new_total.view(-1)[part], target[part])
                 elif compiled:
-                    finite &= compiled_step.momentum_step(piece, source[part], factor, divide, old[part], s,
-                                                          self.momentum, old_momentum[part], self.lr,
-                                                          new_total.view(-1)[part], momentum[part], target[part])
+                    finite = compiled_step.momentum_step(piece, source[part], factor, divide, old[part], s,
+                                                         self.momentum, old_momentum[part], self.lr,
+                                                         new_total.view(-1)[part], momentum[part], target[part])
                 else:
                     self._step_chunk(piece, piece_of(delta, start, stop), target[part], s, old[part],
                                      new_total.view(-1)[part], None if old_momentum is None else old_momentum[part],
                                      None if momentum is None else momentum[part])
                 if written is not None:
                     written(name, start, stop)
-            if not finite:
+                return finite
+
+            spans = list(chunks(target.numel(), target.device))
+            # the compiled loops' chunks on the shard's threads (`chunk_threads`); torch's ops use its own
+            done = chunk_threads.run(spans, one_chunk) if compiled else [one_chunk(*span) for span in spans]
+            if not (compiled and all(done)):
                 unchecked += made
         if full_round:
             self.accumulated = 0.0

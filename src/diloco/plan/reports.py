@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from diloco.plan.deployment import Deployment
 from diloco.plan.memory import ShardMemory
+from diloco.plan.syncer_cost import threads_for
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,11 @@ class Plan:
     """With `--shard-cores`: the fewest shards whose CPU keeps up (None: one fragment needs more)."""
 
     @property
+    def shard_threads(self) -> int | None:
+        """`diloco syncer --threads` for the busiest shard (`syncer_cost.threads_for`; None: no count is enough)."""
+        return threads_for(max((s.cores for s in self.shards), default=0.0))
+
+    @property
     def keeps_up(self) -> bool:
         """Every learner's link keeps up; with the config's regions, every one of their links (a learner's
         own link is then its route, which the links stand for)."""
@@ -148,7 +154,7 @@ class Plan:
                         "out_per_s": s.out_per_s, "pushed_params_per_s": s.pushed_params_per_s, "cores": s.cores}
                        for s in self.shards],
             "shards_needed": self.shards_needed, "join_s": self.join_s, "shard_cores": d.shard_cores,
-            "shards_for_cores": self.shards_for_cores, "step_time_source": d.step_time_source, "totals": asdict(self.totals) if self.totals else None,
+            "shards_for_cores": self.shards_for_cores, "shard_threads": self.shard_threads, "step_time_source": d.step_time_source, "totals": asdict(self.totals) if self.totals else None,
             "placement": d.network.placement if d.network else None, "fragment_homes": list(self.homes),
             "slow_routes": list(self.slow_routes),
             "links": [asdict(lk) for lk in self.links]}

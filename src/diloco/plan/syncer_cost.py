@@ -4,6 +4,9 @@ with the command that measures it, so a faster syncer or another accelerator is 
 
 - Syncer cores: a shard spends `SHARD_CPU_NS_PER_PARAM` CPU-nanoseconds per parameter it is pushed
   (decode, accumulate, close the round, answer), so it needs pushed parameters/s × that many cores.
+- Threads: `diloco syncer --threads T` runs a round's compiled loops in pieces on T threads; the rest of
+  the merge (each push's checks, the core's bookkeeping: `SHARD_SERIAL_SHARE` of it) stays on one, so a
+  shard gets through at most 1 / (s + (1 − s) / T) cores' worth of one thread's merging (Amdahl).
 - Join time: a joining learner pulls Θ whole (fp32) from every shard at once; each shard serves its part
   at `SHARD_BULK_PULL_BYTES_PER_S` (over its bulk port, as `diloco run` starts shards), and all of Θ
   crosses the learner's own link: the join lasts as long as the slower of the largest shard's part and
@@ -27,6 +30,11 @@ median kept; the code before s61's momentum loop gave a median 3.22 the same mor
 from s60 is the host). Earlier: 7.71 (s39, without the bulk port, the compiled loops or a group folded
 together), 7.54 (the median at s51), 4.93 (s59), 3.66 (s60, before the full round's momentum step was one
 compiled loop)."""
+SHARD_SERIAL_SHARE = 0.42
+"""Share of a shard's merge CPU that stays on one thread whatever `--threads` says: 1 − `loops_share` of
+`python benchmarks/core_events.py --merge --numel 5000000 --codec int4 --rounds 6 --threads 1` for pushes
+taken one by one into rounds of 8 (as paced rounds take them; 0.30 for pushes that each close a round,
+0.42 for groups of 8). Conservative for the whole shard: its transport runs on threads of its own."""
 SHARD_PULL_BYTES_PER_S = 408e6
 """Bytes/s of Θ one shard serves a joining learner over gRPC (a shard without `--bulk-port`):
 `join_bytes ÷ join_s` of the same run (80 MB of fp32 Θ from one shard in 0.196 s, 4 fragments on 4
@@ -65,12 +73,33 @@ def join_s(shard_parameters: Sequence[int], link_bps: float | None = None,
     return max(serving, crossing)
 
 
+def shard_capacity(threads: int, serial: float = SHARD_SERIAL_SHARE) -> float:
+    """Cores' worth of one thread's merging that a shard on `threads` threads gets through."""
+    return 1.0 / (serial + (1.0 - serial) / threads)
+
+
+PLAN_MAX_THREADS = 64
+"""The most `--threads` a plan proposes: past a few dozen, each thread adds almost nothing (Amdahl)."""
+
+
+def threads_for(shard_cores: float, serial: float = SHARD_SERIAL_SHARE) -> int | None:
+    """The fewest `--threads` (at most PLAN_MAX_THREADS) for a shard that needs `shard_cores`; None if
+    none is enough."""
+    if shard_cores <= 1:
+        return 1
+    if shard_cores * serial >= 1:
+        return None
+    threads = math.ceil((1.0 - serial) / (1.0 / shard_cores - serial) - 1e-9)
+    return threads if threads <= PLAN_MAX_THREADS else None
+
+
 def shards_for_cores(pushed_params_per_s: float, fragment_numels: Sequence[int], limit_cores: float) -> int | None:
-    """The fewest shards (fragment p on shard p mod S) none of which needs more than `limit_cores`; None
-    if one fragment alone needs more."""
+    """The fewest shards (fragment p on shard p mod S), each on `limit_cores` cores and as many threads,
+    none of which needs more than it gets through (`shard_capacity`); None if one fragment alone needs more."""
+    usable = min(limit_cores, shard_capacity(max(1, math.floor(limit_cores))))
     total = sum(fragment_numels)
-    for shards in range(max(1, math.ceil(cores(pushed_params_per_s) / limit_cores)), len(fragment_numels) + 1):
+    for shards in range(max(1, math.ceil(cores(pushed_params_per_s) / usable)), len(fragment_numels) + 1):
         largest = max(sum(fragment_numels[p::shards]) for p in range(shards))
-        if cores(pushed_params_per_s * largest / total) <= limit_cores:
+        if cores(pushed_params_per_s * largest / total) <= usable:
             return shards
     return None

@@ -12,7 +12,8 @@ from rich.table import Table
 
 from diloco.plan.reports import Plan
 from diloco.plan.search import Advice
-from diloco.plan.syncer_cost import SHARD_BULK_PULL_BYTES_PER_S, SHARD_CPU_NS_PER_PARAM, SHARD_PULL_BYTES_PER_S
+from diloco.plan.syncer_cost import (SHARD_BULK_PULL_BYTES_PER_S, SHARD_CPU_NS_PER_PARAM, SHARD_PULL_BYTES_PER_S,
+                                     SHARD_SERIAL_SHARE)
 from diloco.results import human_bytes
 
 GIB = 2**30
@@ -171,11 +172,21 @@ def syncer_lines(p: Plan) -> list[str]:
     cores = [s.cores for s in p.shards]
     lines = [f"syncer CPU: {sum(cores):.3g} cores in all, {max(cores):.3g} on the busiest shard "
              f"({SHARD_CPU_NS_PER_PARAM:g} ns per pushed parameter, measured)"]
-    if p.deployment.shard_cores is not None:
-        lines.append(f"shards needed for the CPU: {p.shards_for_cores} of {p.deployment.shard_cores:g} cores"
-                     if p.shards_for_cores else
-                     f"shards needed for the CPU: none of {p.deployment.shard_cores:g} cores is enough: one "
-                     "fragment alone needs more; use more fragments or a larger H")
+    busiest = max(cores, default=0.0)
+    if busiest > 1:
+        threads = p.shard_threads
+        most = f"{SHARD_SERIAL_SHARE:.0%} of its merging stays on one thread: a shard gets through at most " \
+               f"{1 / SHARD_SERIAL_SHARE:.3g} cores' worth"
+        lines.append(f"start each shard with `diloco syncer --threads {threads}` ({most})" if threads else
+                     f"no thread count is enough for the busiest shard ({most}): use more shards (--shards, "
+                     "--shard-cores)")
+    limit = p.deployment.shard_cores
+    of = f" of {limit:g} cores" if limit is not None else ""
+    if p.shards_for_cores:
+        lines.append(f"shards needed for the CPU: {p.shards_for_cores}{of}")
+    elif p.shards and not p.homes:
+        lines.append(f"shards needed for the CPU: no shard{of} is enough: one fragment alone needs more; use more "
+                     "fragments or a larger H")
     if p.join_s is not None:
         theta = 4 * p.deployment.layout.parameters
         lines.append(f"a join: {human_bytes(theta)} of fp32 Θ from {len(p.shards)} shard(s) at once, "
