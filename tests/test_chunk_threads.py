@@ -185,3 +185,23 @@ def _tensors(tree) -> list[torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return [t for item in tree for t in _tensors(item)]
     return []
+
+
+@needs_loops
+@pytest.mark.integration
+def test_the_threads_benchmark_times_every_loop_on_every_count(tmp_path) -> None:
+    """`benchmarks/merge_threads.py` stays runnable: each loop, each thread count, ratios against one."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "merge_threads.py"
+    out = tmp_path / "threads.json"
+    subprocess.run([sys.executable, str(script), "--numel", str(ODD), "--threads", "1,3", "--repeats", "2",
+                    "--json", str(out)], check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert set(result["loops"]) == {"outer step", "downlink encode", "fold of 8 pushes"}
+    for rows in result["loops"].values():
+        assert set(rows) == {"1", "3"} and rows["1"]["speedup"] == rows["1"]["cpu_ratio"] == 1.0
+        assert all(row["cpu_ns_per_element"] > 0 and row["wall_ns_per_element"] > 0 for row in rows.values())

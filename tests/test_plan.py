@@ -162,10 +162,10 @@ def _seed(**changes) -> object:
 def test_shard_memory_does_not_grow_with_learners():
     """The state is per fragment; the pushes being received grow with learners only up to what the bulk port
     takes at once."""
-    from dataclasses import replace
-
-    few, many = _seed(), replace(_seed(), speeds=(1.0,) * 64)
-    port, more = replace(_seed(), speeds=(1.0,) * UPLOADS_AT_ONCE), replace(_seed(), speeds=(1.0,) * 4 * UPLOADS_AT_ONCE)
+    shards = len(plan(_seed()).shards)  # as many as 8 learners need: more would need more for their CPU
+    few, many = _seed(shards=shards), _seed(shards=shards, speeds=(1.0,) * 64)
+    port = _seed(shards=shards, speeds=(1.0,) * UPLOADS_AT_ONCE)
+    more = _seed(shards=shards, speeds=(1.0,) * 4 * UPLOADS_AT_ONCE)
     state = [(m.resident_bytes, m.transient_bytes) for m in (s.memory for s in plan(few).shards)]
     assert state == [(m.resident_bytes, m.transient_bytes) for m in (s.memory for s in plan(many).shards)]
     assert [s.memory for s in plan(port).shards] == [s.memory for s in plan(more).shards]

@@ -96,14 +96,20 @@ def test_a_shard_on_several_cores_gets_through_only_its_capacity():
             > shard_capacity(cores_each)
 
 
-def test_a_plan_splits_a_shard_that_no_thread_count_keeps_up_with(tmp_path, capsys):
-    """The README example's one shard would need 3.9 cores, more than a shard gets through on any thread
-    count: the plan takes two shards by default and names the threads each needs."""
+def test_a_plan_gives_each_shard_what_its_threads_get_through(tmp_path, capsys):
+    """The README example needs 3.9 cores: one core a shard by default (four shards); in 16 fragments on
+    shards of 4 cores, as much as a shard on 4 threads gets through (Amdahl: three shards); on one shard, more
+    than any thread count gets through."""
     data = _plan_json(tmp_path, README_EXAMPLE)
-    busiest = max(s["cores"] for s in data["shards"])
-    assert data["shards_for_cores"] == len(data["shards"]) == 2
-    assert 1 < busiest <= 1 / SHARD_SERIAL_SHARE
-    assert data["shard_threads"] == threads_for(busiest)
+    assert data["shards_for_cores"] == len(data["shards"]) == 4
+    assert max(s["cores"] for s in data["shards"]) <= 1 and data["shard_threads"] == 1
+    on_four = [*README_EXAMPLE, "--fragments", "16", "--shard-cores", "4"]
+    wide = _plan_json(tmp_path, on_four, "wide.json")
+    busiest = max(s["cores"] for s in wide["shards"])
+    assert len(wide["shards"]) == 3 and 1 < busiest <= shard_capacity(4)
+    assert wide["shard_threads"] == threads_for(busiest) <= 4
+    assert main(on_four) == 0
+    assert f"start each shard with `diloco syncer --threads {wide['shard_threads']}`" in capsys.readouterr().out
     forced = _plan_json(tmp_path, [*README_EXAMPLE, "--shards", "1"], "one.json")
     assert forced["shard_threads"] is None
     assert main([*README_EXAMPLE, "--shards", "1"]) == 0

@@ -63,9 +63,10 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
                         "over gRPC, with a one-use ticket their authenticated Pull or Push hands out; open it in "
                         "firewalls as the gRPC port (--bulk-pulls: the same, its earlier name)")
     p.add_argument("--threads", type=thread_count, default=1, metavar="N",
-                   help="cores for the merge arithmetic (default 1): a round's compiled loops run in pieces on N "
-                        "threads at once, and torch's own ops on N intra-op threads; the values do not depend on "
-                        "N. More shorten a round's wall time and let one shard merge more (docs/runtime.md)")
+                   help="threads for the merge arithmetic (default 1): a round's compiled loops run in pieces on "
+                        "N threads at once, and torch's own ops on N intra-op threads; the values do not depend "
+                        "on N. More shorten a round where cores and memory bandwidth are idle; "
+                        "benchmarks/merge_threads.py says whether they pay on a host (docs/runtime.md)")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
     p.add_argument("--region", metavar="NAME",

@@ -17,7 +17,7 @@ from diloco.plan.steady_links import LinkState, Site, Traffic, steady_state, ver
 from diloco.plan.memory import shard_memory, shards_needed
 from diloco.plan.network import network_report
 from diloco.plan.reports import Plan, RegionReport, ShardReport, SiteReport
-from diloco.plan.syncer_cost import PLAN_MAX_THREADS, cores, join_s, shards_for_cores
+from diloco.plan.syncer_cost import cores, join_s, shards_for_cores
 from diloco.plan.totals import estimate_totals, replayed_totals
 from diloco.shard.ownership import placed_shard_count
 from diloco.plan.wire import all_reduce_share
@@ -119,8 +119,8 @@ def plan(d: Deployment, replayed: ReplayResult | None = None) -> Plan:
         if d.shard_memory_bytes is not None:
             needed = shards_needed(list(numels), [f.embedding for f in d.layout.fragments], d.syncer_state(),
                                    d.shard_memory_bytes, d.pushes())
-        # without --shard-cores a shard may have as many as it can use: its serial share still bounds it
-        for_cores = shards_for_cores(pushed_params_per_s(d), numels, d.shard_cores or PLAN_MAX_THREADS)
+        # without --shard-cores, one core a shard: what one thread is measured to get through
+        for_cores = shards_for_cores(pushed_params_per_s(d), numels, d.shard_cores or 1.0)
         count = d.shards or max(needed or 1, for_cores or 1)
         shards = shard_reports(d, sites, min(count, len(numels)))
     totals = replayed_totals(replayed) if replayed else estimate_totals(d, sites) if d.tokens else None

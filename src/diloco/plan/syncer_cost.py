@@ -32,9 +32,10 @@ together), 7.54 (the median at s51), 4.93 (s59), 3.66 (s60, before the full roun
 compiled loop)."""
 SHARD_SERIAL_SHARE = 0.42
 """Share of a shard's merge CPU that stays on one thread whatever `--threads` says: 1 − `loops_share` of
-`python benchmarks/core_events.py --merge --numel 5000000 --codec int4 --rounds 6 --threads 1` for pushes
-taken one by one into rounds of 8 (as paced rounds take them; 0.30 for pushes that each close a round,
-0.42 for groups of 8). Conservative for the whole shard: its transport runs on threads of its own."""
+`python benchmarks/core_events.py --merge --numel 5000000 --codec int4 --rounds 6 --threads 1`, the larger
+of its two grouped ways (`benchmarks/results/core_merge-threads-s63-{2,5}-after-t1.json`: groups of 8 0.58
+and 0.57 in the loops, pushes one by one into rounds of 8 0.60 and 0.59, each push alone 0.69 and 0.70).
+Conservative for the whole shard: its transport runs on threads of its own."""
 SHARD_PULL_BYTES_PER_S = 408e6
 """Bytes/s of Θ one shard serves a joining learner over gRPC (a shard without `--bulk-port`):
 `join_bytes ÷ join_s` of the same run (80 MB of fp32 Θ from one shard in 0.196 s, 4 fragments on 4
