@@ -163,3 +163,36 @@ def test_a_rounds_distance_in_one_read_is_the_float64_sum_of_the_fp32_difference
     assert compiled_step.square_distance(a[:100], b[:100]) is None  # below the loop's size: torch's
     b[7] = float("nan")
     assert compiled_step.square_distance(a, b) != compiled_step.square_distance(a, b)
+
+
+def test_a_rounds_new_theta_is_measured_as_its_step_writes_it(monkeypatch):
+    """The new Θ's squares come from the same in-cache read as the update's distance: its finite check and
+    the next outlier bound take no pass of their own, and the norm they read is its float64 sum of squares."""
+    from diloco.config import load_config
+    from diloco.core import accumulate
+    from diloco.core.events import PushArrived
+    from diloco.core.messages import Push
+    from diloco.fragments import Fragment
+    from diloco.strategies import build_strategy
+
+    monkeypatch.setattr(cache_chunks, "CPU_CHUNK_ELEMENTS", compiled.MIN_ELEMENTS)  # several chunks
+    spec = build_strategy(load_config(overrides=["learners.count=2", "learners.speeds=[]", "outer.fragments=1",
+                                                 "outer.quorum=1", "outer.pacing=false"]))
+    core = spec.syncer_core({"w": torch.randn(NUMEL, generator=torch.Generator().manual_seed(6))},
+                            [Fragment(0, ("w",), NUMEL, False)], range(2), embeddings=())
+    for m in range(2):
+        core.declare(m, 64)
+        core.rejoin_state(m, after_seq=0)
+    measured: list[int] = []
+    real = accumulate.tensor_norm
+    monkeypatch.setattr(accumulate, "tensor_norm", lambda t: measured.append(id(t)) or real(t))
+    before = core.merging.theta["w"]
+    delta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(7)) * 1e-3
+    core.handle(PushArrived(Push(0, 0, core.version(0), 1, {"w": delta}, 256, 4, step_time_s=0.01, sent_at=0.0,
+                                 step=4)), 1.0)
+    theta = core.merging.theta["w"]
+    assert theta is not before and core.rounds_closed == 1
+    assert id(theta) not in measured  # its norm came with the step's chunks
+    exact = float((theta.double() ** 2).sum()) ** 0.5
+    assert abs(accumulate.norm_of(theta) - exact) <= 1e-12 * exact
+    assert id(theta) not in measured

@@ -39,10 +39,17 @@ def norm_of(tensor: torch.Tensor) -> float:
     if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
         return hit[2]
     norm = tensor_norm(tensor)
+    remember_norm(tensor, norm)
+    return norm
+
+
+def remember_norm(tensor: torch.Tensor, norm: float) -> None:
+    """What `norm_of(tensor)` gives until the tensor is written again. A round's new Θ is measured as its
+    step writes each chunk (`closing.next_theta`): its squares summed in float64, so it is finite exactly when
+    every element is, and its last bits differ from a float32 norm's (it bounds outliers, nothing else)."""
     if len(_norms) >= NORMS_KEPT:
         _norms.clear()
     _norms[id(tensor)] = (weakref.ref(tensor), tensor._version, norm)
-    return norm
 
 
 def delta_norm(deltas: Mapping[str, torch.Tensor], name: str) -> float:

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from diloco.core.accumulate import Contribution, norm_of
+from diloco.core.accumulate import Contribution, norm_of, remember_norm
 from diloco.core.refusals import RoundRefused
 from diloco.core.rounds import FragmentState, OuterOptimizer
 from diloco.outer.buffers import NewTensor, fp32_like
@@ -85,8 +85,19 @@ def squared_pieces(a: torch.Tensor, b: torch.Tensor) -> float:
     piece's norm in float32 and their squares summed in float64; where the compiled loop takes them, every
     square summed in float64 in one pass (`compiled_step.square_distance`: a metric's last bits differ)."""
     compiled = compiled_step.square_distance(a, b)
-    if compiled is not None:
-        return compiled
+    return compiled if compiled is not None else _torch_pieces(a, b)
+
+
+def step_squares(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(`squared_pieces(a, b)`, Σ a² in float64), while a step's chunk is in cache: where the compiled loop
+    takes them, both from one read of each."""
+    both = compiled_step.squares(a, b)
+    if both is not None:
+        return both
+    return _torch_pieces(a, b), float(torch.linalg.vector_norm(a, dtype=torch.float64)) ** 2
+
+
+def _torch_pieces(a: torch.Tensor, b: torch.Tensor) -> float:
     squares = 0.0
     for start in range(0, a.numel(), DISTANCE_CHUNK):
         stop = min(start + DISTANCE_CHUNK, a.numel())
@@ -112,10 +123,11 @@ def next_theta(state: FragmentState, theta: dict[str, torch.Tensor], *, rule: Me
     names = list(state.fragment.names)
     after = {n: new(theta[n]) for n in names}
     optimizer, unchecked = state.optimizer, []
-    pieces: dict[tuple[str, int], float] = {}
+    pieces: dict[tuple[str, int], tuple[float, float, int]] = {}
 
     def written(name: str, start: int, stop: int) -> None:  # on the thread that stepped the chunk
-        pieces[(name, start)] = squared_pieces(after[name].view(-1)[start:stop], theta[name].reshape(-1)[start:stop])
+        measured = step_squares(after[name].view(-1)[start:stop], theta[name].reshape(-1)[start:stop])
+        pieces[(name, start)] = (*measured, after[name]._version)
 
     if consolidate:
         for n in names:
@@ -131,10 +143,15 @@ def next_theta(state: FragmentState, theta: dict[str, torch.Tensor], *, rule: Me
     if consolidate or state.correction is not None:
         update_norm = math.sqrt(sum(distance(after[n], theta[n]) ** 2 for n in names))
     else:
-        squares = dict.fromkeys(names, 0.0)
-        for name, start in sorted(pieces):
-            squares[name] += pieces[(name, start)]  # in the chunks' order, whichever threads stepped them
+        squares, own, version = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0), dict.fromkeys(names, -1)
+        for name, start in sorted(pieces):  # in the chunks' order, whichever threads stepped them
+            squares[name] += pieces[(name, start)][0]
+            own[name] += pieces[(name, start)][1]
+            version[name] = max(version[name], pieces[(name, start)][2])
         update_norm = math.sqrt(sum(from_squares(squares[n], after[n], theta[n]) ** 2 for n in names))
+        for n in names:  # for the finite check below and the next outlier bound, if nothing wrote it since
+            if version[n] == after[n]._version:
+                remember_norm(after[n], math.sqrt(own[n]))
     if not (all(finite(t) for t in after.values()) and all_finite(unchecked)):
         raise RoundRefused(f"round {state.version + 1} of fragment {state.fragment.index} would make Θ or the "
                            f"outer optimizer's state non-finite: refused, nothing changed")

@@ -55,10 +55,18 @@ def momentum_step(theta: torch.Tensor, source: torch.Tensor, factor: float, divi
 def square_distance(a: torch.Tensor, b: torch.Tensor) -> float | None:
     """Σ (a − b)² of flat fp32 tensors in one read of each, no difference written: each difference rounded
     to fp32 as `torch.sub` rounds it, its square summed in float64. None where the loop does not take them."""
+    both = squares(a, b)
+    return None if both is None else both[0]
+
+
+def squares(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float] | None:
+    """(Σ (a − b)², Σ a²), as `square_distance`, in the same read: a step's distance and its new values'
+    squares (each a² in float64: finite exactly when every element is). None where the loop does not take them."""
     if not (compiled.usable(a.numel(), a, b) and a.dtype == b.dtype == torch.float32 and a.is_contiguous()
             and b.is_contiguous() and a.numel() == b.numel()):
         return None
-    return float(_kernels()["square_distance"](a.numpy(), b.numpy()))
+    distance, own = _kernels()["squares"](a.numpy(), b.numpy())
+    return float(distance), float(own)
 
 
 def load_for(tensors: Iterable[torch.Tensor]) -> None:
@@ -140,11 +148,13 @@ def _kernels() -> dict[str, Callable[..., Any]]:
     """A sum in any order, so that it vectorizes; each difference and square is still one rounded op."""
 
     @summing
-    def square_distance(a, b):  # type: ignore[no-untyped-def]
-        total = 0.0
+    def squares(a, b):  # type: ignore[no-untyped-def]
+        total = own = 0.0
         for i in range(a.shape[0]):
             difference = np.float64(a[i] - b[i])
+            value = np.float64(a[i])
             total += difference * difference
-        return total
+            own += value * value
+        return total, own
 
-    return {"plain_step": plain_step, "momentum_step": momentum_step, "square_distance": square_distance}
+    return {"plain_step": plain_step, "momentum_step": momentum_step, "squares": squares}
