@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-port", "--bulk-pulls", dest="bulk_port", action="store_true",
                         help="the shards serve a bulk port (`diloco syncer --bulk-port`): the join's values and "
                         "the pushes' data over plain TCP, not gRPC")
+    parser.add_argument("--shard-threads", type=int, default=1, help="each shard's `diloco syncer --threads`")
     parser.add_argument("--quorum", type=int, default=1, help="outer.quorum (1: each push closes its round)")
     parser.add_argument("--paced", action="store_true", help="keep the default config's pacing and grace "
                         "(the default paced decoupled config) instead of closing each round at once")

@@ -83,7 +83,7 @@ class Run:
                           str(port_file), "--shards", shard_map, "--shard", f"{i}/{n}",
                           *(["--secret-file", str(secret_file)] if secret_file else []),
                           *(["--out", str(self.work / "state")] if self.args.journal else []),
-                          *(["--bulk-port"] if self.args.bulk_port else []))
+                          *(["--bulk-port"] if self.args.bulk_port else []), "--threads", str(self.args.shard_threads))
             self.shard_procs.append(self.procs.start(argv, self.work / f"shard-{i}.log",
                                                      env={"DILOCO_SHARD_SINK": "1"} if self.args.sink else None))
         self.sampler = Sampler(self.shard_procs, int(self.args.min_free_gib * GIB), self._kill_all)
@@ -329,7 +329,7 @@ def run_combo(procs: Processes, root: Path, combo: Combo, args: argparse.Namespa
         "quorum": min(args.quorum, combo.learners), "key": combo.key, "status": "ok", "reason": "",
         "rss_bytes": None, "push_mb_s": None, "pull_mb_s": None, "socket_mb_s": None, "push_vs_socket": None,
         "pull_vs_socket": None, "join_vs_socket": None, "cpu_ns_per_param": None, "roofline_ns_per_param": None, "cpu_vs_roofline": None,
-        "paced": args.paced, "sink": args.sink, "push_rate": args.push_rate,
+        "paced": args.paced, "sink": args.sink, "push_rate": args.push_rate, "shard_threads": args.shard_threads,
     }
     predicted, how = model.predict(combo.key, per_shard_params, combo.learners)
     need = predicted * combo.shards + combo.learners * LEARNER_RSS_BYTES
