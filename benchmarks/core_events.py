@@ -10,9 +10,9 @@ ns per pushed parameter of `handle`, each push alone (each closes its own round)
 (`PushesArrived`: one round per group) and one by one into rounds of 8 (quorum 8: a round that waits for
 its learners, as a paced one does), against a roofline measured in the same run (one fused in-place
 pass, Θ += w·Δ, over a tensor of the fragment's size), and the wall time of the same calls. One thread
-(--threads: the compiled loops' pieces and torch's intra-op threads, as `diloco syncer --threads` sets
-them). With --codec, the pushes arrive encoded, as a shard takes them off the wire (decoded by the core as
-it reads them), and the answers go out in that codec too: the shard's arithmetic without its transport.
+(--threads: the compiled loops' pieces, as `diloco syncer --threads` gives them). With --codec, the pushes
+arrive encoded, as a shard takes them off the wire (decoded by the core as it reads them), and the answers
+go out in that codec too: the shard's arithmetic without its transport.
 --codec-loops torch,compiled measures the codecs' eager torch ops and their compiled loops (numba) in turn,
 with their ratio.
 
@@ -162,11 +162,10 @@ def merge_cost(numel: int, rounds: int, group: int, learners: int = 8, codec: st
 
 
 def main_merge(args: argparse.Namespace) -> None:
-    from diloco.shard.serving import huge_pages_for_tensors
+    from diloco.shard.serving import huge_pages_for_tensors, merge_threads
 
     huge_pages_for_tensors()  # as a shard runs its core
-    torch.set_num_threads(args.threads)
-    chunk_threads.set_threads(args.threads)
+    merge_threads(args.threads)  # as `diloco syncer --threads` gives them
     line = roofline_ns_per_param(args.numel)
     result: dict = {"numel": args.numel, "learners": 8, "codec": args.codec, "threads": args.threads,
                     "roofline_ns_per_param": line, "codec_loops": {}}

@@ -205,3 +205,16 @@ def test_the_threads_benchmark_times_every_loop_on_every_count(tmp_path) -> None
     for rows in result["loops"].values():
         assert set(rows) == {"1", "3"} and rows["1"]["speedup"] == rows["1"]["cpu_ratio"] == 1.0
         assert all(row["cpu_ns_per_element"] > 0 and row["wall_ns_per_element"] > 0 for row in rows.values())
+
+
+def test_a_shards_threads_go_to_its_loops_and_torch_keeps_one_where_numba_runs_them(monkeypatch) -> None:
+    from diloco.shard.serving import merge_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(compiled, "_enabled", True)
+        assert merge_threads(3) == 1 and chunk_threads.threads() == 3
+        monkeypatch.setattr(compiled, "_enabled", False)  # torch's ops are the arithmetic: they take them
+        assert merge_threads(2) == 2 and chunk_threads.threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -64,8 +64,8 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
                         "firewalls as the gRPC port (--bulk-pulls: the same, its earlier name)")
     p.add_argument("--threads", type=thread_count, default=1, metavar="N",
                    help="threads for the merge arithmetic (default 1): a round's compiled loops run in pieces on "
-                        "N threads at once, and torch's own ops on N intra-op threads; the values do not depend "
-                        "on N. More shorten a round where cores and memory bandwidth are idle; "
+                        "N threads at once (torch keeps one; without numba its ops take the N); the values do not "
+                        "depend on N. More shorten a round where cores and memory bandwidth are idle; "
                         "benchmarks/merge_threads.py says whether they pay on a host (docs/runtime.md)")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit once every learner has left and the last rounds are merged")
@@ -88,15 +88,10 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     from diloco.shard.regional_shard import RegionTier
     from diloco.shard.ownership import global_shard_plan
     from diloco.shard.server import ShardPlan, SyncerShard, parse_shard
-    from diloco.shard.serving import huge_pages_for_tensors
+    from diloco.shard.serving import huge_pages_for_tensors, merge_threads
 
     huge_pages_for_tensors()  # before a resumed state is loaded: torch reads it at its first large tensor
-    import torch
-
-    torch.set_num_threads(args.threads)
-    from diloco import chunk_threads
-
-    chunk_threads.set_threads(args.threads)
+    merge_threads(args.threads)
     die_with_parent()
     setup_logging(args.verbose)
     from diloco.codecs import compiled

@@ -98,6 +98,21 @@ def huge_pages_for_tensors() -> None:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
+def merge_threads(count: int) -> int:
+    """Give a shard's merge `count` threads; torch's intra-op threads as they come out. With numba the merge's
+    arithmetic is its compiled loops, which take the threads in pieces (`chunk_threads`), and torch keeps
+    one: its idle threads spin beside them (1.3-1.6x the CPU, no faster: docs/benchmarks.md, s63). Without
+    numba torch's ops are the arithmetic and take the threads."""
+    import torch
+
+    from diloco import chunk_threads
+    from diloco.codecs import compiled
+
+    chunk_threads.set_threads(count)
+    torch.set_num_threads(1 if compiled.is_enabled() else count)
+    return torch.get_num_threads()
+
+
 INIT_LIMIT_BYTES = 1 << 38
 """The largest Θ a shard accepts to be seeded with (256 GiB of fp32), whatever the host."""
 
