@@ -330,3 +330,38 @@ def test_error_feedback_keeps_the_residual_per_name():
         ef.encode("a", torch.randn(101))
     ef.reset()
     assert not ef.residuals
+
+
+def test_a_codec_is_made_once_per_name_and_block_and_a_peers_blocks_cannot_grow_the_cache():
+    """A shard looks a push's codec up for every tensor: the instance, and the tables it made, are shared."""
+    from diloco.codecs.registry import _shared
+
+    assert get_codec("int4") is get_codec("int4", DEFAULT_BLOCK)
+    assert get_codec("int4", 32) is not get_codec("int4") and get_codec("int4", 32).block == 32
+    tables = get_codec("int8").loop_tables() if compiled.is_enabled() else None
+    assert tables is None or get_codec("int8").loop_tables() is tables
+    for bad in (True, 0, 2**32, 1.0, "64"):
+        with pytest.raises(DilocoError, match="block size must be an integer"):
+            get_codec("int4", bad)
+    with pytest.raises(DilocoError, match="unknown codec"):
+        get_codec(["int4"])  # type: ignore[arg-type]
+    for block in range(1, 300):  # block sizes as a peer's headers may claim them
+        get_codec("int8", block)
+    assert _shared.cache_info().currsize <= 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_all_finite_finds_nan_and_either_infinity_anywhere(dtype):
+    from diloco.codecs.base import all_finite, require_finite
+
+    values = torch.linspace(-3, 3, 1001, dtype=dtype)
+    assert all_finite(values) and all_finite(values[:0]) and all_finite(values.reshape(7, 11, 13)[:, ::2])
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in (0, 500, 1000):
+            damaged = values.clone()
+            damaged[at] = bad
+            assert not all_finite(damaged)
+            with pytest.raises(DilocoError, match="^pushed Δ holds NaN or Inf"):
+                require_finite(damaged, "pushed Δ")
+    assert all_finite(torch.arange(5)) and all_finite(torch.tensor([True, False]))
+    assert not all_finite(torch.tensor([1 + 1j, complex(math.nan, 0)]))

@@ -38,6 +38,7 @@ import torch
 from diloco.clock import SYSTEM_CLOCK as clock
 
 from diloco.client.packed_state import packed_copy, unpacked
+from diloco.codecs.base import all_finite
 from diloco.errors import DilocoError
 from diloco.state_files import file_key, load_checked, save_checked
 
@@ -129,7 +130,7 @@ def _check_params(saved: Any, params: Mapping[str, torch.Tensor], refuse: Callab
     for name, value in saved.items():
         if not isinstance(value, torch.Tensor) or value.shape != params[name].shape:
             raise refuse(f"holds parameter {name!r} of another shape")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if not all_finite(value):
             raise refuse(f"holds NaN or Inf in parameter {name!r}")
 
 
@@ -154,7 +155,7 @@ def _check_optimizer(saved: Any, optimizer: torch.optim.Optimizer, refuse) -> No
                 if value.dim() > 0 and value.shape != shape:
                     raise refuse(f"holds optimizer state {key!r} of shape {list(value.shape)} for a parameter of "
                                  f"shape {list(shape)}")
-                if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                if not all_finite(value):
                     raise refuse(f"holds NaN or Inf in optimizer state {key!r}")
             elif isinstance(value, float) and not math.isfinite(value):
                 raise refuse(f"holds a non-finite optimizer value {key!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -88,9 +89,29 @@ def flat_input(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1)
 
 
+def extremes(values: torch.Tensor) -> tuple[float, float]:
+    """(smallest, largest) element of a non-empty real tensor, in one pass with no mask written: a NaN makes
+    both NaN, so any NaN or ±Inf shows in them (`isfinite(...).all()` cost 20 times as much on a push's
+    scales). One host sync either way."""
+    low, high = torch.aminmax(values)
+    if values.device.type == "cpu":
+        return float(low), float(high)
+    low, high = torch.stack((low, high)).tolist()
+    return low, high
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every element is finite (integer and bool tensors always are)."""
+    if not values.numel() or not (values.is_floating_point() or values.is_complex()):
+        return True
+    if values.is_complex():
+        return bool(torch.isfinite(values).all())
+    return all(math.isfinite(x) for x in extremes(values))
+
+
 def require_finite(values: torch.Tensor, what: str) -> None:
-    """Raise unless every element of `values` is finite: one host sync, on a small tensor where possible."""
-    if values.numel() and not bool(torch.isfinite(values).all()):
+    """Raise unless every element of `values` is finite."""
+    if not all_finite(values):
         raise DilocoError(f"{what} holds NaN or Inf: outer gradients must be finite")
 
 

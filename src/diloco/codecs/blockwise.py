@@ -18,6 +18,7 @@ over the whole tensor, and nothing leaves the device before the final bytes.
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 
@@ -26,7 +27,7 @@ import torch
 
 from diloco.cache_chunks import chunks
 import diloco.codecs.compiled as compiled
-from diloco.codecs.base import Codec, DeviceLike, flat_input, from_bytes, require_finite, to_bytes
+from diloco.codecs.base import Codec, DeviceLike, extremes, flat_input, from_bytes, require_finite, to_bytes
 from diloco.codecs.encoded import MAX_BLOCK, Encoded
 from diloco.errors import DilocoError
 
@@ -180,9 +181,12 @@ class BlockCodec(Codec):
 
     def check_scales(self, scales: torch.Tensor) -> torch.Tensor:
         """`scales` if every block scale is finite and not negative, as an encoder writes them."""
-        require_finite(scales, f"{self.name} tensor's scales")
-        if scales.numel() and bool((scales < 0).any()):
-            raise DilocoError(f"corrupt {self.name} tensor: a block scale is negative")
+        if scales.numel():
+            low, high = extremes(scales)
+            if not (math.isfinite(low) and math.isfinite(high)):
+                raise DilocoError(f"{self.name} tensor's scales holds NaN or Inf: outer gradients must be finite")
+            if low < 0:
+                raise DilocoError(f"corrupt {self.name} tensor: a block scale is negative")
         return scales
 
     def loop_tables(self) -> compiled.DecodeTables:

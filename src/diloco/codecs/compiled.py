@@ -134,10 +134,9 @@ def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, level
 
     def piece(start: int, stop: int) -> None:
         """Whole blocks from `start` (even where packed): their scales, codes, bytes and values, as the one
-        loop over the tensor makes them; with several pieces, each a block's room of its own."""
-        room = codes[start:stop] if packed is None else codes if len(spans) == 1 else np.empty_like(codes)
-        kernel(source[start:stop], subtracted[start:stop], minus is not None, block, levels, room,
-               scales[start // block:-(-stop // block)], np.empty(min(block, max(stop - start, 1)), np.float32),
+        loop over the tensor makes them."""
+        kernel(source[start:stop], subtracted[start:stop], minus is not None, block, levels,
+               codes[start:stop] if packed is None else codes[:0], scales[start // block:-(-stop // block)],
                out[start:stop] if onto is not None else out, onto is not None,
                np.empty(0, np.uint8) if packed is None else packed[start // 2:(stop + 1) // 2], packed is not None)
 
@@ -235,10 +234,14 @@ def _kernels() -> dict[str, Callable[..., Any]]:
         return flag != 0
 
     @jit
-    def encode_linear_kernel(x, minus, subtract, block, levels, codes, scales, scratch, onto, apply, packed,
+    def encode_linear_kernel(x, minus, subtract, block, levels, codes, scales, onto, apply, packed,
                              pack):  # type: ignore[no-untyped-def]
         top = np.float32(levels)
         numel = x.shape[0]
+        # a block's difference and (packed) codes in arrays of the loop's own: arrays passed in might overlap
+        # the outputs for all the compiler knows, and its overlap checks before each block's loops cost a
+        # quarter of an int4 encode
+        scratch, room = np.empty(block, np.float32), np.empty(block, np.int8)
         word = np.zeros(1, np.uint32)
         word_value = word.view(np.float32)
         magnitude = np.uint32(0x7FFFFFFF)
@@ -266,7 +269,7 @@ def _kernels() -> dict[str, Callable[..., Any]]:
             if top_bits >= infinity:
                 continue  # NaN or Inf: the caller's finite check refuses it
             divisor = absmax if top_bits > 0 else np.float32(1)
-            target = codes[:stop - start] if pack else codes[start:stop]
+            target = room[:stop - start] if pack else codes[start:stop]
             if apply:  # and onto minus as `pairs`/`singles` decode: a code's value (q / levels) · the scale + minus
                 out, base = onto[start:stop], minus[start:stop]
                 for i in range(part.shape[0]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 import torch
 
@@ -24,8 +25,19 @@ CODEC_NAMES = tuple(_FACTORIES)
 
 
 def get_codec(name: str, block: int = DEFAULT_BLOCK) -> Codec:
-    """The codec called `name`; `block` is the elements per scale of int8, int4 and fp4."""
-    factory = _FACTORIES.get(name)
+    """The codec called `name`; `block` is the elements per scale of int8, int4 and fp4. One instance per
+    (name, block) is shared: a codec holds nothing but its settings and tables made once (a shard took a new
+    one, and remade its decode tables, for every tensor of every push)."""
+    factory = _FACTORIES.get(name) if isinstance(name, str) else None
     if factory is None:
         raise DilocoError(f"unknown codec {name!r}; known codecs: {', '.join(CODEC_NAMES)}")
-    return factory(block)
+    if isinstance(block, bool) or not isinstance(block, int):
+        return factory(block)  # refused there, with its message (True would share block 1's instance)
+    return _shared(name, block)
+
+
+@lru_cache(maxsize=64)
+def _shared(name: str, block: int) -> Codec:
+    """Bounded: a block size comes from a peer's header (any up to 2³²−1), so an attacker's variety of them
+    only evicts."""
+    return _FACTORIES[name](block)

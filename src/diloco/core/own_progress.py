@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from diloco.codecs.base import all_finite
+
 if TYPE_CHECKING:
     from diloco.core.learner_core import LearnerCore
 
@@ -119,7 +121,7 @@ def usable(saved: Mapping[str, Any], p: int, version: int, shard_last_seq: int, 
         return f"Θ moved on {version - entry['version']} versions since (more than {max_age})"
     unpushed = entry.get("unpushed")
     if not isinstance(unpushed, dict) or set(unpushed) != set(shapes) or any(
-            not isinstance(t, torch.Tensor) or t.shape != shapes[n] or not bool(torch.isfinite(t).all())
+            not isinstance(t, torch.Tensor) or t.shape != shapes[n] or not all_finite(t)
             for n, t in unpushed.items()):
         return "its saved progress does not fit the model or is not finite"
     if not all(isinstance(entry.get(k), int) and entry[k] >= 0 for k in ("tokens", "steps")):
@@ -183,7 +185,7 @@ def _lost_in_flight(sent: Any, shard_last_seq: int, shapes: Mapping[str, torch.S
         return None
     deltas = sent.get("deltas")
     if not isinstance(deltas, dict) or set(deltas) != set(shapes) or any(
-            not isinstance(t, torch.Tensor) or t.shape != shapes[n] or not bool(torch.isfinite(t).all())
+            not isinstance(t, torch.Tensor) or t.shape != shapes[n] or not all_finite(t)
             for n, t in deltas.items()):
         return None
     if not all(isinstance(sent.get(k), int) and sent[k] >= 0 for k in ("tokens", "steps")):

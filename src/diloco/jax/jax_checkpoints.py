@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from diloco.codecs.base import all_finite
 from diloco.errors import DilocoError
 from diloco.jax.name_map import NameMap, path_name
 
@@ -91,7 +92,7 @@ def optax_from_state_dict(saved: dict[str, Any], template: Any, params: Any, nam
             where = f"{where} of {name}"
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
             raise refuse(f"holds no optax state {where!r} of shape {list(shape)}")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if not all_finite(value):
             raise refuse(f"holds NaN or Inf in optax state {where!r}")
         host = names.from_theta(owner[1], value) if owner is not None else value.numpy()
         values.append(jnp.array(host, dtype=leaf.dtype, copy=True))

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from diloco.codecs.base import all_finite
 from diloco.config import Config
 from diloco.errors import DilocoError
 from diloco.strategies import async_dn, async_local_sgd, ddp, decoupled, diloco, streaming
@@ -51,7 +52,7 @@ def check_outer_step(spec: StrategySpec) -> None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DilocoError(f"the config's outer step fails (outer.lr {spec.outer_lr:g}, outer.momentum "
                           f"{spec.outer_momentum:g}): {first}") from None
-    if not bool(torch.isfinite(probe["probe"]).all()):
+    if not all_finite(probe["probe"]):
         raise DilocoError(f"the config's outer step makes Θ non-finite (outer.lr {spec.outer_lr:g}, "
                           f"outer.momentum {spec.outer_momentum:g})")
 
