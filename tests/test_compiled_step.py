@@ -10,7 +10,7 @@ import torch
 
 from diloco import cache_chunks
 from diloco.cache_chunks import Scaled
-from diloco.codecs import compiled
+from diloco.codecs import compiled, compiled_sums
 from diloco.core import closing
 from diloco.outer import compiled_step
 from diloco.outer.delayed_nesterov import DelayedNesterov
@@ -124,8 +124,11 @@ def test_a_shard_loads_the_compiled_step_as_it_makes_its_core_not_at_its_first_r
                         ShardPlan(0, 1, ("",)))
     try:
         compiled_step.steps_like_torch.cache_clear()
+        compiled_sums.groups_like_torch.cache_clear()
         shard._make_core({"w": torch.zeros(numel)}, [Fragment(0, ("w",), numel, False)], set())
         assert (compiled_step.steps_like_torch.cache_info().currsize == 1) == loads
+        # the group fold (any outer optimizer) is compiled as the core is made, not at a first group mid-run
+        assert compiled_sums.groups_like_torch.cache_info().currsize == (numel >= compiled.MIN_ELEMENTS)
     finally:
         shard.stop()
 
@@ -140,9 +143,11 @@ def test_a_spare_shard_loads_the_compiled_step_before_it_is_handed_a_resume(tmp_
     monkeypatch.setattr(prestarted, "die_with_parent", lambda: None)
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no process to become: it returns once ready
     compiled_step.steps_like_torch.cache_clear()
+    compiled_sums.groups_like_torch.cache_clear()
     ready = tmp_path / "ready"
     assert prestarted.wait_as_spare("syncer", str(ready)) == 0
     assert ready.exists() and compiled_step.steps_like_torch.cache_info().currsize == 1
+    assert compiled_sums.groups_like_torch.cache_info().currsize == 1
 
 
 def test_a_rounds_distance_in_one_read_is_the_float64_sum_of_the_fp32_differences_squared(monkeypatch):

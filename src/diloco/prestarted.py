@@ -39,9 +39,9 @@ def wait_as_spare(role: str = "learner", ready: str | None = None) -> int:
             import diloco.shard.server  # noqa: F401
             from diloco.outer import compiled_step
 
-            # numba and the outer step's loop, which a shard loads as it makes its core (`load_for`): on a
+            # numba and the merge's loops, which a shard loads as it makes its core (`load_for`): on a
             # resume that is the outage's critical path (0.5-1.1 s of it in the s55 chaos runs).
-            compiled_step.steps_like_torch()
+            compiled_step.load_merge_loops()
         else:
             import torch._dynamo  # noqa: F401 - what an optimizer's constructor imports: seconds of a start
 

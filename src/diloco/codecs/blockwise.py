@@ -135,8 +135,7 @@ class BlockCodec(Codec):
         decoding = None if onto is None else (onto, self.loop_tables(), (1 << self.bits) - 1)
         if self.bits == 4 and self.block % 2 == 0:  # packed as each block is coded
             payload = np.empty((x.numel() + 1) // 2, dtype=np.uint8)
-            compiled.encode_linear(x, minus, self.block, self.levels, np.empty(self.block, dtype=np.int8), scales,
-                                   decoding, packed=payload)
+            compiled.encode_linear(x, minus, self.block, self.levels, None, scales, decoding, packed=payload)
         else:
             codes = np.zeros(x.numel() + pad, dtype=np.int8)
             compiled.encode_linear(x, minus, self.block, self.levels, codes, scales, decoding)

@@ -111,20 +111,22 @@ def decodes(codes_per_byte: int, block: int) -> bool:
     return codes_per_byte == 1 or block % 2 == 0
 
 
-def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, levels: int, codes: np.ndarray,
+def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, levels: int, codes: np.ndarray | None,
                   scales: np.ndarray, onto: tuple[torch.Tensor, DecodeTables, int] | None = None,
                   packed: np.ndarray | None = None) -> None:
     """The linear codes of x − minus (x where None): per block its absmax s into `scales` (NaN or Inf if
     the block holds one, for the caller's finite check) and round_half_even((x − minus)/s · levels) into
     `codes` (int8), with s = 1 for an all-zero block. With `packed` (uint8, one byte per two codes, an even
-    block), `codes` is one block's room and each block goes into `packed` as `pack_nibbles` packs it, while
-    in cache: no codes of the whole tensor are written and read again. With `onto` (out, the codec's tables,
+    block) instead of `codes`, each block goes into `packed` as `pack_nibbles` packs it, while in cache: no
+    codes of the whole tensor are written and read again. With `onto` (out, the codec's tables,
     the mask of a code's bits), also out = minus + each code's value · s, as `decode` onto minus computes it,
     while the block is in cache; a block that is not finite is left unwritten there (the caller refuses it)."""
     if onto is not None and minus is None:
         raise ValueError("decoding onto needs the tensor the difference was taken from")
-    if packed is not None and (block % 2 or codes.shape[0] < block or packed.shape[0] != (x.numel() + 1) // 2):
-        raise ValueError("packing as it encodes needs an even block, a block's room of codes and a byte per two")
+    if (packed is None) == (codes is None):
+        raise ValueError("codes go into `codes` or, packed, into `packed`: one of them")
+    if packed is not None and (block % 2 or packed.shape[0] != (x.numel() + 1) // 2):
+        raise ValueError("packing as it encodes needs an even block and a byte per two codes")
     source = x.numpy()
     subtracted = source if minus is None else minus.numpy()
     if onto is not None and not _linear(onto[1], levels, onto[2]):
@@ -136,7 +138,7 @@ def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, level
         """Whole blocks from `start` (even where packed): their scales, codes, bytes and values, as the one
         loop over the tensor makes them."""
         kernel(source[start:stop], subtracted[start:stop], minus is not None, block, levels,
-               codes[start:stop] if packed is None else codes[:0], scales[start // block:-(-stop // block)],
+               codes[start:stop] if codes is not None else np.empty(0, np.int8), scales[start // block:-(-stop // block)],
                out[start:stop] if onto is not None else out, onto is not None,
                np.empty(0, np.uint8) if packed is None else packed[start // 2:(stop + 1) // 2], packed is not None)
 

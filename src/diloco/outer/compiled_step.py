@@ -69,11 +69,24 @@ def squares(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float] | None:
     return float(distance), float(own)
 
 
-def load_for(tensors: Iterable[torch.Tensor]) -> None:
-    """Load numba and the step's loop now where one of `tensors` would take it: a syncer takes that memory
-    (about 120 MB) as it starts, not at its first plain step mid-run, so its memory stays flat after."""
+def load_for(tensors: Iterable[torch.Tensor], steps: bool = True) -> None:
+    """Load numba and the merge's loops now where one of `tensors` would take them (`steps`: the outer step's
+    too): a syncer takes that memory (about 120 MB) and CPU as it starts, not mid-run, so its memory stays
+    flat after and no round waits on a compiler."""
     if any(t.numel() >= compiled.MIN_ELEMENTS and t.dtype == torch.float32 for t in tensors):
+        load_merge_loops(steps)
+
+
+def load_merge_loops(steps: bool = True) -> None:
+    """What the merge compiles in each process (the rest is cached on disk): the outer step's check (1.0 s of
+    CPU here) and the group fold's check with its typed lists (0.6 s), which a shard otherwise made at its
+    first group of pushes, under its lock, while its learners' pushes and answers waited."""
+    import diloco.codecs.compiled_sums as compiled_sums
+
+    if steps:
         steps_like_torch()
+    if compiled.is_enabled():
+        compiled_sums.groups_like_torch()
 
 
 @cache

@@ -241,8 +241,7 @@ class ShardState:
     def _make_core(self, values: dict[str, torch.Tensor], fragments: list[Fragment], embeddings: set[str]
                    ) -> SyncerCore:
         core = self.spec.syncer_core(values, fragments, range(self.members()), embeddings=embeddings)
-        if self.spec.optimizer == "delayed-nesterov":
-            compiled_step.load_for(values.values())
+        compiled_step.load_for(values.values(), steps=self.spec.optimizer == "delayed-nesterov")
         core.liveness.start(self.clock.now())  # a learner never heard from is counted on from the seeding
         core.answers_when_taken = True  # answers wait on streams as notices, made when sent
         return core
