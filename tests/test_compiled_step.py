@@ -5,6 +5,8 @@ loops find non-finite as they write it is handed back to be checked, and the rou
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -201,3 +203,32 @@ def test_a_rounds_new_theta_is_measured_as_its_step_writes_it(monkeypatch):
     exact = float((theta.double() ** 2).sum()) ** 0.5
     assert abs(accumulate.norm_of(theta) - exact) <= 1e-12 * exact
     assert id(theta) not in measured
+
+
+@pytest.mark.parametrize("into_new", [False, True])
+def test_a_steps_loop_sums_each_chunks_squares_as_it_writes_them(into_new, monkeypatch):
+    """The update's distance and the new values' own squares come from the step's loop itself (no second read
+    of the chunk): the float64 sums of the fp32 differences and values, to float64's rounding, for plain and
+    full rounds and the short last chunk; a step in place passes none (its new and old values are one tensor)."""
+    monkeypatch.setattr(cache_chunks, "CPU_CHUNK_ELEMENTS", compiled.MIN_ELEMENTS)
+    assert compiled_step.steps_like_torch()
+    optimizer = DelayedNesterov(lr=0.7, momentum=0.9)
+    theta = {"w": torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))}
+    for step, share in enumerate(SHARES):
+        before = theta["w"].clone()
+        out = {"w": torch.empty(NUMEL)} if into_new else None
+        passed: list[tuple[int, int, tuple[float, float] | None]] = []
+        optimizer.step(theta, {"w": _gradient("divided", step)}, share, out=out,
+                       written=lambda name, start, stop, squares: passed.append((start, stop, squares)))
+        theta = out if into_new else theta
+        assert [(a, b) for a, b, _ in sorted(passed)] == [(0, compiled.MIN_ELEMENTS),
+                                                         (compiled.MIN_ELEMENTS, 2 * compiled.MIN_ELEMENTS),
+                                                         (2 * compiled.MIN_ELEMENTS, NUMEL)]
+        for start, stop, squares in passed:
+            if not into_new:
+                assert squares is None
+                continue
+            new, old = theta["w"][start:stop], before[start:stop]  # each difference rounded as torch.sub does
+            distance, own = float(torch.sub(new, old).double().square().sum()), float(new.double().square().sum())
+            assert squares is not None and squares[0] > 0
+            assert math.isclose(squares[0], distance, rel_tol=1e-12) and math.isclose(squares[1], own, rel_tol=1e-12)

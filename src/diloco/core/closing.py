@@ -121,8 +121,9 @@ def next_theta(state: FragmentState, theta: dict[str, torch.Tensor], *, rule: Me
     optimizer, unchecked = state.optimizer, []
     pieces: dict[tuple[str, int], tuple[float, float, int]] = {}
 
-    def written(name: str, start: int, stop: int) -> None:  # on the thread that stepped the chunk
-        measured = step_squares(after[name].view(-1)[start:stop], theta[name].reshape(-1)[start:stop])
+    def written(name: str, start: int, stop: int, squares: tuple[float, float] | None) -> None:
+        """On the thread that stepped the chunk: its squares as the step's loop summed them, else read now."""
+        measured = squares or step_squares(after[name].view(-1)[start:stop], theta[name].reshape(-1)[start:stop])
         pieces[(name, start)] = (*measured, after[name]._version)
 
     if consolidate:

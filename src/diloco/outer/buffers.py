@@ -14,6 +14,8 @@ NewTensor = Callable[[torch.Tensor], torch.Tensor]
 def fp32_like(like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like, dtype=torch.float32)
 
-Written = Callable[[str, int, int], None]
-"""written(name, start, stop): elements start:stop of the named tensor's new values (flattened) are done.
-Chunks may be done on several threads at once (`chunk_threads`): a callback keeps what it learns per chunk."""
+Written = Callable[[str, int, int, "tuple[float, float] | None"], None]
+"""written(name, start, stop, squares): elements start:stop of the named tensor's new values (flattened) are
+done; `squares` is (Σ (new − old)², Σ new²) in float64 over them where the loop that wrote them summed those
+as it went (`compiled_step`), else None. Chunks may be done on several threads at once (`chunk_threads`): a
+callback keeps what it learns per chunk."""

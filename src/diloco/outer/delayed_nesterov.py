@@ -46,8 +46,9 @@ class DelayedNesterov:
              out: dict[str, torch.Tensor] | None = None, new: NewTensor = fp32_like, written: Written | None = None
              ) -> list[torch.Tensor]:
         """Step `params` in place, or into `out` (the syncer's new Θ, `params` left as they were). Its new
-        state comes from `new`; the state it holds is replaced, never written (`fork`). `written(name, start,
-        stop)` is called as each chunk of the new values is done, to read it while it is in cache. Returns
+        state comes from `new`; the state it holds is replaced, never written (`fork`). `written` is
+        called as each chunk of the new values is done (`buffers.Written`: with its squares where the compiled
+        loop summed them as it wrote), to read it while it is in cache. Returns
         the new state tensors not known to be finite (the compiled loops check what they write)."""
         s = self.fixed_share or share
         if not 0 < s <= 1:
@@ -77,21 +78,21 @@ class DelayedNesterov:
 
             def one_chunk(start: int, stop: int) -> bool:
                 piece, part = theta.reshape(-1)[start:stop], slice(start, stop)
-                finite = compiled
+                stepped = None
                 if compiled and momentum is None:  # one loop each, the same values (`compiled_step.py`)
-                    finite = compiled_step.plain_step(piece, source[part], factor, divide, old[part], s,
-                                                      self.lr * s, new_total.view(-1)[part], target[part])
+                    stepped = compiled_step.plain_step(piece, source[part], factor, divide, old[part], s,
+                                                       self.lr * s, new_total.view(-1)[part], target[part])
                 elif compiled:
-                    finite = compiled_step.momentum_step(piece, source[part], factor, divide, old[part], s,
-                                                         self.momentum, old_momentum[part], self.lr,
-                                                         new_total.view(-1)[part], momentum[part], target[part])
+                    stepped = compiled_step.momentum_step(piece, source[part], factor, divide, old[part], s,
+                                                          self.momentum, old_momentum[part], self.lr,
+                                                          new_total.view(-1)[part], momentum[part], target[part])
                 else:
                     self._step_chunk(piece, piece_of(delta, start, stop), target[part], s, old[part],
                                      new_total.view(-1)[part], None if old_momentum is None else old_momentum[part],
                                      None if momentum is None else momentum[part])
-                if written is not None:
-                    written(name, start, stop)
-                return finite
+                if written is not None:  # the loop's squares are of new − old only where it wrote into `out`
+                    written(name, start, stop, stepped.squares if stepped is not None and out is not None else None)
+                return stepped is not None and stepped.finite
 
             spans = list(chunks(target.numel(), target.device))
             # the compiled loops' chunks on the shard's threads (`chunk_threads`); torch's ops use its own

@@ -29,8 +29,8 @@ class Nesterov:
         """Step `params` (fp32) with the merged outer gradients `deltas`, scaled by the share of a full round
         they stand for (1 unless the syncer heard from only some learners): in place, or into `out` (the
         syncer's new Θ, `params` left as they were). Its new state comes from `new`. A chunk at a time, each
-        op of the rule done while the chunk is in cache: the same values as whole-tensor ops; `written(name,
-        start, stop)` is called as each chunk of the new values is done, to read it while it is in cache."""
+        op of the rule done while the chunk is in cache: the same values as whole-tensor ops; `written` is
+        called as each chunk of the new values is done (`buffers.Written`), to read it while it is in cache."""
         for name, theta in params.items():
             old = self.buffers.get(name)
             if old is None:
@@ -44,7 +44,7 @@ class Nesterov:
                 torch.sub(flat[start:stop], delta.add_(momentum, alpha=self.momentum), alpha=self.lr,
                           out=target[start:stop])
                 if written is not None:
-                    written(name, start, stop)
+                    written(name, start, stop, None)
         return [self.buffers[name] for name in params]
 
     def fork(self) -> Nesterov:
