@@ -54,6 +54,9 @@ With no arguments, a quick sweep (20M parameters, 1, 4, 8 and 16 learners, one s
             time for the same bytes (target: at most 2x). --bulk-port: over the shards' bulk ports.
   --sink    the shards take pushes off the wire and answer them without merging (the transport alone;
             target: push and pull at least 0.5x the socket). --paced keeps the default config's pacing.
+  --profile each shard samples where its CPU goes by Python frame (`diloco.cpu_profile`: each thread's
+            own CPU clock, charged to its stack every 2 ms); the window's shares go in `cpu_profile`
+            per shard, and the largest are printed.
   socket    after the shards are stopped: a plain TCP socket on loopback to a Python subprocess that
             reads each message into a buffer and acks it with one byte, messages of one fragment's
             encoded push, request/response, for --socket-seconds (default 3): `socket_mb_s`.
@@ -85,6 +88,7 @@ from typing import Any
 from children import Processes  # benchmarks/children.py
 from scale_combo import Combo, run_combo
 from scale_memory import MemoryModel
+from scale_profile import print_profiles
 from scale_report import fmt, gib, human, ms, print_report
 from scale_worker import worker
 
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--push-rate", type=float, default=0.0, help="pushes per second each learner sends to "
                         "each shard (0: as fast as the shard takes them); below saturation the shard's CPU per "
                         "pushed parameter is the work a push costs, not what a saturated shard's scheduling makes it")
+    parser.add_argument("--profile", action="store_true", help="each shard samples where its CPU goes by Python "
+                        "frame (`diloco.cpu_profile`): the window's shares printed and in the JSON (`cpu_profile`)")
     parser.add_argument("--tokens-per-step", type=int, default=4096, help="declared at join")
     parser.add_argument("--journal", action="store_true", help="give the shards a state folder (--out): they "
                         "journal every push and save their state every 10 s, as under `diloco run`")
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"shard CPU {fmt(record['cpu_ns_per_param'], '.2f')} ns/param "
                               f"(roofline {fmt(record['roofline_ns_per_param'], '.3f')})"
                               + (f" [yellow]({'; '.join(record['problems'])})[/]" if record["problems"] else ""))
+                print_profiles(console, record)
             else:
                 console.print(f"    [yellow]{record['status']}: {record['reason']}[/]")
     except KeyboardInterrupt:

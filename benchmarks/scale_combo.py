@@ -20,6 +20,7 @@ from typing import Any
 from children import Processes, diloco, tail  # benchmarks/children.py
 from scale_baselines import cpu_seconds, percentile, rounds_closed, roofline_ns_per_param, socket_baseline
 from scale_memory import MemoryModel, Sampler, mem_available
+from scale_profile import profile_env, read_profiles, window_profiles
 from scale_model import (DRAIN_S, GIB, LEARNER_RSS_BYTES, MB, PUSH_BOUND_S, STARTUP_S, TensorMeta, init_frames,
                          model_layout, shard_fragments, write_payloads)
 
@@ -85,7 +86,8 @@ class Run:
                           *(["--out", str(self.work / "state")] if self.args.journal else []),
                           *(["--bulk-port"] if self.args.bulk_port else []), "--threads", str(self.args.shard_threads))
             self.shard_procs.append(self.procs.start(argv, self.work / f"shard-{i}.log",
-                                                     env={"DILOCO_SHARD_SINK": "1"} if self.args.sink else None))
+                                                     env={**({"DILOCO_SHARD_SINK": "1"} if self.args.sink else {}),
+                                                          **profile_env(self.work, i, self.args.profile)} or None))
         self.sampler = Sampler(self.shard_procs, int(self.args.min_free_gib * GIB), self._kill_all)
         addresses = []
         for i, (proc, port_file) in enumerate(zip(self.shard_procs, port_files)):
@@ -173,7 +175,7 @@ class Run:
         self.sampler.loaded = True
         w0 = t0 + args.warmup
         self._sleep_until(w0)
-        cpu0 = [cpu_seconds(p.pid) for p in self.shard_procs]
+        cpu0, profiles0 = [cpu_seconds(p.pid) for p in self.shard_procs], read_profiles(self.work, self.combo.shards, args.profile)
         rounds0 = self._rounds()
         self._sleep_until(w0 + args.seconds)
         wanted = args.min_pushes * self.combo.shards
@@ -181,6 +183,7 @@ class Run:
             self._sleep_until(time.time() + 0.2)
         w1 = time.time()
         cpu1 = [cpu_seconds(p.pid) for p in self.shard_procs]
+        profiles = window_profiles(profiles0, read_profiles(self.work, self.combo.shards, args.profile))
         rounds1 = self._rounds()
         self.sampler.sample()
         self.sampler.loaded = False  # the window is over: what the shards do next is not load
@@ -205,7 +208,7 @@ class Run:
         (self.work / "release").write_text("read\n")  # the learners may disconnect now
         return {"window": (w0, w1), "reports": reports, "statuses": statuses,
                 "rounds_closed": [None if a is None or b is None else b - a for a, b in zip(rounds0, rounds1)],
-                "cpu_s": [b - a for a, b in zip(cpu0, cpu1)], "join": self.join()}
+                "cpu_s": [b - a for a, b in zip(cpu0, cpu1)], "profiles": profiles, "join": self.join()}
 
     def join(self) -> dict[str, Any]:
         """What a learner joining now pulls: Θ of every shard, whole (fp32), timed: as a join pulls it,
@@ -283,7 +286,7 @@ def summarize(combo: Combo, m: dict[str, Any], sampler: Sampler) -> dict[str, An
         push_params = sum(r["push_params"] for r in rows)
         per_shard.append({
             "shard": i, "fragments": report.get("fragments"),
-            "cpu_s": m["cpu_s"][i], "push_params": push_params,
+            "cpu_s": m["cpu_s"][i], "push_params": push_params, "cpu_profile": m["profiles"][i],
             "cpu_ns_per_param": m["cpu_s"][i] * 1e9 / push_params if push_params else None,
             "rss_bytes": sampler.rss_load[i], "hwm_bytes": sampler.hwm[i],
             "theta_bytes": memory.get("theta_bytes") if isinstance(memory, dict) else None, "memory": memory,

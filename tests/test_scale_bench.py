@@ -52,7 +52,7 @@ def test_targets_compare_runs_that_differ_only_in_learners():
 def test_a_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "scale.json"
     code = scale.main(["--params", "1M", "--learners", "1", "--shards", "1", "--seconds", "1", "--warmup", "0.5",
-                       "--socket-seconds", "0.5", "--min-free-gib", "0.5", "--json", str(out)])
+                       "--socket-seconds", "0.5", "--min-free-gib", "0.5", "--profile", "--json", str(out)])
     assert code == 0
     runs = json.loads(out.read_text())
     assert len(runs) == 1
@@ -66,6 +66,9 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert shard["pushes"] > 0 and shard["answers"] > 0 and shard["refused"] == 0
     assert shard["latency_median_s"] > 0 and shard["rounds_per_s"] > 0
     assert 0.5 <= shard["pushes_per_round"] <= 1.5  # one learner at quorum 1: each push closes its own round
+    profile = shard["cpu_profile"]  # --profile: the window's CPU by frame, the merge's among them
+    assert 0 < profile["cpu_s"] and sum(share for _, share in profile["leaf"]) == pytest.approx(1.0, abs=1e-3)
+    assert any(name == "syncer_core.py:handle" for name, _ in profile["inclusive"])
 
 
 @pytest.mark.integration
@@ -80,4 +83,5 @@ def test_a_push_rate_spaces_the_pushes_so_the_shard_is_not_saturated(tmp_path):
     assert run["status"] == "ok", run["reason"]
     assert run["push_rate"] == 4
     window = run["per_shard"][0]
+    assert window["cpu_profile"] is None  # not asked for
     assert 4 <= window["pushes"] <= 4 * 3 + 1  # about 8 in 2 s; unpaced, ~400 of 1M parameters go in 2 s here

@@ -90,6 +90,9 @@ def cmd_syncer(args: argparse.Namespace, console: Console) -> int:
     from diloco.shard.server import ShardPlan, SyncerShard, parse_shard
     from diloco.shard.serving import huge_pages_for_tensors, merge_threads
 
+    from diloco.cpu_profile import start_from_env
+
+    start_from_env()  # benchmarks/scale.py --profile: where this shard's CPU goes, by Python frame
     huge_pages_for_tensors()  # before a resumed state is loaded: torch reads it at its first large tensor
     merge_threads(args.threads)
     die_with_parent()
