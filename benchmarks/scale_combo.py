@@ -175,7 +175,8 @@ class Run:
         self.sampler.loaded = True
         w0 = t0 + args.warmup
         self._sleep_until(w0)
-        cpu0, profiles0 = [cpu_seconds(p.pid) for p in self.shard_procs], read_profiles(self.work, self.combo.shards, args.profile)
+        cpu0 = [cpu_seconds(p.pid) for p in self.shard_procs]
+        profiles0 = read_profiles(self.work, self.combo.shards, args.profile)
         rounds0 = self._rounds()
         self._sleep_until(w0 + args.seconds)
         wanted = args.min_pushes * self.combo.shards

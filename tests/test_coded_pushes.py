@@ -99,7 +99,8 @@ def test_a_code_no_encoder_writes_is_refused_in_the_decodes_words_and_no_sum_is_
      "negative"),
     (lambda e: Encoded(e.codec, e.shape, e.block, e.payload,
                        torch.full((len(e.scales) // 4,), float("nan")).numpy().tobytes()), "NaN or Inf"),
-    (lambda e: Encoded(e.codec, e.shape, e.block, e.payload, e.scales[:-4] + torch.tensor([math.inf]).numpy().tobytes()),
+    (lambda e: Encoded(e.codec, e.shape, e.block, e.payload,
+                       e.scales[:-4] + torch.tensor([math.inf]).numpy().tobytes()),
      "NaN or Inf"),
     (lambda e: Encoded(e.codec, e.shape, e.block, e.payload, torch.tensor([-0.0, -1e-30]).numpy().tobytes()
                        + e.scales[8:]), "negative"),

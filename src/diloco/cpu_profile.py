@@ -108,6 +108,7 @@ class CpuProfile:
         return True
 
     def _write_at_exit(self, path: Path) -> None:
+        self.stop()  # no sample may change the counters while they are written
         try:
             self.write(path)
         except OSError:  # its folder went first: nobody is left to read it

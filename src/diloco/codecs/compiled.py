@@ -138,7 +138,8 @@ def encode_linear(x: torch.Tensor, minus: torch.Tensor | None, block: int, level
         """Whole blocks from `start` (even where packed): their scales, codes, bytes and values, as the one
         loop over the tensor makes them."""
         kernel(source[start:stop], subtracted[start:stop], minus is not None, block, levels,
-               codes[start:stop] if codes is not None else np.empty(0, np.int8), scales[start // block:-(-stop // block)],
+               codes[start:stop] if codes is not None else np.empty(0, np.int8),
+               scales[start // block:-(-stop // block)],
                out[start:stop] if onto is not None else out, onto is not None,
                np.empty(0, np.uint8) if packed is None else packed[start // 2:(stop + 1) // 2], packed is not None)
 
