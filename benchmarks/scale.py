@@ -53,7 +53,11 @@ With no arguments, a quick sweep (20M parameters, 1, 4, 8 and 16 learners, one s
             3; `join_seconds` each), the median kept. `join_vs_socket` is that time over the plain socket's
             time for the same bytes (target: at most 2x). --bulk-port: over the shards' bulk ports.
   --sink    the shards take pushes off the wire and answer them without merging (the transport alone;
-            target: push and pull at least 0.5x the socket). --paced keeps the default config's pacing.
+            target: push and pull at least 0.5x the socket).
+  --paced   the default config's pacing and grace, and learners that follow it: each pushes a fragment at
+            the time its last answer named (the pacing grid: one period, H steps of its claimed step time,
+            apart) and reports after each push when every fragment is due, so rounds gather the learners
+            as they do in a paced run. Without it every round closes at once and learners push flat out.
   --profile each shard samples where its CPU goes by Python frame (`diloco.cpu_profile`: each thread's
             own CPU clock, charged to its stack every 2 ms); the window's shares go in `cpu_profile`
             per shard, and the largest are printed.
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-threads", type=int, default=1, help="each shard's `diloco syncer --threads`")
     parser.add_argument("--quorum", type=int, default=1, help="outer.quorum (1: each push closes its round)")
     parser.add_argument("--paced", action="store_true", help="keep the default config's pacing and grace "
-                        "(the default paced decoupled config) instead of closing each round at once")
+                        "(the default paced decoupled config), learners pushing on its grid, instead of closing "
+                        "each round at once")
     parser.add_argument("--sink", action="store_true", help="transport alone: the shards take pushes off the "
                         "wire and answer them without merging (push_vs_socket, pull_vs_socket of the transport)")
     parser.add_argument("--push-rate", type=float, default=0.0, help="pushes per second each learner sends to "

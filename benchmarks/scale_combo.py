@@ -126,7 +126,7 @@ class Run:
             spec = {"learner": m, "addresses": self.addresses,
                     "secret_file": str(self.secret_file) if self.secret_file else None,
                     "owned": owned, "payload": self.payload, "tokens_per_step": self.args.tokens_per_step,
-                    "warmup_s": self.args.warmup, "push_rate": self.args.push_rate,
+                    "warmup_s": self.args.warmup, "push_rate": self.args.push_rate, "paced": self.args.paced,
                     "go_file": str(self.work / "go"), "ready_file": str(self.work / f"ready-{m}"),
                     "stop_file": str(self.work / "stop"), "progress_file": str(self.work / f"progress-{m}"),
                     "report_file": str(self.work / f"report-{m}.json"),

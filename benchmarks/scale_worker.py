@@ -1,5 +1,6 @@
 """scale.py's synthetic learner (`scale.py --worker SPEC`): joins every shard and pushes the same encoded
-bytes as fast as each shard takes them, counting what it sent and received."""
+bytes as fast as each shard takes them (or, paced, when the syncer's answers say), counting what it sent and
+received."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from children import PARENT_ENV  # benchmarks/children.py
 from scale_model import (DRAIN_S, HEARTBEAT_S, PR_SET_PDEATHSIG, PUSH_BOUND_S, STARTUP_S, STEPS_PER_PUSH,
                          STEP_TIME_S)
 
+ANSWER_BOUND_S = 30.0
+"""Paced, the longest a learner waits for the answer to its last push of a fragment before pushing it again."""
 RELEASE_BOUND_S = 300.0
 """The longest a worker stays connected after its report, waiting for the parent to have read Status."""
 
@@ -133,6 +136,16 @@ def worker(spec_path: str) -> None:
     events = [ShardEvents() for _ in clients]
     versions: dict[int, int] = {}
     stop = threading.Event()
+    paced = bool(spec.get("paced"))
+    """Follow the pacing grid, as a paced learner does: push a fragment at the time its last answer named
+    (`next_push_at`, on this clock) and report after every push when each fragment is due, so that rounds
+    wait for the learners about to land and gather them. Otherwise push as fast as the shard takes them."""
+    due_at: dict[int, float] = {}
+    """Per fragment, when the syncer's last answer of it said to push it next."""
+    in_flight: dict[int, tuple[int, threading.Event]] = {}
+    """Per fragment with a push in flight (paced): its seq, and an event set when its answer came."""
+    fragment_count = len(spec["payload"]["fragments"])
+    began = [0.0]
 
     def read_updates(i: int) -> None:
         e = events[i]
@@ -147,6 +160,7 @@ def worker(spec_path: str) -> None:
                     remaining = sum(t.payload_bytes + t.scale_bytes for t in h.tensors)
                     ack, fragment, version = h.ack_seq, h.fragment, h.version
                     continued = getattr(h, "continued", False)  # more messages of this answer follow
+                    next_push_at = h.next_push_at if h.HasField("next_push_at") else None
                     if h.bulk_ticket:  # the data follows on the shard's bulk port, as a learner reads it
                         clients[i].receive_bulk(h, [memoryview(bytearray(remaining))])
                         now = time.time()
@@ -163,6 +177,10 @@ def worker(spec_path: str) -> None:
                     with lock:
                         versions[fragment] = max(versions.get(fragment, 0), version)
                         e.answers.append((now, fragment, version))
+                        if next_push_at is not None:
+                            due_at[fragment] = next_push_at
+                        if fragment in in_flight and ack >= in_flight[fragment][0]:
+                            in_flight[fragment][1].set()
                         for seq in [q for q in e.sent if q <= ack]:
                             e.latencies.append((e.sent.pop(seq), now))
         except grpc.RpcError as exc:
@@ -176,6 +194,32 @@ def worker(spec_path: str) -> None:
 
     interval = 1.0 / spec["push_rate"] if spec.get("push_rate") else 0.0
 
+    def report(i: int) -> None:
+        """A heartbeat; paced, a progress report too: the step its clock has reached, and when each fragment
+        is due (now, for one whose answer has not named a time yet)."""
+        now = time.time()
+        with lock:
+            if paced and began[0]:  # the step its clock reached since pushing began
+                events[i].step = max(events[i].step, int((now - began[0]) / STEP_TIME_S))
+            step = events[i].step
+            due_in = tuple(max(0.0, due_at.get(f, now) - now) for f in range(fragment_count)) if paced else ()
+        try:
+            clients[i].heartbeat(me, tokens=step * tokens_per_step, steps=step,
+                                 step_time_s=STEP_TIME_S if paced else 0.0, due_in_s=due_in)
+        except DilocoError:
+            pass
+
+    def wait_for_grid(p: int) -> bool:
+        """Paced: until the answer to the last push of `p` came (at most ANSWER_BOUND_S) and the time it
+        named; True if stopped."""
+        flight, until = in_flight.get(p), time.monotonic() + ANSWER_BOUND_S
+        while flight is not None and not flight[1].wait(0.05) and time.monotonic() < until:
+            if stop.is_set():
+                return True
+        with lock:
+            at = due_at.get(p)
+        return at is not None and stop.wait(max(0.0, at - time.time()))
+
     def push_loop(i: int, owned: list[int]) -> None:
         e, client, seq = events[i], clients[i], 0
         due = time.monotonic()
@@ -184,12 +228,17 @@ def worker(spec_path: str) -> None:
                 due += interval
                 if stop.wait(max(0.0, due - time.monotonic())):
                     return
+            if paced and wait_for_grid(p):
+                return
             if stop.is_set():
                 return
             seq += 1
-            with lock:
-                e.step += STEPS_PER_PUSH
+            with lock:  # paced: the step its clock reached (each push's claim of steps stays the same)
+                e.step = max(e.step + STEPS_PER_PUSH, int((time.time() - began[0]) / STEP_TIME_S)) if paced \
+                    else e.step + STEPS_PER_PUSH
                 base = versions.get(p, 0)
+                if paced:
+                    in_flight[p] = (seq, threading.Event())
             header = pb.PushHeader(learner=me, fragment=p, base_version=base, seq=seq,
                                    tokens=STEPS_PER_PUSH * tokens_per_step, steps=STEPS_PER_PUSH,
                                    step_time_s=STEP_TIME_S, sent_at=time.time(), step=e.step, tensors=headers[p])
@@ -211,22 +260,20 @@ def worker(spec_path: str) -> None:
                         e.refused += 1
                         e.sent.pop(seq, None)
                         e.first_error = e.first_error or str(exc)
+                        in_flight.pop(p, None)  # no answer comes to a refused push
                     if stop.wait(0.1):
                         return
                     break
                 with lock:
                     e.pushes.append((started, time.time(), nbytes[p], numels[p]))
+                if paced:
+                    report(i)
                 break
 
     def heartbeats() -> None:
         while not stop.wait(HEARTBEAT_S):
-            for i, client in enumerate(clients):
-                with lock:
-                    step = events[i].step
-                try:
-                    client.heartbeat(me, tokens=step * tokens_per_step, steps=step)
-                except DilocoError:
-                    pass
+            for i in range(len(clients)):
+                report(i)
 
     for i in range(len(clients)):
         threading.Thread(target=read_updates, args=(i,), daemon=True).start()
@@ -239,6 +286,7 @@ def worker(spec_path: str) -> None:
     t0 = float(go.read_text())
     w0 = t0 + spec["warmup_s"]
     time.sleep(max(0.0, t0 - time.time()))
+    began[0] = time.time()
     pushers = [threading.Thread(target=push_loop, args=(i, owned), daemon=True)
                for i, owned in enumerate(spec["owned"])]
     for t in pushers:

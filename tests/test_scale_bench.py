@@ -85,3 +85,24 @@ def test_a_push_rate_spaces_the_pushes_so_the_shard_is_not_saturated(tmp_path):
     window = run["per_shard"][0]
     assert window["cpu_profile"] is None  # not asked for
     assert 4 <= window["pushes"] <= 4 * 3 + 1  # about 8 in 2 s; unpaced, ~400 of 1M parameters go in 2 s here
+
+
+@pytest.mark.integration
+def test_paced_learners_push_on_the_syncers_grid_so_rounds_gather_them(tmp_path):
+    """`--paced`: each learner pushes a fragment when its last answer said (the pacing grid, one period of
+    H steps apart) and reports when each is due, as a paced learner does, so rounds gather the learners."""
+    out = tmp_path / "scale.json"
+    code = scale.main(["--params", "1M", "--learners", "4", "--shards", "1", "--seconds", "3", "--warmup", "1",
+                       "--min-pushes", "1", "--paced", "--socket-seconds", "0.2", "--joins", "1",
+                       "--min-free-gib", "0.5", "--json", str(out)])
+    assert code == 0
+    (run,) = json.loads(out.read_text())
+    assert run["status"] == "ok", run["reason"]
+    assert not run["problems"], run["problems"]
+    window = run["per_shard"][0]
+    assert window["refused"] == 0
+    period = 50 * scale_model.STEP_TIME_S  # outer.H steps of the learners' claimed step time
+    # each learner pushes each of the 4 fragments once a period; as fast as the shard takes them would be
+    # hundreds of pushes of 1M parameters a second
+    assert window["pushes"] <= 4 * 4 * (run["seconds"] / period + 2)
+    assert window["pushes_per_round"] >= 2.5  # most rounds gather all four learners
