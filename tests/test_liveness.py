@@ -258,14 +258,9 @@ def test_the_shard_waker_thread_fires_the_cores_timers_on_an_injected_clock():
         waker.stop()
 
 
-@pytest.mark.integration  # whole training runs in the simulator
-@pytest.mark.parametrize("fault", ["crash", "outage"])
-def test_the_simulator_finds_a_crashed_learner_dead_at_once_and_a_silent_one_a_detect_s_after_its_last_word(fault):
-    plan = ("failures.crashes=[{learner = 1, at_s = 2.0}]" if fault == "crash"
-            else "failures.outages=[{learner = 1, at_s = 2.0, duration_s = 1000}]")
-    sim = Simulation(tiny_config("strategy=diloco", "outer.H=4", plan, "failures.detect_s=1.5",
-                                 "failures.recovery_s=1000", "train.tokens=10240"))
-    deaths = []
+def deaths_in(sim: Simulation) -> list[tuple[float, int]]:
+    """(when, learner) of every LearnerDead the simulation's syncer decides, as it runs."""
+    deaths: list[tuple[float, int]] = []
     original = sim._handle
 
     def spy(actions, region=None):
@@ -273,6 +268,17 @@ def test_the_simulator_finds_a_crashed_learner_dead_at_once_and_a_silent_one_a_d
         original(actions, region)
 
     sim._handle = spy
+    return deaths
+
+
+@pytest.mark.integration  # whole training runs in the simulator
+@pytest.mark.parametrize("fault", ["crash", "outage"])
+def test_the_simulator_finds_a_crashed_learner_dead_at_once_and_a_silent_one_a_detect_s_after_its_last_word(fault):
+    plan = ("failures.crashes=[{learner = 1, at_s = 2.0}]" if fault == "crash"
+            else "failures.outages=[{learner = 1, at_s = 2.0, duration_s = 1000}]")
+    sim = Simulation(tiny_config("strategy=diloco", "outer.H=4", plan, "failures.detect_s=1.5",
+                                 "failures.recovery_s=1000", "train.tokens=10240"))
+    deaths = deaths_in(sim)
     sim.run()
     (at, learner), = deaths
     assert learner == 1
@@ -280,3 +286,15 @@ def test_the_simulator_finds_a_crashed_learner_dead_at_once_and_a_silent_one_a_d
         assert 2.0 <= at <= 2.0 + 0.5
     else:  # its link is cut: nothing ends, silence tells (its last heartbeat came at most 1 s before)
         assert 2.0 + 1.5 - 1.0 <= at <= 2.0 + 1.5 + 1e-9
+
+
+@pytest.mark.integration  # whole training runs in the simulator
+def test_in_the_simulator_a_restart_quicker_than_one_trip_is_not_found_dead_by_its_old_connection():
+    """The old life's connection ends one trip (50 ms) after the crash; the new life rejoined 10 ms after it.
+    The real shard heeds only the end of a learner's newest stream, and so does the simulator's."""
+    sim = Simulation(tiny_config("strategy=decoupled", "outer.H=4", "failures.crashes=[{learner = 1, at_s = 2.0}]",
+                                 "failures.recovery_s=0.01", "link.latency_ms=50", "train.tokens=10240"))
+    deaths = deaths_in(sim)
+    result = sim.run()
+    assert deaths == []
+    assert result.final_eval_loss is not None

@@ -53,7 +53,8 @@ class CrashRecovery(SimState):
             learner.core = None
         self._gradients_in.pop(learner.index, None)
         if self.syncer is not None:
-            self.queue.schedule(learner.link.up.signal(self.now), self._to_syncer(learner, StreamLost(learner.index)))
+            self.queue.schedule(learner.link.up.signal(self.now),
+                                self._to_syncer(learner, StreamLost(learner.index), life=learner.rejoins))
         self._recover_at(learner, back_at)
 
     def _recover_at(self, learner: SimLearner, at: float) -> None:
@@ -74,6 +75,7 @@ class CrashRecovery(SimState):
     def _rejoin(self, learner: SimLearner) -> None:
         """It asks its syncer for the current Θ (its region's, with the regional tier: once that is back)."""
         home = self._home(learner)
+        learner.rejoins += 1
         event = LearnerRejoined(learner.index, after_seq=learner.last_seq)
         if home is None:
             self._handle(self.syncer.handle(event, self.now))

@@ -48,6 +48,8 @@ class SimLearner(Waiting):
     stop_requested: bool = False
     """The syncer said the shared budget is spent: the learner finishes at the end of this step."""
     crashes: int = 0
+    rejoins: int = 0
+    """Times it rejoined after a crash: the end of a connection is news of the life that held it only."""
     last_seq: int = 0
     sent_seqs: dict[int, int] = field(default_factory=dict)
     """Per fragment, the last push it sent: a push on the link reaches the syncer even if its sender dies."""

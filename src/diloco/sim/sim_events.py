@@ -21,6 +21,10 @@ class ToSyncer:
     """None: for the global syncer; else for that region's syncer (the regional tier), in its life
     `incarnation`: what was on its way to a regional syncer that died is gone with it."""
     incarnation: int = 0
+    life: int | None = None
+    """For a learner's connection ending: its `rejoins` then. Dropped if it rejoined since, as the real shard
+    heeds only the end of a learner's newest update stream: a restart quicker than one trip must not have its
+    new life found dead by the old one's connection."""
 
 
 @dataclass(frozen=True)

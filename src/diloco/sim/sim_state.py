@@ -69,9 +69,9 @@ class SimState:
         """The region whose syncer is the learner's (None: the global syncer is)."""
         return next((r for r in self.regions if learner.index in r.members), None)
 
-    def _to_syncer(self, learner: SimLearner, event) -> ToSyncer:
+    def _to_syncer(self, learner: SimLearner, event, life: int | None = None) -> ToSyncer:
         home = self._home(learner)
-        return ToSyncer(event) if home is None else ToSyncer(event, home.index, home.incarnation)
+        return ToSyncer(event, life=life) if home is None else ToSyncer(event, home.index, home.incarnation, life)
 
     def _learner_core(self, learner: SimLearner, versions: list[int] | None, step: int) -> LearnerCore:
         return self.spec.learner_core(learner.index, learner.replica.named_params(), self.fragments,

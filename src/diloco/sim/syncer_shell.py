@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived, TimerFired, sender
+from diloco.core.events import HeartbeatArrived, ProgressArrived, PushArrived, StreamLost, TimerFired, sender
 from diloco.core.learner_events import PushRefused
 from diloco.core.messages import MESSAGE_HEADER_BYTES, Push, tensors_wire_bytes
 from diloco.core.regional import Upstream
@@ -25,6 +25,9 @@ class SyncerShell(SimState):
         if region is not None and (region.syncer is None or arrival.incarnation != region.incarnation):
             return  # its syncer died with what was on its way to it
         origin = sender(event)
+        if isinstance(event, StreamLost) and arrival.life is not None \
+                and self.learners[event.learner].rejoins != arrival.life:
+            return  # a connection of an earlier life ended: the learner has a newer one
         if isinstance(event, (ProgressArrived, HeartbeatArrived)) and origin is not None and not (
                 self.regions[origin].alive if self.regions and region is None else self.learners[origin].alive):
             return  # sent by a process that has crashed since: its life's counters are gone with it
