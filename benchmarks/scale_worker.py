@@ -145,7 +145,8 @@ def worker(spec_path: str) -> None:
     in_flight: dict[int, tuple[int, threading.Event]] = {}
     """Per fragment with a push in flight (paced): its seq, and an event set when its answer came."""
     fragment_count = len(spec["payload"]["fragments"])
-    began = [0.0]
+    began: list[float] = [0.0]
+    """When pushing began (time.time()), set once the window's clock starts: a paced learner's steps count from it."""
 
     def read_updates(i: int) -> None:
         e = events[i]
