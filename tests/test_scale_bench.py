@@ -106,3 +106,20 @@ def test_paced_learners_push_on_the_syncers_grid_so_rounds_gather_them(tmp_path)
     # hundreds of pushes of 1M parameters a second
     assert window["pushes"] <= 4 * 4 * (run["seconds"] / period + 2)
     assert window["pushes_per_round"] >= 2.5  # most rounds gather all four learners
+
+
+@pytest.mark.integration
+def test_a_sink_answers_each_push_with_a_difference_of_a_pushs_size(tmp_path):
+    """`--sink`: no round moves the fragment, yet each push is answered as after a round, with one encoded
+    difference (the size of a push), not with the fragment whole in fp32 (7x that with int4)."""
+    out = tmp_path / "scale.json"
+    code = scale.main(["--params", "1M", "--learners", "1", "--shards", "1", "--seconds", "1", "--warmup", "0.5",
+                       "--sink", "--socket-seconds", "0.2", "--joins", "1", "--min-free-gib", "0.5",
+                       "--json", str(out)])
+    assert code == 0
+    (run,) = json.loads(out.read_text())
+    assert run["status"] == "ok", run["reason"]
+    window = run["per_shard"][0]
+    assert window["answers"] > 10 and window["refused"] == 0
+    bytes_per_answer = window["pull_mb_s"] * scale_model.MB * run["seconds"] / window["answers"]
+    assert bytes_per_answer == pytest.approx(run["message_bytes"], rel=0.2)

@@ -18,6 +18,7 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
+from diloco.codecs import Encoded
 from diloco.core.messages import Push, Update
 from diloco.core.syncer_core import Publish
 from diloco.shard.group_commit import QueuedPush, take_group
@@ -59,7 +60,7 @@ class PushIntake(ShardState):
         else:
             push = push_of(header, tensors)  # decoded on use
         if self.sink:
-            return self._sink_push(push)
+            return self._sink_push(push, tensors)
         item = QueuedPush(push, push_payload(header, tensors) if self.store else b"")
         self.push_queue.put(item)
         with self.lock:
@@ -76,13 +77,20 @@ class PushIntake(ShardState):
                         push.fragment, push.learner)
         return pb.PushReply(duplicate=item.duplicate, clipped=item.clipped)
 
-    def _sink_push(self, push: Push) -> pb.PushReply:
-        """Sink mode (`SINK_ENV`, benchmarks only): the push was read off the wire and is not merged; its
-        learner is answered with the fragment's current version, so pushes and answers measure the
-        transport alone."""
+    def _sink_push(self, push: Push, tensors: dict[str, Encoded]) -> pb.PushReply:
+        """Sink mode (`SINK_ENV`, benchmarks only): the push was read off the wire and is not merged. Its learner
+        is answered as after a round, with one encoded difference of the fragment: the fragment's first push's
+        own bytes, copied once and sent again each time (with no round, the current version would otherwise go
+        whole, in fp32). So pushes and answers measure the transport alone, at their sizes in a run."""
         with self.lock:
-            notice = Update(push.fragment, self.core.version(push.fragment), {}, ack_seq=push.seq)
-            self.carry_out([Publish(push.fragment, notice.version, {push.learner: notice})])
+            if push.fragment not in self.sink_answers:
+                self.sink_answers[push.fragment] = {n: Encoded(e.codec, e.shape, e.block, bytes(e.payload),
+                                                               bytes(e.scales)) for n, e in tensors.items()}
+            wire = self.sink_answers[push.fragment]
+            version = self.core.version(push.fragment)
+            notice = Update(push.fragment, version, {}, ack_seq=push.seq, wire=(wire,), relative=True,
+                            payload_bytes=sum(e.wire_bytes() for e in wire.values()), base_version=version)
+            self.carry_out([Publish(push.fragment, version, {push.learner: notice})])
         return pb.PushReply()
 
     def checked_push_header(self, frames) -> tuple[pb.PushHeader, int]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from diloco.clock import SYSTEM_CLOCK, Clock
+from diloco.codecs import Encoded
 from diloco.config import Config, Topology
 from diloco.core.events import AnswerTaken, LearnerLeft, LearnerRejoined, SyncerEvent, TimerFired
 from diloco.core.messages import Update
@@ -104,6 +105,8 @@ class ShardState:
         if self.sink:  # a benchmark's switch: a run started with it by mistake learns nothing, so say so
             log.warning("%s=1: this shard takes pushes without merging them (a transport benchmark); nothing is "
                         "learned", SINK_ENV)
+        self.sink_answers: dict[int, dict[str, Encoded]] = {}
+        """Sink mode: per fragment, the encoded difference every answer carries (`PushIntake._sink_push`)."""
         self.push_queue = PushQueue(GROUP_PUSHES if tier is None else 1)
         """Pushes waiting for the lock, taken as one group by whoever gets it (`group_commit.py`)."""
         self.answer_slots = AnswerSlots()
