@@ -52,8 +52,9 @@ With no arguments, a quick sweep (20M parameters, 1, 4, 8 and 16 learners, one s
             it: each fragment on its own stream, PULL_STREAMS at once over all shards; --joins times (default
             3; `join_seconds` each), the median kept. `join_vs_socket` is that time over the plain socket's
             time for the same bytes (target: at most 2x). --bulk-port: over the shards' bulk ports.
-  --sink    the shards take pushes off the wire and answer them without merging (the transport alone;
-            target: push and pull at least 0.5x the socket).
+  --sink    the shards take pushes off the wire and answer them without merging, each answer one encoded
+            difference the size of a push, as after a round (the transport alone; target: push and pull
+            at least 0.5x the socket).
   --paced   the default config's pacing and grace, and learners that follow it: each pushes a fragment at
             the time its last answer named (the pacing grid: one period, H steps of its claimed step time,
             apart) and reports after each push when every fragment is due, so rounds gather the learners

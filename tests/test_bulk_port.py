@@ -277,3 +277,56 @@ class UpdateReader:
         if isinstance(got, Exception):
             raise got
         return got
+
+
+class _StreamContext:
+    """What `SyncerShard.Updates` asks of its RPC's context, for a stream driven in this process."""
+
+    def __init__(self) -> None:
+        self.active = True
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def add_callback(self, callback) -> None:
+        pass
+
+    def peer(self) -> str:
+        return "test"
+
+    def cancel(self) -> None:
+        self.active = False
+
+
+@pytest.mark.integration  # a live shard's bulk port
+def test_a_stream_makes_its_next_relative_answer_only_once_the_last_ones_data_was_fetched(bulk_shard, monkeypatch):
+    """A relative answer holds no slot (its differences are shared), so a stream could make answers, and the
+    port's tickets for their data, faster than its learner fetches them; past the port's MAX_TICKETS the
+    oldest, some learner's answer, would be dropped. The stream waits for each answer's tickets instead."""
+    shard, _ = bulk_shard
+    monkeypatch.setattr(shard, "sink", True)  # answers that carry their bytes (`_sink_push`): no round needed
+    wire = {"w": get_codec("int4", 64).encode(torch.randn(4096))}
+    nbytes = sum(e.wire_bytes() for e in wire.values())
+    learner, outbox = 1, queue.Queue()
+    with shard.lock:
+        shard.outboxes[learner] = outbox
+        for p in (0, 1):
+            notice = Update(p, 0, {}, ack_seq=p + 1, wire=(wire,), relative=True, payload_bytes=nbytes)
+            shard.last_updates.setdefault(learner, {})[p] = notice
+            outbox.put(notice)
+    context = _StreamContext()
+    stream = shard.Updates(pb.UpdatesRequest(learner=learner, bulk=True), context)
+    first = next(stream)
+    assert first.update.fragment == 0 and first.update.bulk_ticket
+    second: list[pb.Frame] = []
+    reader = threading.Thread(target=lambda: second.append(next(stream)), daemon=True)
+    reader.start()
+    reader.join(1.5)
+    assert not second  # the first answer's data is still at the port: no second ticket yet
+    targets = [memoryview(bytearray(len(e.payload))) for e in wire.values()] + \
+        [memoryview(bytearray(len(e.scales))) for e in wire.values()]
+    receive_once("127.0.0.1", first.update.bulk_port, first.update.bulk_ticket, targets, PLAINTEXT, "shard 0")
+    reader.join(10)
+    assert [f.update.fragment for f in second] == [1] and second[0].update.bulk_ticket
+    context.active = False
+    stream.close()
