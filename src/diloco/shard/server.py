@@ -10,7 +10,6 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import Callable
 
 import grpc
 
@@ -225,14 +224,14 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
             if slot is None:  # the stream ended while it waited: a reopened one claims what it holds
                 break
             taken[:] = [slot]
-            fetched = threading.Event()
+            fetched = None
             try:
-                frames = self._whole_answer(learner, notice, slot, context, bulk, fetched.set)
+                frames, fetched = self._whole_answer(learner, notice, slot, context, bulk)
                 yield from frames
             finally:
                 slot.release()
                 frames = []  # a stream waiting for its next notice keeps nothing of the last answer alive
-            while not fetched.wait(OUTBOX_POLL_S) and open_():
+            while fetched is not None and not fetched.wait(OUTBOX_POLL_S) and open_():
                 pass  # the learner has not yet used (nor let expire) the tickets of this answer's data
 
     def _stream_ended(self, learner: int, stream_id: int) -> None:
@@ -249,38 +248,31 @@ class SyncerShard(PushIntake, pb_grpc.SyncerServicer):
                 log.warning("learner %d's update stream ended: %s", learner, exc)
 
     def _whole_answer(self, learner: int, notice: Update, slot: Slot, context: grpc.ServicerContext,
-                      bulk: BulkServer | None, fetched: Callable[[], None]) -> list[pb.Frame]:
+                      bulk: BulkServer | None) -> tuple[list[pb.Frame], threading.Event | None]:
         """Every frame of the answer a notice stands for, made before the first is sent: a whole fragment,
         or nothing and one line in the log. An answer that cannot be made never ends the stream (the
         learner would reopen it and meet the same failure again); the learner trains on without it.
-        `fetched` is called once the learner used (or let expire) the tickets of a relative answer's data on
-        the bulk port, at once otherwise: the stream makes its next answer only then, so that its tickets
-        never pile up past the port's MAX_TICKETS (where the oldest, a learner's answer, would be dropped)."""
+        With them, for a relative answer whose data waits at the bulk port, an event set once the learner
+        used (or let expire) its tickets: the stream makes its next answer only then, so that its tickets
+        never pile up past the port's MAX_TICKETS (where the oldest, a learner's answer, would be dropped).
+        A whole answer is bounded by its slot instead."""
         try:
             update = self._answer(learner, notice)
             if update is None or update.relative:
                 slot.release()  # its differences are shared: no new memory to bound
             if update is None:
-                fetched()
-                return []
+                return [], None
             if not update.relative:
                 slot.hold_until_sent(update.wire_bytes(), context.cancel)
-            if bulk is None:
-                done = None
-            elif update.relative:
-                done = fetched
-            else:
-                done = slot.pass_on()  # its bytes wait there
-            if done is not fetched:
-                fetched()
-            return list(update_frames(update, bulk, done))
+            fetched = threading.Event() if bulk is not None and update.relative else None
+            done = fetched.set if fetched is not None else slot.pass_on() if bulk is not None else None
+            return list(update_frames(update, bulk, done)), fetched  # with bulk, its bytes wait there
         except OSError:  # the stream itself broke (not the answer): it ends, and the learner's reopening asks again
             raise
         except Exception as exc:  # noqa: BLE001 - any failure to make it: refused in one line
             log.error("answer of fragment %d to learner %d refused: %s: %s", notice.fragment, learner,
                       type(exc).__name__, exc)
-            fetched()
-            return []
+            return [], None
 
     def _stream_opened(self, learner: int, holds: tuple[tuple[int, int], ...], context: grpc.ServicerContext
                        ) -> None:
